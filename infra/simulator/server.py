@@ -1,0 +1,687 @@
+"""An OpenAI-compatible, scriptable, deterministic LLM simulator (aiohttp).
+
+Serves the offline demo, the tests and the load benchmarks without a real provider. Answers,
+judge outputs, tool calls, latency and injected errors come from a script plus a seed, and the
+randomness of one request is derived from a hash of (seed, request content, how many times that
+content was seen), so concurrent interleaving does not change what each request gets.
+Every response carries `system_fingerprint = "veribus-simulator"` so its output is labelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+FINGERPRINT = "veribus-simulator"
+DEFAULT_TRUE_FIELDS = ["sufficient", "is_sufficient", "equivalent", "semantically_equivalent"]
+REASONING_NAMES = ("reasoning", "explanation", "rationale", "justification", "reason", "thoughts")
+DEFAULT_ERROR_MIX = {"429": 0.4, "500": 0.4, "slow": 0.2}
+LATENCY_DISTS = ("fixed", "uniform", "lognormal")
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+_WORD = re.compile(r"\w+")
+_FENCE = re.compile(r"```[a-zA-Z]*[ \t]*\n(.*?)```", re.S)
+_NORMAL = NormalDist()
+_MAX_SEEN = 500_000  # occurrence counters kept before they are reset (bounds memory in long runs)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Process-level knobs (the CLI flags)."""
+
+    latency_ms: float = 0.0
+    latency_dist: str = "fixed"
+    latency_sigma: float = 0.5
+    error_rate: float = 0.0
+    error_mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_ERROR_MIX))
+    retry_after_s: float = 0.1
+    slow_ms: float = 30_000.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.latency_dist not in LATENCY_DISTS:
+            raise ValueError(f"latency_dist must be one of {LATENCY_DISTS}, got {self.latency_dist!r}")
+        if not 0.0 <= self.error_rate <= 1.0:
+            raise ValueError(f"error_rate must be within [0, 1], got {self.error_rate}")
+        bad = set(self.error_mix) - {"429", "500", "503", "slow"}
+        if bad:
+            raise ValueError(f"error_mix has unknown kinds {sorted(bad)}; use 429, 500, 503, slow")
+
+
+@dataclass
+class Entry:
+    """One scripted question. `values` = judge fields overlaid by parsed fields."""
+
+    index: int
+    match: str
+    answer: str | None = None
+    answers_by_model: dict[str, str] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    abstain: bool = False
+    tool_calls: list[Any] = field(default_factory=list)
+    errors: list[Any] = field(default_factory=list)
+    answer_errors: list[Any] = field(default_factory=list)
+    judge_errors: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, index: int, raw: dict[str, Any]) -> Entry:
+        if not isinstance(raw, dict) or not isinstance(raw.get("match"), str) or not raw["match"]:
+            raise ValueError(f"script question #{index} needs a non-empty string 'match'")
+        by_model: dict[str, str] = {}
+        for name, text in (raw.get("answers_by_model") or {}).items():
+            by_model[name] = str(text)
+        for name, text in (raw.get("answers_by_model") or {}).items():
+            # litellm strips the provider prefix ("openai/x" arrives as "x"): answer to both.
+            if "/" in name:
+                by_model.setdefault(name.split("/", 1)[1], str(text))
+        values = dict(raw.get("judge") or {})
+        values.update(raw.get("parsed") or {})
+        abstain = bool(raw.get("abstain", False))
+        if abstain:
+            values.setdefault("abstention_detected", True)
+        answer = raw.get("answer")
+        return cls(
+            index=index,
+            match=raw["match"],
+            answer=None if answer is None else str(answer),
+            answers_by_model=by_model,
+            values=values,
+            abstain=abstain,
+            tool_calls=list(raw.get("tool_calls") or []),
+            errors=list(raw.get("errors") or []),
+            answer_errors=list(raw.get("answer_errors") or []),
+            judge_errors=list(raw.get("judge_errors") or []),
+        )
+
+
+class Script:
+    """Parsed script with a word index so matching does not scan every entry's text.
+
+    An entry is found by an *interior* word of its `match` (a word that has non-word characters
+    on both sides inside the match, hence is a whole word of any text containing the match);
+    matches too short to have one are checked linearly.
+    """
+
+    def __init__(self, raw: dict[str, Any] | None = None) -> None:
+        self.defaults: dict[str, Any] = {}
+        self._by_match: dict[str, Entry] = {}
+        self._index: dict[str, list[Entry]] = {}
+        self._linear: list[Entry] = []
+        self._next_index = 0
+        self.true_fields: frozenset[str] = frozenset(DEFAULT_TRUE_FIELDS)
+        if raw:
+            self.merge(raw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Script:
+        p = Path(path)
+        text = p.read_text(encoding="utf-8")
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(text) or {}
+        else:
+            raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{p}: a script must be a mapping with 'defaults' and 'questions'")
+        return cls(raw)
+
+    @property
+    def entries(self) -> list[Entry]:
+        return list(self._by_match.values())
+
+    def merge(self, raw: dict[str, Any]) -> int:
+        """Add or replace entries (same `match` replaces); update defaults. Returns entry count."""
+        unknown = set(raw) - {"defaults", "questions"}
+        if unknown:
+            raise ValueError(f"unknown script keys {sorted(unknown)}; expected 'defaults', 'questions'")
+        defaults = raw.get("defaults") or {}
+        if not isinstance(defaults, dict):
+            raise ValueError("script 'defaults' must be a mapping")
+        self.defaults.update(defaults)
+        self.true_fields = frozenset(self.defaults.get("true_fields", DEFAULT_TRUE_FIELDS))
+        questions = raw.get("questions") or []
+        if not isinstance(questions, list):
+            raise ValueError("script 'questions' must be a list")
+        parsed = [Entry.from_dict(self._next_index + i, q) for i, q in enumerate(questions)]
+        self._next_index += len(parsed)
+        for entry in parsed:
+            self._by_match[entry.match] = entry
+        self._reindex()
+        return len(self._by_match)
+
+    def _reindex(self) -> None:
+        index: dict[str, list[Entry]] = {}
+        linear: list[Entry] = []
+        for entry in self._by_match.values():
+            words = _WORD.findall(entry.match)
+            interior = _interior_words(entry.match, words)
+            if interior:
+                index.setdefault(max(interior, key=len), []).append(entry)
+            else:
+                linear.append(entry)
+        for bucket in index.values():
+            bucket.sort(key=lambda e: -len(e.match))
+        self._index = index
+        self._linear = sorted(linear, key=lambda e: -len(e.match))
+
+    def find(self, text: str) -> Entry | None:
+        """The entry with the longest `match` contained in `text`."""
+        best: Entry | None = None
+        if self._index:
+            words = set(_WORD.findall(text))
+            index = self._index
+            keys = [w for w in words if w in index] if len(words) <= len(index) else [
+                k for k in index if k in words
+            ]
+            for key in keys:
+                for entry in self._index[key]:
+                    if best is not None and len(entry.match) <= len(best.match):
+                        break
+                    if entry.match in text:
+                        best = entry
+                        break
+        for entry in self._linear:
+            if best is not None and len(entry.match) <= len(best.match):
+                break
+            if entry.match in text:
+                best = entry
+                break
+        return best
+
+
+def _interior_words(match: str, words: list[str]) -> list[str]:
+    """Words of `match` that do not touch its start or end (see `Script`)."""
+    if len(words) < 3:
+        return []
+    out = []
+    for m in _WORD.finditer(match):
+        if m.start() > 0 and m.end() < len(match):
+            out.append(m.group())
+    return out
+
+
+# ---------------------------------------------------------------- schema filling
+
+
+def fill_schema(
+    schema: dict[str, Any],
+    values: dict[str, Any] | None = None,
+    true_fields: frozenset[str] | set[str] = frozenset(DEFAULT_TRUE_FIELDS),
+) -> Any:
+    """An instance of `schema`: scripted `values` by property name, else type defaults."""
+    return _fill(schema, schema, values or {}, frozenset(true_fields), "", 0)
+
+
+def _resolve(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    seen = 0
+    while isinstance(node, dict) and "$ref" in node and seen < 32:
+        ref = node["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return {}
+        target: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        extra = {k: v for k, v in node.items() if k != "$ref"}
+        node = {**target, **extra} if extra else target
+        seen += 1
+    return node if isinstance(node, dict) else {}
+
+
+def _fill(node: Any, root: dict[str, Any], values: dict[str, Any], true_fields: frozenset[str],
+          name: str, depth: int) -> Any:
+    if depth > 24 or not isinstance(node, dict):
+        return None
+    node = _resolve(node, root)
+    if "const" in node:
+        return node["const"]
+    if "enum" in node and node["enum"]:
+        return node["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        options = node.get(key)
+        if options:
+            resolved = [_resolve(o, root) for o in options]
+            non_null = [o for o in resolved if o.get("type") != "null"]
+            return _fill(non_null[0] if non_null else resolved[0], root, values, true_fields, name, depth + 1)
+    if node.get("allOf"):
+        merged: dict[str, Any] = {}
+        for part in node["allOf"]:
+            merged.update(_resolve(part, root))
+        merged.update({k: v for k, v in node.items() if k != "allOf"})
+        return _fill(merged, root, values, true_fields, name, depth + 1)
+    typ = node.get("type")
+    if isinstance(typ, list):
+        non_null_types = [t for t in typ if t != "null"]
+        typ = non_null_types[0] if non_null_types else "null"
+    if typ is None:
+        typ = "object" if "properties" in node else "string"
+    if typ == "object":
+        out: dict[str, Any] = {}
+        for prop, sub in (node.get("properties") or {}).items():
+            if prop in values:
+                out[prop] = values[prop]
+            else:
+                out[prop] = _fill(sub, root, values, true_fields, prop, depth + 1)
+        return out
+    if typ == "boolean":
+        return name in true_fields
+    if typ in ("integer", "number"):
+        return _number(node, typ == "integer")
+    if typ == "array":
+        return []
+    if typ == "null":
+        return None
+    lname = name.lower()
+    if any(r in lname for r in REASONING_NAMES):
+        return "simulated reasoning"
+    return "simulated"
+
+
+def _number(node: dict[str, Any], integer: bool) -> int | float:
+    lo = node.get("minimum", node.get("exclusiveMinimum"))
+    hi = node.get("maximum", node.get("exclusiveMaximum"))
+    if lo is not None and hi is not None:
+        mid = (lo + hi) / 2
+        return int(math.floor(mid)) if integer else mid
+    if lo is not None:
+        val = max(lo, 0)
+    elif hi is not None:
+        val = min(hi, 0)
+    else:
+        val = 0
+    return int(math.ceil(val)) if integer else val
+
+
+@lru_cache(maxsize=512)
+def _schema_from_block(block: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("properties"), dict):
+        return obj
+    return None
+
+
+@lru_cache(maxsize=256)
+def find_schema_in_text(text: str) -> dict[str, Any] | None:
+    """A JSON schema written into a prompt (fenced block, else a bare object with "properties")."""
+    if '"properties"' not in text:
+        return None
+    for block in _FENCE.findall(text):
+        if '"properties"' in block:
+            schema = _schema_from_block(block.strip())
+            if schema is not None:
+                return schema
+    decoder = json.JSONDecoder()
+    pos = text.find('"properties"')
+    start = text.rfind("{", 0, pos)
+    tries = 0
+    while start >= 0 and tries < 16:
+        try:
+            obj, _ = decoder.raw_decode(text, start)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("properties"), dict):
+            return obj
+        start = text.rfind("{", 0, start)
+        tries += 1
+    return None
+
+
+# ---------------------------------------------------------------- request handling
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+            elif isinstance(part, str):
+                parts.append(part)
+        return "\n".join(parts)
+    return ""
+
+
+def _tokens(chars: int) -> int:
+    return (chars + 3) // 4
+
+
+class Simulator:
+    """State of one simulator process: script, config, counters."""
+
+    def __init__(self, script: Script | None = None, config: SimConfig | None = None) -> None:
+        self.script = script or Script()
+        self.config = config or SimConfig()
+        self._seed_bytes = str(self.config.seed).encode()
+        self._seen: dict[bytes, int] = {}
+        self._consumed: dict[tuple[int, str], int] = {}
+        self._seq = 0
+        mix = {k: v for k, v in self.config.error_mix.items() if v > 0}
+        total = sum(mix.values()) or 1.0
+        acc = 0.0
+        self._mix: list[tuple[float, str]] = []
+        for kind, weight in mix.items():
+            acc += weight / total
+            self._mix.append((acc, kind))
+        self.recent: deque[dict[str, Any]] = deque(maxlen=64)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats: dict[str, Any] = {
+            "requests": 0, "answer": 0, "judge": 0, "tool_call": 0, "matched": 0, "unmatched": 0,
+            "errors_injected": {}, "by_model": {}, "in_flight": 0, "max_in_flight": 0,
+            "prompt_tokens": 0, "completion_tokens": 0,
+        }
+
+    def reset(self) -> None:
+        """Zero the counters and the per-entry forced-error positions (tests call this)."""
+        self.reset_stats()
+        self._consumed.clear()
+        self._seen.clear()
+        self.recent.clear()
+
+    # -- randomness: a pure function of (seed, request bytes, occurrence)
+    def _uniforms(self, body: bytes) -> tuple[float, float, float, float]:
+        key = hashlib.blake2b(body, digest_size=16).digest()
+        if len(self._seen) > _MAX_SEEN:
+            self._seen.clear()
+        n = self._seen.get(key, 0)
+        self._seen[key] = n + 1
+        d = hashlib.blake2b(key + n.to_bytes(4, "little"), digest_size=32, key=self._seed_bytes[:64]).digest()
+        return tuple(int.from_bytes(d[i:i + 7], "little") / 2.0**56 for i in (0, 8, 16, 24))  # type: ignore[return-value]
+
+    def _latency_s(self, u: float) -> float:
+        cfg = self.config
+        if cfg.latency_ms <= 0:
+            return 0.0
+        if cfg.latency_dist == "fixed":
+            return cfg.latency_ms / 1000
+        if cfg.latency_dist == "uniform":
+            return 2 * cfg.latency_ms * u / 1000
+        z = _NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
+        return cfg.latency_ms * math.exp(cfg.latency_sigma * z) / 1000
+
+    def _forced(self, entry: Entry | None, kind: str) -> Any:
+        if entry is None:
+            return None
+        for name, seq in (("errors", entry.errors), (f"{kind}_errors", getattr(entry, f"{kind}_errors", []))):
+            if not seq:
+                continue
+            pos = self._consumed.get((entry.index, name), 0)
+            if pos < len(seq):
+                self._consumed[(entry.index, name)] = pos + 1
+                return seq[pos]
+        return None
+
+    def _count_error(self, kind: str) -> None:
+        errs = self.stats["errors_injected"]
+        errs[kind] = errs.get(kind, 0) + 1
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        stats = self.stats
+        stats["requests"] += 1
+        stats["in_flight"] += 1
+        if stats["in_flight"] > stats["max_in_flight"]:
+            stats["max_in_flight"] = stats["in_flight"]
+        try:
+            return await self._chat(request)
+        finally:
+            stats["in_flight"] -= 1
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = _decode(raw)
+        except msgspec.DecodeError as exc:
+            return _error(400, f"request body is not JSON: {exc}", "invalid_request_error")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+            return _error(400, "'messages' must be a non-empty list", "invalid_request_error")
+        model = str(body.get("model") or "simulator")
+        messages: list[Any] = body["messages"]
+        texts = [_content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
+        joined = "\n".join(texts)
+        entry = self.script.find(joined) if self.script._index or self.script._linear else None
+        stats = self.stats
+        if entry is None:
+            stats["unmatched"] += 1
+        else:
+            stats["matched"] += 1
+        by_model = stats["by_model"]
+        by_model[model] = by_model.get(model, 0) + 1
+
+        schema, judge = self._judge_schema(body, joined)
+        tools = body.get("tools")
+        kind = "judge" if judge else "answer"
+        self.recent.append({"model": model, "kind": kind, "messages": messages, "entry": entry and entry.match})
+
+        u = self._uniforms(raw)
+        forced = self._forced(entry, kind)
+        if forced is None and self.config.error_rate > 0 and u[0] < self.config.error_rate:
+            forced = next((k for edge, k in self._mix if u[1] < edge), self._mix[-1][1] if self._mix else None)
+        if forced is not None:
+            resp = await self._inject(forced, model)
+            if resp is not None:
+                return resp
+
+        delay = self._latency_s(u[2])
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+        tool_calls = None
+        if tools and entry is not None and entry.tool_calls:
+            turn = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+            if turn < len(entry.tool_calls):
+                tool_calls = self._tool_calls(entry.tool_calls[turn], turn, entry.index)
+        if tool_calls is not None:
+            stats["tool_call"] += 1
+            content: str | None = None
+        elif judge:
+            stats["judge"] += 1
+            content = self._judge_content(schema, entry, forced)
+        else:
+            stats["answer"] += 1
+            content = self._answer(entry, model, messages, texts)
+            if forced == "empty":
+                content = ""
+        prompt_tokens = _tokens(len(joined))
+        completion_tokens = _tokens(len(content or "") + (len(_encode(tool_calls)) if tool_calls else 0))
+        stats["prompt_tokens"] += prompt_tokens
+        stats["completion_tokens"] += completion_tokens
+        self._seq += 1
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls is not None:
+            message["tool_calls"] = tool_calls
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        rid = f"chatcmpl-sim-{self._seq}"
+        finish = "tool_calls" if tool_calls is not None else "stop"
+        if body.get("stream"):
+            return await self._stream(request, rid, model, message, finish, usage)
+        payload = {
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": usage,
+        }
+        return web.Response(body=_encode(payload), content_type="application/json")
+
+    def _judge_schema(self, body: dict[str, Any], joined: str) -> tuple[dict[str, Any] | None, bool]:
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict):
+            if fmt.get("type") == "json_schema":
+                js = fmt.get("json_schema") or {}
+                schema = js.get("schema") if isinstance(js, dict) else None
+                return (schema if isinstance(schema, dict) else None), True
+            if fmt.get("type") == "json_object":
+                return find_schema_in_text(joined), True
+        if body.get("tools"):
+            return None, False
+        schema = find_schema_in_text(joined)
+        return schema, schema is not None
+
+    def _judge_content(self, schema: dict[str, Any] | None, entry: Entry | None, forced: Any) -> str:
+        if forced == "malformed":
+            return "I think the answer is {\"unterminated\": "
+        if forced == "invalid":
+            return '{"simulated_invalid_output": true}'
+        if forced == "empty":
+            return ""
+        values = entry.values if entry is not None else {}
+        if schema is None:
+            obj: Any = dict(values)
+        else:
+            obj = fill_schema(schema, values, self.script.true_fields)
+        text = _encode(obj).decode()
+        if forced == "fenced":
+            return f"Here is the result:\n```json\n{text}\n```"
+        return text
+
+    def _answer(self, entry: Entry | None, model: str, messages: list[Any], texts: list[str]) -> str:
+        if entry is not None:
+            if entry.answers_by_model:
+                text = entry.answers_by_model.get(model)
+                if text is not None:
+                    return text
+            if entry.answer is not None:
+                return entry.answer
+            if entry.abstain:
+                return str(self.script.defaults.get(
+                    "abstain_answer", "I'm sorry, but I cannot provide an answer to that question."))
+        last_user = ""
+        for m, text in zip(reversed(messages), reversed(texts), strict=True):
+            if isinstance(m, dict) and m.get("role") == "user":
+                last_user = text
+                break
+        template = self.script.defaults.get("answer_template", "Simulated answer to: {question}")
+        return str(template).replace("{question}", last_user)
+
+    @staticmethod
+    def _tool_calls(turn_calls: Any, turn: int, entry_index: int) -> list[dict[str, Any]]:
+        calls = turn_calls if isinstance(turn_calls, list) else [turn_calls]
+        out = []
+        for j, call in enumerate(calls):
+            if not isinstance(call, dict):
+                continue
+            fn = call.get("function") if isinstance(call.get("function"), dict) else call
+            args = fn.get("arguments", {})
+            out.append({
+                "id": call.get("id") or f"call_sim_{entry_index}_{turn}_{j}",
+                "type": "function",
+                "function": {"name": str(fn.get("name", "tool")),
+                             "arguments": args if isinstance(args, str) else _encode(args).decode()},
+            })
+        return out
+
+    async def _inject(self, forced: Any, model: str) -> web.Response | None:
+        """An injected failure; None when `forced` only alters the content (malformed, empty...)."""
+        kind = str(forced)
+        if kind in ("malformed", "invalid", "empty", "fenced"):
+            self._count_error(kind)
+            return None
+        self._count_error(kind)
+        if kind == "slow" or kind == "timeout":
+            await asyncio.sleep(self.config.slow_ms / 1000)
+            return None
+        if kind == "429":
+            ra = self.config.retry_after_s
+            headers = {"Retry-After": f"{ra:g}", "retry-after-ms": str(int(ra * 1000))}
+            return _error(429, f"simulated rate limit for model {model}", "rate_limit_error", headers)
+        if kind.isdigit():
+            return _error(int(kind), f"simulated server error {kind} for model {model}", "server_error")
+        raise ValueError(f"unknown forced error {forced!r}")
+
+    async def _stream(self, request: web.Request, rid: str, model: str, message: dict[str, Any],
+                      finish: str, usage: dict[str, int]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created = int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": FINGERPRINT}
+        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(message["tool_calls"])]
+        chunks = [
+            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+            {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": usage},
+        ]
+        for chunk in chunks:
+            await resp.write(b"data: " + _encode(chunk) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- admin endpoints
+    async def handle_models(self, request: web.Request) -> web.Response:
+        names = {"simulator"}
+        for entry in self.script.entries:
+            names.update(entry.answers_by_model)
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": FINGERPRINT} for n in sorted(names)]
+        return web.Response(body=_encode({"object": "list", "data": data}), content_type="application/json")
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(body=_encode({"status": "ok", "simulator": FINGERPRINT,
+                                          "entries": len(self.script.entries)}),
+                            content_type="application/json")
+
+    async def handle_script(self, request: web.Request) -> web.Response:
+        try:
+            raw = _decode(await request.read())
+            if not isinstance(raw, dict):
+                raise ValueError("script body must be a JSON object")
+            count = self.script.merge(raw)
+        except (ValueError, msgspec.DecodeError) as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        return web.Response(body=_encode({"entries": count}), content_type="application/json")
+
+    async def handle_stats(self, request: web.Request) -> web.Response:
+        return web.Response(body=_encode(self.stats), content_type="application/json")
+
+    async def handle_requests(self, request: web.Request) -> web.Response:
+        return web.Response(body=_encode(list(self.recent)), content_type="application/json")
+
+    async def handle_reset(self, request: web.Request) -> web.Response:
+        self.reset()
+        return web.Response(body=b'{"reset":true}', content_type="application/json")
+
+
+def _error(status: int, message: str, typ: str, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": typ, "param": None, "code": str(status)}}
+    return web.Response(status=status, body=_encode(body), content_type="application/json", headers=headers)
+
+
+def create_app(script: Script | None = None, config: SimConfig | None = None) -> web.Application:
+    """The aiohttp application; `app["simulator"]` is the `Simulator` state."""
+    sim = Simulator(script, config)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app["simulator"] = sim
+    app.router.add_post("/v1/chat/completions", sim.handle_chat)
+    app.router.add_post("/chat/completions", sim.handle_chat)
+    app.router.add_get("/v1/models", sim.handle_models)
+    app.router.add_get("/models", sim.handle_models)
+    app.router.add_get("/health", sim.handle_health)
+    app.router.add_post("/simulator/script", sim.handle_script)
+    app.router.add_get("/simulator/stats", sim.handle_stats)
+    app.router.add_get("/simulator/requests", sim.handle_requests)
+    app.router.add_post("/simulator/reset", sim.handle_reset)
+    return app

@@ -1,0 +1,54 @@
+"""GenerateAnswer (spec/003 stage 2): one answer per question x answering model x replicate,
+shared by every judge's job; manual traces are used as given, with no model call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from shared import prompts
+from shared.events import Job, State
+from shared.llm import LLMClient, LLMError, usage_entry
+from shared.service import record, stage_error
+
+STAGE = "generate_answer"
+
+
+def _manual_answer(job: Job) -> tuple[str, list[dict[str, Any]]]:
+    """A pre-recorded answer: a string, or a list of chat messages whose last AI message answers."""
+    traces = job.answering.manual_traces
+    trace = traces.get(job.question_id, traces.get(job.question_text))
+    if trace is None:
+        raise KeyError(f"no manual trace for question {job.question_id!r}")
+    if isinstance(trace, str):
+        return trace, []
+    if isinstance(trace, list):
+        msgs = [m for m in trace if isinstance(m, dict)]
+        ai = [m for m in msgs if m.get("role") in ("assistant", "ai")]
+        return (str(ai[-1].get("content", "")) if ai else ""), msgs
+    raise TypeError(f"manual trace for question {job.question_id!r} must be a string or a message list")
+
+
+async def generate_answer(job: Job, llm: LLMClient) -> State:
+    """Answer `job`'s question; errors are recorded on the state (fatal for the job), never raised."""
+    started = time.time()
+    state = State(started_at=started)
+    tmpl: dict[str, Any] = state.template
+    tmpl["answering_mcp_servers"] = job.answering.tools or None
+    try:
+        if job.answering.interface == "manual":
+            text, trace = _manual_answer(job)
+            tmpl["raw_llm_response"] = text
+            tmpl["trace_messages"] = trace
+        else:
+            msgs = prompts.answer_messages(job.question_text, job.answering.system_prompt, job.few_shot_examples)
+            reply = await llm.complete(job.answering, msgs, stage="answer_generation", replicate=job.replicate)
+            tmpl["raw_llm_response"] = reply.text
+            tmpl["trace_messages"] = []
+            state.usage["answer_generation"] = usage_entry(reply)
+        record(state, STAGE, "performed", started)
+    except (LLMError, KeyError, TypeError) as exc:
+        state.error = stage_error(STAGE, exc)
+        record(state, STAGE, "failed", started, str(exc)[:300])
+    return state

@@ -1,0 +1,28 @@
+"""Guards service: answer.generated -> guards.checked."""
+
+from __future__ import annotations
+
+from services.guards.stage import check_guards
+from shared import events
+from shared.llm import LLMClient
+from shared.service import StageService, stage_error
+from shared.template_cache import TemplateInfoCache
+
+service = StageService("guards")
+llm = LLMClient()
+templates = TemplateInfoCache()
+
+
+def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
+    ev.state.error = ev.state.error or stage_error("guards", exc)
+    return [service.emit(events.GUARDS_CHECKED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
+
+
+@service.handles(events.ANSWER_GENERATED, events.StageEvent, give_up=_give_up)
+async def on_answer_generated(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
+    job = ev.job
+    schema = None
+    if job.options.get("sufficiency_enabled") and job.template_code and not ev.state.error:
+        schema = await templates.schema(job.template_id, job.template_code)
+    state = await check_guards(job, ev.state, llm, schema)
+    return [service.emit(events.GUARDS_CHECKED, job, events.StageEvent(job, state))]

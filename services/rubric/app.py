@@ -1,0 +1,25 @@
+"""Rubric service: guards.checked -> rubric.evaluated (rubric modes only)."""
+
+from __future__ import annotations
+
+from services.rubric.stage import STAGE, evaluate_rubric
+from shared import events
+from shared.llm import LLMClient
+from shared.service import StageService, stage_error
+
+service = StageService("rubric")
+llm = LLMClient()
+
+
+def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
+    # Rubric failure is non-fatal for the result (spec/003 stage 11): record it, keep the job.
+    ev.state.signals["rubric_error"] = str(stage_error(STAGE, exc).message)
+    return [service.emit(events.RUBRIC_EVALUATED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
+
+
+@service.handles(events.GUARDS_CHECKED, events.StageEvent, give_up=_give_up)
+async def on_guards_checked(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
+    if ev.job.evaluation_mode == "template_only":
+        return []  # no rubric branch in this mode
+    state = await evaluate_rubric(ev.job, ev.state, llm)
+    return [service.emit(events.RUBRIC_EVALUATED, ev.job, events.StageEvent(ev.job, state))]

@@ -1,0 +1,237 @@
+"""RubricEvaluation (spec/003 stage 11): LLM, regex, callable and metric traits on the
+evaluation input. Non-fatal: a failing trait records its error in `trait_errors` and the other
+traits still score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from shared import prompts
+from shared.events import Job, State
+from shared.llm import LLMClient, LLMError, add_usage, usage_entry
+from shared.rubric import Rubric
+from shared.service import record
+from shared.templates import regex_trait_score, run_callable_trait
+
+log = logging.getLogger("veribus.rubric")
+STAGE = "rubric_evaluation"
+
+
+def _llm_trait_schema(trait: Any) -> dict[str, Any]:
+    if trait.kind == "boolean":
+        return {"type": "boolean", "description": trait.description or trait.name}
+    if trait.kind == "literal":
+        return {"type": "string", "enum": list(_classes(trait)), "description": trait.description or trait.name}
+    return {
+        "type": "integer", "minimum": trait.min_score, "maximum": trait.max_score,
+        "description": trait.description or trait.name,
+    }
+
+
+def _classes(trait: Any) -> list[str]:
+    classes = trait.classes or []
+    return list(classes.keys()) if isinstance(classes, dict) else list(classes)
+
+
+def _traits_text(traits: list[Any]) -> str:
+    lines = []
+    for t in traits:
+        if t.kind == "boolean":
+            kind = "boolean (true/false)"
+        elif t.kind == "literal":
+            kind = "one of: " + ", ".join(_classes(t))
+        else:
+            kind = f"integer score from {t.min_score} to {t.max_score}"
+        lines.append(f"- {t.name} [{kind}]: {t.description or ''}")
+    return "\n".join(lines)
+
+
+def _coerce(trait: Any, value: Any) -> tuple[int | bool, str | None]:
+    """Judge value -> (score, label for literal traits); raises ValueError on a wrong type."""
+    if trait.kind == "boolean":
+        if isinstance(value, bool):
+            return value, None
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no"):
+            return value.strip().lower() in ("true", "yes"), None
+        raise ValueError(f"trait {trait.name!r}: expected true/false, got {value!r}")
+    if trait.kind == "literal":
+        classes = _classes(trait)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(classes):
+            return value, classes[value]
+        if isinstance(value, str):
+            for i, c in enumerate(classes):
+                if c.lower() == value.strip().lower():
+                    return i, c
+        raise ValueError(f"trait {trait.name!r}: {value!r} is not one of {classes}")
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"trait {trait.name!r}: expected an integer score, got {value!r}")
+    score = int(round(float(value)))
+    lo, hi = trait.min_score, trait.max_score
+    return max(lo, min(hi, score)) if lo is not None and hi is not None else score, None
+
+
+async def _llm_traits(job: Job, text: str, traits: list[Any], llm: LLMClient, out: dict[str, Any]) -> None:
+    strategy = job.options.get("rubric_evaluation_strategy", "batch")
+    groups = [traits] if strategy == "batch" else [[t] for t in traits]
+
+    async def run_group(group: list[Any]) -> None:
+        schema = {
+            "type": "object",
+            "properties": {t.name: _llm_trait_schema(t) for t in group},
+            "required": [t.name for t in group],
+            "additionalProperties": False,
+        }
+        msgs = prompts.rubric_messages(job.question_text, text, _traits_text(group), schema, job.options)
+        try:
+            reply = await llm.complete(job.parsing, msgs, stage="rubric_evaluation", response_schema=schema,
+                                       schema_name="rubric", validate=_is_object)
+        except LLMError as exc:
+            for t in group:
+                out["errors"][t.name] = str(exc)
+            return
+        out["usage"] = add_usage(out["usage"], usage_entry(reply)) if out["usage"] else usage_entry(reply)
+        for t in group:
+            try:
+                if t.name not in reply.parsed:
+                    raise ValueError(f"trait {t.name!r}: judge returned no value")
+                score, label = _coerce(t, reply.parsed[t.name])
+                out["llm"][t.name] = score
+                if label is not None:
+                    out["labels"][t.name] = label
+            except ValueError as exc:
+                out["errors"][t.name] = str(exc)
+
+    await asyncio.gather(*(run_group(g) for g in groups))
+
+
+def _is_object(obj: Any) -> Any:
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object keyed by trait name")
+    return obj
+
+
+def _metrics(tp: int, fp: int, fn: int, tn: int | None, wanted: list[str]) -> dict[str, float]:
+    def div(a: float, b: float) -> float:
+        return round(a / b, 6) if b else 0.0
+
+    vals: dict[str, float] = {"tp": float(tp), "fp": float(fp), "fn": float(fn)}
+    if tn is not None:
+        vals["tn"] = float(tn)
+    precision, recall = div(tp, tp + fp), div(tp, tp + fn)
+    all_metrics = {
+        "precision": precision,
+        "recall": recall,
+        "f1": div(2 * precision * recall, precision + recall),
+    }
+    if tn is not None:
+        all_metrics["specificity"] = div(tn, tn + fp)
+        all_metrics["accuracy"] = div(tp + tn, tp + tn + fp + fn)
+    for m in wanted or ["precision", "recall", "f1"]:
+        if m in all_metrics:
+            vals[m] = all_metrics[m]
+    return vals
+
+
+async def _metric_trait(job: Job, text: str, trait: Any, llm: LLMClient, out: dict[str, Any]) -> None:
+    expected = list(trait.tp_instructions or [])
+    negatives = list(trait.tn_instructions or []) if trait.evaluation_mode == "full_matrix" else []
+    items = expected + negatives
+    schema = {
+        "type": "object",
+        "properties": {
+            "found": {"type": "array", "items": {"type": "string", "enum": items} if items else {"type": "string"}},
+            "extra_items": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["found", "extra_items"],
+        "additionalProperties": False,
+    }
+    instructions = (
+        "Reference items (say which the response mentions in `found`, verbatim):\n"
+        + "\n".join(f"- {i}" for i in items)
+        + "\nList in `extra_items` other relevant items the response mentions that are not in the list."
+    )
+    msgs = prompts.metric_messages(job.question_text, text, trait.name, instructions, schema, job.options)
+    try:
+        reply = await llm.complete(job.parsing, msgs, stage="rubric_evaluation", response_schema=schema,
+                                   schema_name="metric", validate=_is_object)
+    except LLMError as exc:
+        out["errors"][trait.name] = str(exc)
+        return
+    out["usage"] = add_usage(out["usage"], usage_entry(reply)) if out["usage"] else usage_entry(reply)
+    found = {str(x).strip().lower() for x in reply.parsed.get("found") or []}
+    tp_l = [i for i in expected if i.lower() in found]
+    fn_l = [i for i in expected if i.lower() not in found]
+    if trait.evaluation_mode == "full_matrix":
+        fp_l = [i for i in negatives if i.lower() in found]
+        tn_l: list[str] | None = [i for i in negatives if i.lower() not in found]
+    else:
+        fp_l = [str(x) for x in reply.parsed.get("extra_items") or []]
+        tn_l = None
+    out["metric"][trait.name] = _metrics(len(tp_l), len(fp_l), len(fn_l), None if tn_l is None else len(tn_l),
+                                         list(trait.metrics or []))
+    out["confusion"][trait.name] = {"tp": tp_l, "fn": fn_l, "fp": fp_l, "tn": tn_l or []}
+
+
+async def evaluate_rubric(job: Job, state: State, llm: LLMClient) -> State:
+    t = time.time()
+    if state.error:
+        record(state, STAGE, "skipped", t, "upstream error")
+        return state
+    rubric = Rubric.from_wire(job.rubric) if job.rubric else None
+    if rubric is None or rubric.is_empty():
+        record(state, STAGE, "skipped", t, "no rubric traits")
+        return state
+    use_full = bool(job.options.get("use_full_trace_for_rubric", True))
+    if state.signals.get("trace_validation_failed") and not use_full:
+        record(state, STAGE, "skipped", t, "trace validation failed and use_full_trace_for_rubric is false")
+        return state
+    from services.guards.stage import evaluation_text
+
+    text = evaluation_text(state, use_full)
+    out: dict[str, Any] = {"llm": {}, "labels": {}, "errors": {}, "metric": {}, "confusion": {}, "usage": {}}
+    regex_scores: dict[str, bool] = {}
+    for rt in rubric.regex_traits:
+        try:
+            regex_scores[rt.name] = regex_trait_score(rt.pattern, text, rt.case_sensitive, rt.invert_result)
+        except Exception as exc:  # a bad pattern fails only its own trait
+            out["errors"][rt.name] = f"{type(exc).__name__}: {exc}"
+    callable_scores: dict[str, bool | int] = {}
+
+    async def run_callable(ct: Any) -> None:
+        try:
+            if not ct.callable_code:
+                raise ValueError(f"callable trait {ct.name!r} has no callable_code")
+            value = await run_callable_trait(ct.callable_code, text, ct.kind)
+            if getattr(ct, "invert_result", False) and isinstance(value, bool):
+                value = not value
+            callable_scores[ct.name] = value
+        except Exception as exc:
+            out["errors"][ct.name] = f"{type(exc).__name__}: {exc}"
+
+    await asyncio.gather(
+        *(run_callable(ct) for ct in rubric.callable_traits),
+        *([_llm_traits(job, text, list(rubric.llm_traits), llm, out)] if rubric.llm_traits else []),
+        *(_metric_trait(job, text, mt, llm, out) for mt in rubric.metric_traits),
+    )
+    state.rubric = {
+        "rubric_evaluation_performed": True,
+        "rubric_evaluation_strategy": job.options.get("rubric_evaluation_strategy", "batch"),
+        "llm_trait_scores": out["llm"] if rubric.llm_traits else None,
+        "llm_trait_labels": out["labels"] or None,
+        "regex_trait_scores": regex_scores if rubric.regex_traits else None,
+        "callable_trait_scores": callable_scores if rubric.callable_traits else None,
+        "metric_trait_scores": out["metric"] if rubric.metric_traits else None,
+        "metric_trait_confusion_lists": out["confusion"] if rubric.metric_traits else None,
+        "trait_errors": out["errors"] or None,
+    }
+    if out["usage"]:
+        state.usage["rubric_evaluation"] = out["usage"]
+    if out["errors"]:
+        log.warning("result %s: %d rubric trait(s) failed: %s", job.result_id, len(out["errors"]), out["errors"])
+    record(state, STAGE, "performed", t, f"{len(out['errors'])} trait error(s)" if out["errors"] else "")
+    record(state, "deep_judgment_rubric_autofail", "skipped", time.time(), "deep judgment rubric not performed")
+    return state

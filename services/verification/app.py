@@ -1,0 +1,20 @@
+"""Verification service: template.parsed -> template.verified."""
+
+from __future__ import annotations
+
+from services.verification.stage import STAGE, verify_template
+from shared import events
+from shared.service import StageService, stage_error
+
+service = StageService("verification")
+
+
+def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
+    ev.state.error = ev.state.error or stage_error(STAGE, exc)
+    return [service.emit(events.TEMPLATE_VERIFIED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
+
+
+@service.handles(events.TEMPLATE_PARSED, events.StageEvent, give_up=_give_up)
+async def on_template_parsed(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
+    state = await verify_template(ev.job, ev.state)
+    return [service.emit(events.TEMPLATE_VERIFIED, ev.job, events.StageEvent(ev.job, state))]

