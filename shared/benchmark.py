@@ -16,6 +16,7 @@ Plain format (YAML, or JSON of the same shape):
       regex_traits: [{name, description, pattern, case_sensitive, invert_result, higher_is_better}]
       callable_traits: [{name, description, kind, callable_code: <python source | base64>, ...}]
       metric_traits: [{name, evaluation_mode, metrics, tp_instructions, tn_instructions}]
+      # or, equivalently, one flat list:  traits: [{type: llm|regex|callable|metric, name, ...}]
     questions:
       - id: q1                    # optional; default md5(question text)
         question: What is 2+2?
@@ -355,7 +356,7 @@ def _trait_problems(trait: Any, where: str) -> list[str]:
     out: list[str] = []
     if trait.load_error:
         out.append(f"{where}: trait {trait.name!r}: {trait.load_error}")
-    elif isinstance(trait, CallableTrait) and trait.code_format in ("source", "base64_source"):
+    elif isinstance(trait, CallableTrait) and trait.code_format == "source":
         if not trait.function_names():
             out.append(f"{where}: trait {trait.name!r}: callable_code defines no function")
     return out
@@ -572,6 +573,7 @@ def _trait_from_rating(rating: Any, path: Path, where: str, index: int) -> Any:
             value = props.get(f, rating.get(f))
             if value is not None:
                 fields[f] = value
+        fields.setdefault("deep_judgment_excerpt_enabled", False)  # the reference reader's default
         if "higher_is_better" in props:
             fields["higher_is_better"] = props["higher_is_better"]
     elif kind_tag == "regex":
@@ -952,7 +954,11 @@ def _rubric_to_plain(rubric: Rubric) -> dict[str, Any]:
         traits = getattr(rubric, group)
         if traits:
             # required fields (name, kind of LLM traits) have no default, so they are always written
-            out[group] = [t.model_dump(mode="json", exclude_none=True, exclude_defaults=True) for t in traits]
+            dumped = [t.model_dump(mode="json", exclude_none=True, exclude_defaults=True) for t in traits]
+            for t, d in zip(traits, dumped, strict=True):
+                if isinstance(t, LLMRubricTrait) and t.kind == "score":  # the range, even when 1..5
+                    d["min_score"], d["max_score"] = t.min_score, t.max_score
+            out[group] = dumped
     return out
 
 
@@ -1020,11 +1026,12 @@ def _question_from_plain(raw: Any, index: int, path: Path, pos: _QPos | None) ->
     if unknown:
         raise fail(unknown[0], f"unknown field(s) {unknown}; expected some of {sorted(_Q_KEYS)}")
     answer = raw.get("answer", raw.get("raw_answer"))
-    if answer is not None and not isinstance(answer, str):
-        if isinstance(answer, bool | int | float):
-            answer = str(answer).lower() if isinstance(answer, bool) else str(answer)
-        else:
-            raise fail("answer", f"expected text, got {type(answer).__name__}")
+    if isinstance(answer, bool):  # `answer: No` is a YAML boolean; its original spelling is lost
+        raise fail("answer", f"read as the boolean {answer} (YAML turns yes/no/on/off into booleans); quote it")
+    if isinstance(answer, int | float):
+        answer = str(answer)
+    elif answer is not None and not isinstance(answer, str):
+        raise fail("answer", f"expected text, got {type(answer).__name__}")
     if raw.get("template") is not None and raw.get("template_file") is not None:
         raise fail("template", "give either template or template_file, not both")
     template_raw = raw.get("template")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import base64
 import binascii
+import functools
 import re
 from typing import Any, Literal
 
@@ -159,6 +160,7 @@ class RegexTrait(_Trait):
 CallableFormat = Literal["source", "base64_source", "cloudpickle"]
 
 
+@functools.lru_cache(maxsize=512)  # the rubric stage decodes the same traits for every job
 def classify_callable_code(code: str, label: str = "<callable>") -> tuple[CallableFormat, str | bytes]:
     """Decide what `callable_code` holds without running it; raise ValueError if it is none of them.
 
@@ -227,14 +229,18 @@ class CallableTrait(_Trait):
         if not self.callable_code or not self.callable_code.strip():
             raise ValueError("callable_code: required (Python source, base64 source or base64 cloudpickle)")
         fmt, decoded = classify_callable_code(self.callable_code, f"<callable trait {self.name}>")
+        if fmt == "base64_source":
+            # kept as readable source (events, YAML, sandbox); the JSON-LD writer re-encodes it
+            self.callable_code = decoded if isinstance(decoded, str) else self.callable_code
+            fmt = "source"
         self._format = fmt
         self._decoded = decoded
         return self
 
     @property
-    def code_format(self) -> CallableFormat | None:
-        """What `callable_code` holds, or None when the trait has no usable code."""
-        return self._format
+    def code_format(self) -> Literal["source", "cloudpickle"] | None:
+        """`source` (plain or base64 input) or `cloudpickle`; None when the trait has no usable code."""
+        return self._format  # type: ignore[return-value]
 
     def source_code(self) -> str | None:
         """The Python source (decoded from base64 if needed); None for pickles and missing code."""

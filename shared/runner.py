@@ -18,7 +18,6 @@ from shared.benchmark import Benchmark
 from shared.config import Settings, VerificationConfig
 from shared.ids import answer_id_for, compute_result_id, template_id_for
 from shared.models import VerificationResult
-from shared.rubric import Rubric
 from shared.templates import compile_check
 
 
@@ -42,17 +41,6 @@ class RunPlan:
     @property
     def job_count(self) -> int:
         return sum(len(r.jobs) for r in self.requests)
-
-
-def rubric_for(benchmark: Benchmark, question) -> Rubric | None:  # noqa: ANN001
-    """Global traits plus the question's own (a name clash is refused by Rubric.merge)."""
-    rubrics = [r for r in (benchmark.global_rubric, question.rubric) if r is not None and not r.is_empty()]
-    if not rubrics:
-        return None
-    merged = rubrics[0]
-    for r in rubrics[1:]:
-        merged = merged.merge(r)
-    return merged
 
 
 def new_run_id() -> str:
@@ -92,7 +80,7 @@ def plan_run(
     few_shot = (config.few_shot_config or {}).get("examples") or []
     requests: list[events.AnswerRequested] = []
     for q in benchmark.finished_questions():
-        rubric = rubric_for(benchmark, q) if mode != "template_only" else None
+        rubric = benchmark.rubric_for(q) if mode != "template_only" else None
         rubric_wire = rubric.to_wire() if rubric is not None and not rubric.is_empty() else None
         for am in config.answering_models:
             a_spec = am.to_spec()

@@ -10,7 +10,8 @@ that names what happened, and the pool keeps serving.
 
 Protocol: length-prefixed msgpack frames over the worker's stdin/stdout (the worker moves its
 own fd 1 to stderr so user `print`s cannot corrupt the stream). One call at a time per worker.
-The parent side is a plain asyncio SubprocessProtocol: no threads, no per-call tasks.
+The parent watches the pipes with `loop.add_reader`: no threads, no per-call tasks, and idle
+workers carry over to a new event loop.
 
 This isolates faults and resource use; it is not a security boundary against hostile code
 (no seccomp, no network namespace).
@@ -30,9 +31,11 @@ import os
 import resource
 import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -191,41 +194,29 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-class _Proto(asyncio.SubprocessProtocol):
-    def __init__(self, worker: _Worker) -> None:
-        self.w = worker
-
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
-        if fd == 1:
-            self.w.feed(data)
-        else:
-            tail = self.w.stderr_tail
-            tail += data
-            if len(tail) > 4096:
-                del tail[:-4096]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.w.on_lost()
-
-
 class _Worker:
-    """One worker process as the parent sees it; at most one request in flight."""
+    """One worker process as the parent sees it; at most one request in flight.
+
+    Driven by `loop.add_reader` on its stdout/stderr pipes (no child-watcher threads), so an
+    idle worker can be re-attached to a new event loop."""
 
     def __init__(self, pool: Sandbox) -> None:
         self.pool = pool
-        self.transport: asyncio.SubprocessTransport | None = None
-        self.stdin: asyncio.WriteTransport | None = None
-        self.pid: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid = 0
+        self.in_fd = self.out_fd = self.err_fd = -1
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.buf = bytearray()
         self.stderr_tail = bytearray()
         self.waiter: asyncio.Future[dict[str, Any]] | None = None
         self.label = "code"
         self.alive = False
         self.usable = False
-        self.exited: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.returncode: int | None = None
+        self.exited: asyncio.Future[None] | None = None
+        self.in_pool = False  # idle in, or borrowed from, the pool (not starting, not retired)
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
         pool = self.pool
         cfg = json.dumps({"memory_mb": pool.memory_mb, "cpu_s": pool.cpu_s, "max_open_files": pool.max_open_files,
                           "max_file_mb": pool.max_file_mb, "max_procs": pool.max_procs,
@@ -233,20 +224,24 @@ class _Worker:
         boot = f"import sys; sys.path.insert(0, {_ROOT!r}); from shared.sandbox import _worker_main; _worker_main()"
         env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
         env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")
-        self.waiter = loop.create_future()
-        transport, _ = await loop.subprocess_exec(
-            lambda: _Proto(self), sys.executable, "-s", "-c", boot, cfg,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=env, cwd=tempfile.gettempdir(), start_new_session=True,
+        self.proc = subprocess.Popen(
+            [sys.executable, "-s", "-c", boot, cfg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, bufsize=0, env=env, cwd=tempfile.gettempdir(), start_new_session=True,
         )
-        self.transport = transport
-        self.stdin = transport.get_pipe_transport(0)  # type: ignore[assignment]
-        self.pid = transport.get_pid()
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr
+        self.pid = self.proc.pid
+        self.in_fd, self.out_fd, self.err_fd = (
+            self.proc.stdin.fileno(), self.proc.stdout.fileno(), self.proc.stderr.fileno())
+        os.set_blocking(self.out_fd, False)
+        os.set_blocking(self.err_fd, False)
         self.alive = True
         pool._pids.add(self.pid)
+        loop = asyncio.get_running_loop()
+        self.attach(loop)
+        self.waiter = loop.create_future()
         try:
             hello = await asyncio.wait_for(self.waiter, pool.startup_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill()
             raise RuntimeError(f"sandbox worker did not start within {pool.startup_timeout_s} s") from None
         finally:
@@ -256,7 +251,42 @@ class _Worker:
             raise RuntimeError(f"sandbox worker failed to start: {hello.get('error', hello)}")
         self.usable = True
 
-    # -- protocol callbacks --------------------------------------------------------------
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch the worker's pipes from `loop` (a previous loop, if any, is closed)."""
+        self.loop = loop
+        self.exited = loop.create_future()
+        loop.add_reader(self.out_fd, self._readable)
+        loop.add_reader(self.err_fd, self._err_readable)
+
+    # -- pipe callbacks ------------------------------------------------------------------
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.out_fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.feed(data)
+        else:
+            self._on_eof()
+
+    def _err_readable(self) -> None:
+        try:
+            data = os.read(self.err_fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            assert self.loop is not None
+            self.loop.remove_reader(self.err_fd)
+            return
+        tail = self.stderr_tail
+        tail += data
+        if len(tail) > 4096:
+            del tail[:-4096]
 
     def feed(self, data: bytes) -> None:
         buf = self.buf
@@ -280,19 +310,55 @@ class _Worker:
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
-    def on_lost(self) -> None:
-        self.alive = False
-        self.usable = False
-        if self.pid is not None:
-            self.pool._pids.discard(self.pid)
+    def _on_eof(self) -> None:
+        """The worker's protocol pipe closed: it is gone (or going). Reap it, tell the caller."""
+        assert self.loop is not None and self.proc is not None
+        self.loop.remove_reader(self.out_fd)
+        try:
+            self._err_readable()  # pick up a last fatal-error line
+        except OSError:
+            pass
+        self.kill()  # in case it merely closed the pipe; a zombie keeps its exit status
+        try:
+            self.returncode = self.proc.wait(timeout=2.0)  # immediate unless stuck in the kernel
+        except subprocess.TimeoutExpired:
+            self._reap_later(self.proc)
+        self._release()
         fut = self.waiter
         if fut is not None and not fut.done():
             fut.set_result(self._death_reply())
-        if not self.exited.done():
+        elif self.in_pool and not self.pool._closed:  # died while idle: replace it
+            self.in_pool = False
+            self.pool.restarts += 1
+            self.pool._spawn()
+        if self.exited is not None and not self.exited.done():
             self.exited.set_result(None)
 
+    def _reap_later(self, proc: subprocess.Popen[bytes]) -> None:
+        def again() -> None:
+            if proc.poll() is None:
+                loop.call_later(1.0, again)
+
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_later(1.0, again)
+
+    def _release(self) -> None:
+        self.alive = False
+        self.usable = False
+        self.pool._pids.discard(self.pid)
+        self.pool._all.discard(self)
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.out_fd)
+            loop.remove_reader(self.err_fd)
+        if self.proc is not None:
+            for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                if f is not None:
+                    f.close()
+
     def _death_reply(self) -> dict[str, Any]:
-        rc = self.transport.get_returncode() if self.transport is not None else None
+        rc = self.returncode
         pool = self.pool
         kind = "crash"
         if rc is None:
@@ -309,7 +375,7 @@ class _Worker:
             what = f"worker crashed with {_signal_name(-rc)}"
         lines = bytes(self.stderr_tail).decode("utf-8", "replace").strip().splitlines()
         hint = next((ln.strip() for ln in lines if "Fatal Python error" in ln), lines[-1].strip() if lines else "")
-        if hint and kind == "crash":
+        if hint:
             what += f" (stderr: {hint[:200]})"
         return {"ok": False, "kind": kind, "error": what}
 
@@ -317,11 +383,15 @@ class _Worker:
 
     async def request(self, body: bytes, timeout_s: float, label: str) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.waiter = fut
         self.label = label
-        assert self.stdin is not None
-        self.stdin.write(_HDR.pack(len(body)) + body)
+        data = memoryview(_HDR.pack(len(body)) + body)
+        try:
+            while data:  # the worker is idle and reading: a blocking write does not stall
+                data = data[os.write(self.in_fd, data):]
+        except OSError:  # it died meanwhile; its EOF resolves `fut` with the reason
+            pass
         timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
         try:
             reply = await fut
@@ -342,11 +412,21 @@ class _Worker:
 
     def kill(self) -> None:
         self.usable = False
-        if self.pid is not None and self.alive:
+        if self.alive:
             try:
                 os.killpg(self.pid, signal.SIGKILL)  # the worker and anything it forked
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def reap_now(self) -> None:
+        """Kill and reap synchronously (loop closed, interpreter exit)."""
+        if self.alive and self.proc is not None:
+            self.kill()
+            try:
+                self.returncode = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            self._release()
 
 
 class _Broken:
@@ -357,11 +437,12 @@ class _Broken:
 
 
 class Sandbox:
-    """A pool of sandbox workers; safe to share by all coroutines of one event loop.
+    """A pool of sandbox workers, used from one event loop at a time.
 
     `call(fn_name, **kwargs)` runs a worker function (a name from `BUILTINS` or a
     `shared.<module>:<function>` path) with msgpack-able kwargs and returns a result dict (see the
-    module docstring). `timeout_s=` overrides the pool's wall-time limit for one call.
+    module docstring). `timeout_s=` overrides the pool's wall-time limit for one call. Workers
+    start lazily on the first call (or with `await start()`); `await close()` kills them.
     """
 
     def __init__(
@@ -398,19 +479,33 @@ class Sandbox:
         self._spawns: set[asyncio.Task[None]] = set()
         self._pids: set[int] = set()
         self._closed = False
+        _live_pools.add(self)
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def _ensure(self) -> asyncio.Queue[_Worker | _Broken]:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._idle is None:
-            self._kill_all_now()  # workers of a previous (closed) loop cannot be driven from this one
-            self._loop = loop
-            self._idle = asyncio.Queue()
-            self._all = set()
-            self._spawns = set()
-            for _ in range(self.workers):
-                self._spawn()
+        if self._loop is loop and self._idle is not None:
+            return self._idle
+        keep: list[_Worker] = []
+        if self._idle is not None:  # a previous loop: carry idle workers over, drop the rest
+            while not self._idle.empty():
+                item = self._idle.get_nowait()
+                if isinstance(item, _Worker) and item.usable:
+                    keep.append(item)
+        for w in list(self._all):
+            if w not in keep:
+                w.in_pool = False
+                w.reap_now()
+        self._loop = loop
+        self._idle = asyncio.Queue()
+        self._all = set(keep)
+        self._spawns = set()
+        for w in keep:
+            w.attach(loop)
+            self._idle.put_nowait(w)
+        for _ in range(self.workers - len(keep)):
+            self._spawn()
         return self._idle
 
     def _spawn(self) -> None:
@@ -428,47 +523,57 @@ class Sandbox:
             try:
                 await w.start()
             except Exception as exc:  # noqa: BLE001 - reported to callers below
+                w.reap_now()
                 self._all.discard(w)
-                w.kill()
                 error = f"sandbox worker failed to start: {exc}"
                 await asyncio.sleep(0.2 * (attempt + 1))
                 continue
             if self._closed:
-                w.kill()
+                w.reap_now()
                 return
             assert self._idle is not None
+            w.in_pool = True
             self._idle.put_nowait(w)
             return
         assert self._idle is not None
         self._idle.put_nowait(_Broken(error))
 
     async def start(self) -> None:
-        """Start the workers now and wait until they are all ready (optional; `call` starts lazily)."""
+        """Start the workers now and wait until they are ready (optional: `call` starts lazily)."""
         self._ensure()
-        await asyncio.gather(*list(self._spawns))
+        if self._spawns:
+            await asyncio.gather(*list(self._spawns))
 
     async def close(self) -> None:
-        """Kill every worker (by process group) and wait for them to be gone."""
+        """Kill every worker (by process group) and reap it."""
         self._closed = True
         for t in list(self._spawns):
             t.cancel()
         workers = list(self._all)
         for w in workers:
+            w.in_pool = False
             w.kill()
-        if workers and self._loop is asyncio.get_running_loop():
-            await asyncio.wait([w.exited for w in workers], timeout=5.0)
-        self._kill_all_now()
+        pending = [w.exited for w in workers if w.alive and w.exited is not None and w.loop is self._loop]
+        if pending and self._loop is asyncio.get_running_loop():
+            await asyncio.wait(pending, timeout=5.0)
+        for w in workers:
+            w.reap_now()
         self._all.clear()
         self._idle = None
         self._loop = None
+        _live_pools.discard(self)
 
-    def _kill_all_now(self) -> None:
-        for pid in list(self._pids):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self._pids.clear()
+    def terminate(self) -> None:
+        """Kill and reap every worker synchronously (sync teardown, interpreter exit); the pool
+        stays usable and starts new workers on the next call."""
+        for t in list(self._spawns):
+            t.cancel()
+        for w in list(self._all):
+            w.in_pool = False
+            w.reap_now()
+        self._all.clear()
+        self._idle = None
+        self._loop = None
 
     @property
     def pids(self) -> list[int]:
@@ -481,17 +586,21 @@ class Sandbox:
         if self._closed:
             return {"ok": False, "kind": "closed", "error": "sandbox is closed"}
         idle = self._ensure()
-        try:
-            w = idle.get_nowait()
-        except asyncio.QueueEmpty:
-            w = await idle.get()
-        if isinstance(w, _Broken):
-            idle.put_nowait(w)  # wake the next waiter too
-            return {"ok": False, "kind": "unavailable", "error": w.error}
+        while True:
+            try:
+                w = idle.get_nowait()
+            except asyncio.QueueEmpty:
+                w = await idle.get()
+            if isinstance(w, _Broken):
+                idle.put_nowait(w)  # wake the next waiter too
+                return {"ok": False, "kind": "unavailable", "error": w.error}
+            if w.usable:
+                break
+            # it died while idle; its EOF handler has already started a replacement
         self.calls += 1
         try:
             body = self._enc.encode((fn_name, kwargs))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             idle.put_nowait(w)
             return {"ok": False, "kind": "exception", "error": f"arguments not serialisable: {exc}"}
         try:
@@ -500,13 +609,14 @@ class Sandbox:
             if w.usable and not self._closed:
                 idle.put_nowait(w)
             else:
-                w.kill()
-                self._all.discard(w)
+                w.in_pool = False
+                w.kill()  # reaped (and dropped from the pool) when its pipe reports EOF
                 if not self._closed:
                     self.restarts += 1
                     self._spawn()
 
 
+_live_pools: weakref.WeakSet[Sandbox] = weakref.WeakSet()
 _default: Sandbox | None = None
 
 
@@ -524,9 +634,9 @@ def get_sandbox() -> Sandbox:
 
 
 @atexit.register
-def _reap_default() -> None:
-    if _default is not None:
-        _default._kill_all_now()
+def _reap_at_exit() -> None:
+    for pool in list(_live_pools):
+        pool.terminate()
 
 
 __all__ = ["Sandbox", "get_sandbox", "BUILTINS"]

@@ -87,34 +87,38 @@ FULL OUTER JOIN
 ) AS u ON r.run_id = u.run_id;
 
 -- Stage records are cumulative in the stage events of one result (each event carries the
--- state so far), so each record is counted once: LIMIT 1 BY (result_id, stage, started_at).
+-- state so far), so each record (result_id, stage, started_at) is counted once and attributed
+-- to the first event that carried it (the event its service published).
 CREATE OR REPLACE VIEW {db}.v_stage_latency AS
 SELECT
     run_id,
+    event_type,
     stage,
     status,
     count()                                       AS n,
     quantile(0.5)(duration_ms)                    AS p50_ms,
     quantile(0.95)(duration_ms)                   AS p95_ms,
-    max(duration_ms)                              AS max_ms
+    max(duration_ms)                              AS max_ms,
+    sum(duration_ms)                              AS total_ms
 FROM
 (
     SELECT
         run_id,
         result_id,
-        rec_stage                                 AS stage,
-        rec_status                                AS status,
+        rec_stage                                         AS stage,
         rec_started,
-        greatest(rec_ended - rec_started, 0) * 1000 AS duration_ms
+        argMin(event_type, occurred_at)                   AS event_type,
+        argMin(rec_status, occurred_at)                   AS status,
+        greatest(argMin(rec_ended, occurred_at) - rec_started, 0) * 1000 AS duration_ms
     FROM {db}.events FINAL
     ARRAY JOIN
         stage_names    AS rec_stage,
         stage_statuses AS rec_status,
         stage_started  AS rec_started,
         stage_ended    AS rec_ended
-    LIMIT 1 BY run_id, result_id, rec_stage, rec_started
+    GROUP BY run_id, result_id, rec_stage, rec_started
 )
-GROUP BY run_id, stage, status;
+GROUP BY run_id, event_type, stage, status;
 
 CREATE OR REPLACE VIEW {db}.v_event_counts AS
 SELECT

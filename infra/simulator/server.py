@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import re
+import string
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,8 +34,10 @@ LATENCY_DISTS = ("fixed", "uniform", "lognormal")
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
-_WORD = re.compile(r"\w+")
-_FENCE = re.compile(r"```[a-zA-Z]*[ \t]*\n(.*?)```", re.S)
+# Words = runs of characters that are neither whitespace nor ASCII punctuation ("_" is a word char).
+_SEPARATORS = "".join(c for c in string.punctuation if c != "_")
+_SEP_TABLE = str.maketrans(_SEPARATORS, " " * len(_SEPARATORS))
+_WORD = re.compile(r"[^\s" + re.escape(_SEPARATORS) + r"]+")
 _NORMAL = NormalDist()
 _MAX_SEEN = 500_000  # occurrence counters kept before they are reset (bounds memory in long runs)
 
@@ -165,13 +168,18 @@ class Script:
         return len(self._by_match)
 
     def _reindex(self) -> None:
+        interiors: list[tuple[Entry, set[str]]] = []
+        freq: dict[str, int] = {}
+        for entry in self._by_match.values():
+            words = set(_interior_words(entry.match))
+            interiors.append((entry, words))
+            for w in words:
+                freq[w] = freq.get(w, 0) + 1
         index: dict[str, list[Entry]] = {}
         linear: list[Entry] = []
-        for entry in self._by_match.values():
-            words = _WORD.findall(entry.match)
-            interior = _interior_words(entry.match, words)
-            if interior:
-                index.setdefault(max(interior, key=len), []).append(entry)
+        for entry, words in interiors:
+            if words:  # the rarest interior word (longest on ties) keeps buckets small
+                index.setdefault(min(words, key=lambda w: (freq[w], -len(w), w)), []).append(entry)
             else:
                 linear.append(entry)
         for bucket in index.values():
@@ -179,17 +187,18 @@ class Script:
         self._index = index
         self._linear = sorted(linear, key=lambda e: -len(e.match))
 
-    def find(self, text: str) -> Entry | None:
-        """The entry with the longest `match` contained in `text`."""
+    def find(self, text: str, words: frozenset[str] | set[str] | None = None) -> Entry | None:
+        """The entry with the longest `match` contained in `text` (`words`: text's word set)."""
         best: Entry | None = None
-        if self._index:
-            words = set(_WORD.findall(text))
-            index = self._index
+        index = self._index
+        if index:
+            if words is None:
+                words = words_of(text)
             keys = [w for w in words if w in index] if len(words) <= len(index) else [
                 k for k in index if k in words
             ]
             for key in keys:
-                for entry in self._index[key]:
+                for entry in index[key]:
                     if best is not None and len(entry.match) <= len(best.match):
                         break
                     if entry.match in text:
@@ -204,15 +213,15 @@ class Script:
         return best
 
 
-def _interior_words(match: str, words: list[str]) -> list[str]:
+@lru_cache(maxsize=1024)
+def words_of(text: str) -> frozenset[str]:
+    """Word set of one message (cached: system prompts repeat across requests)."""
+    return frozenset(text.translate(_SEP_TABLE).split())
+
+
+def _interior_words(match: str) -> list[str]:
     """Words of `match` that do not touch its start or end (see `Script`)."""
-    if len(words) < 3:
-        return []
-    out = []
-    for m in _WORD.finditer(match):
-        if m.start() > 0 and m.end() < len(match):
-            out.append(m.group())
-    return out
+    return [m.group() for m in _WORD.finditer(match) if m.start() > 0 and m.end() < len(match)]
 
 
 # ---------------------------------------------------------------- schema filling
@@ -323,9 +332,10 @@ def find_schema_in_text(text: str) -> dict[str, Any] | None:
     """A JSON schema written into a prompt (fenced block, else a bare object with "properties")."""
     if '"properties"' not in text:
         return None
-    for block in _FENCE.findall(text):
+    for block in text.split("```")[1::2]:
         if '"properties"' in block:
-            schema = _schema_from_block(block.strip())
+            body = block.split("\n", 1)[1] if block[:1].isalpha() and "\n" in block else block
+            schema = _schema_from_block(body.strip())
             if schema is not None:
                 return schema
     decoder = json.JSONDecoder()
@@ -341,6 +351,14 @@ def find_schema_in_text(text: str) -> dict[str, Any] | None:
             return obj
         start = text.rfind("{", 0, start)
         tries += 1
+    return None
+
+
+def _schema_in_messages(texts: list[str]) -> dict[str, Any] | None:
+    for text in texts:
+        schema = find_schema_in_text(text)
+        if schema is not None:
+            return schema
     return None
 
 
@@ -461,7 +479,13 @@ class Simulator:
         messages: list[Any] = body["messages"]
         texts = [_content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
         joined = "\n".join(texts)
-        entry = self.script.find(joined) if self.script._index or self.script._linear else None
+        script = self.script
+        entry = None
+        if script._index or script._linear:
+            words: set[str] = set()
+            for t in texts:
+                words.update(words_of(t))
+            entry = script.find(joined, words)
         stats = self.stats
         if entry is None:
             stats["unmatched"] += 1
@@ -470,7 +494,7 @@ class Simulator:
         by_model = stats["by_model"]
         by_model[model] = by_model.get(model, 0) + 1
 
-        schema, judge = self._judge_schema(body, joined)
+        schema, judge = self._judge_schema(body, texts)
         tools = body.get("tools")
         kind = "judge" if judge else "answer"
         self.recent.append({"model": model, "kind": kind, "messages": messages, "entry": entry and entry.match})
@@ -526,7 +550,7 @@ class Simulator:
         }
         return web.Response(body=_encode(payload), content_type="application/json")
 
-    def _judge_schema(self, body: dict[str, Any], joined: str) -> tuple[dict[str, Any] | None, bool]:
+    def _judge_schema(self, body: dict[str, Any], texts: list[str]) -> tuple[dict[str, Any] | None, bool]:
         fmt = body.get("response_format")
         if isinstance(fmt, dict):
             if fmt.get("type") == "json_schema":
@@ -534,10 +558,10 @@ class Simulator:
                 schema = js.get("schema") if isinstance(js, dict) else None
                 return (schema if isinstance(schema, dict) else None), True
             if fmt.get("type") == "json_object":
-                return find_schema_in_text(joined), True
+                return _schema_in_messages(texts), True
         if body.get("tools"):
             return None, False
-        schema = find_schema_in_text(joined)
+        schema = _schema_in_messages(texts)
         return schema, schema is not None
 
     def _judge_content(self, schema: dict[str, Any] | None, entry: Entry | None, forced: Any) -> str:

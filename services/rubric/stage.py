@@ -193,6 +193,19 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient) -> State:
 
     text = evaluation_text(state, use_full)
     out: dict[str, Any] = {"llm": {}, "labels": {}, "errors": {}, "metric": {}, "confusion": {}, "usage": {}}
+    has = {"llm": bool(rubric.llm_traits), "regex": bool(rubric.regex_traits),
+           "callable": bool(rubric.callable_traits), "metric": bool(rubric.metric_traits)}
+    # traits the checkpoint could not define completely fail on their own, before any scoring
+    for trait in rubric.all_traits():
+        if trait.load_error:
+            out["errors"][trait.name] = f"trait not evaluable: {trait.load_error}"
+    broken = set(out["errors"])
+    rubric = rubric.model_copy(update={
+        "llm_traits": [t for t in rubric.llm_traits if t.name not in broken],
+        "regex_traits": [t for t in rubric.regex_traits if t.name not in broken],
+        "callable_traits": [t for t in rubric.callable_traits if t.name not in broken],
+        "metric_traits": [t for t in rubric.metric_traits if t.name not in broken],
+    })
     regex_scores: dict[str, bool] = {}
     for rt in rubric.regex_traits:
         try:
@@ -220,12 +233,12 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient) -> State:
     state.rubric = {
         "rubric_evaluation_performed": True,
         "rubric_evaluation_strategy": job.options.get("rubric_evaluation_strategy", "batch"),
-        "llm_trait_scores": out["llm"] if rubric.llm_traits else None,
+        "llm_trait_scores": out["llm"] if rubric.llm_traits or has["llm"] else None,
         "llm_trait_labels": out["labels"] or None,
-        "regex_trait_scores": regex_scores if rubric.regex_traits else None,
-        "callable_trait_scores": callable_scores if rubric.callable_traits else None,
-        "metric_trait_scores": out["metric"] if rubric.metric_traits else None,
-        "metric_trait_confusion_lists": out["confusion"] if rubric.metric_traits else None,
+        "regex_trait_scores": regex_scores if rubric.regex_traits or has["regex"] else None,
+        "callable_trait_scores": callable_scores if rubric.callable_traits or has["callable"] else None,
+        "metric_trait_scores": out["metric"] if rubric.metric_traits or has["metric"] else None,
+        "metric_trait_confusion_lists": out["confusion"] if rubric.metric_traits or has["metric"] else None,
         "trait_errors": out["errors"] or None,
     }
     if out["usage"]:

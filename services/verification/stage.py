@@ -56,7 +56,8 @@ async def verify_template(job: Job, state: State) -> State:
         record(state, STAGE, "skipped", t, "nothing parsed")
         return state
     outcome = await run_verify(
-        job.template_code, parsed, job.question_id, state.template.get("raw_llm_response", "")
+        job.template_code, parsed, job.question_id, state.template.get("raw_llm_response", ""),
+        template_id=job.template_id, timeout_s=job.options.get("template_timeout_s"),
     )
     if getattr(outcome, "error", None):
         state.error = stage_error(STAGE, ValueError(outcome.error))

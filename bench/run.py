@@ -1,0 +1,155 @@
+"""`veribus bench`: a generated benchmark through the real multi-process stack against the
+simulator. Reports results/s, CPU ms per result per service, and peak RSS per service, at
+each requested model latency. Figures, not assertions: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from shared import runner, stack
+from shared.benchmark import Benchmark
+from shared.config import ModelConfig, Settings, VerificationConfig
+
+TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
+from pydantic import Field
+
+class Answer(BaseAnswer):
+    value: int = Field(description="The number asked for")
+
+    def model_post_init(self, __context):
+        self.correct = {{"value": {n}}}
+
+    def verify(self) -> bool:
+        return self.value == self.correct["value"]
+'''
+
+
+def generated_benchmark(n: int, path: Path) -> tuple[Path, dict[str, Any]]:
+    """N questions with int templates; the simulator script answers 90% right."""
+    questions = []
+    script = []
+    for i in range(n):
+        text = f"Bench question {i}: what is {i} plus {i}?"
+        questions.append({"id": f"bench-{i}", "question": text, "answer": str(2 * i),
+                          "template": TEMPLATE.format(n=2 * i)})
+        value = 2 * i if i % 10 else 2 * i + 1
+        script.append({"match": text, "answer": f"The sum is {value}.", "parsed": {"value": value}})
+    import yaml
+
+    path.write_text(yaml.safe_dump({"name": f"bench-{n}", "questions": questions}, sort_keys=False))
+    return path, {"questions": script}
+
+
+class Sampler(threading.Thread):
+    """Polls RSS of the stack's processes to find each one's peak."""
+
+    def __init__(self, procs: list[stack.Proc]) -> None:
+        super().__init__(daemon=True)
+        self.procs = {p.name: psutil.Process(p.pid) for p in procs if p.alive()}
+        self.peak: dict[str, float] = dict.fromkeys(self.procs, 0.0)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for name, p in self.procs.items():
+                try:
+                    self.peak[name] = max(self.peak[name], p.memory_info().rss / 2**20)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.1)
+
+
+def cpu_seconds(procs: list[stack.Proc]) -> dict[str, float]:
+    out = {}
+    for p in procs:
+        try:
+            t = psutil.Process(p.pid).cpu_times()
+            out[p.name] = t.user + t.system
+        except psutil.NoSuchProcess:
+            out[p.name] = 0.0
+    return out
+
+
+def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
+        home = Path(tmp)
+        settings = Settings(home=home / "home")
+        bench_file, script = generated_benchmark(n, home / "bench.yaml")
+        benchmark = Benchmark.load(bench_file)
+        state = stack.up(settings, replicas=replicas, simulator_args=["--latency-ms", str(latency_ms)])
+        settings.nats_url = state.nats_url
+        try:
+            import httpx
+
+            httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
+            models = {"api_base": state.simulator_url, "max_concurrency": concurrency}
+            config = VerificationConfig(
+                answering_models=[ModelConfig(model_name="openai/bench-answerer", **models)],
+                parsing_models=[ModelConfig(model_name="openai/bench-judge", **models)],
+            )
+            # warm-up: a few jobs so imports and template compilation are not in the measurement
+            warm = runner.plan_run(Benchmark.load(bench_file), config, run_id="warmup")
+            warm.requests = warm.requests[:4]
+            asyncio.run(runner.submit(settings, warm))
+            asyncio.run(runner.collect(settings, "warmup", set(warm.result_ids), timeout=120))
+
+            plan = runner.plan_run(benchmark, config)
+            sampler = Sampler(state.procs)
+            sampler.start()
+            cpu0 = cpu_seconds(state.procs)
+            t0 = time.perf_counter()
+            asyncio.run(runner.submit(settings, plan))
+            outcome = asyncio.run(runner.collect(settings, plan.run_id, set(plan.result_ids), timeout=1800))
+            elapsed = time.perf_counter() - t0
+            # let the projector finish this run's rows before reading its CPU
+            time.sleep(1.0)
+            cpu1 = cpu_seconds(state.procs)
+            sampler.stop.set()
+            done = len(outcome.results)
+            per_service = {name: round(1000 * (cpu1[name] - cpu0.get(name, 0.0)) / max(done, 1), 3)
+                           for name in cpu1}
+            pipeline_cpu = sum(v for k, v in per_service.items() if k not in ("nats", "simulator"))
+            bound = concurrency / (2 * latency_ms / 1000) if latency_ms > 0 else None
+            rate = done / elapsed if elapsed else 0.0
+            return {
+                "questions": n, "latency_ms": latency_ms, "concurrency": concurrency, "results": done,
+                "elapsed_s": round(elapsed, 3), "results_per_s": round(rate, 1),
+                "bound_results_per_s": round(bound, 1) if bound else None,
+                "fraction_of_bound": round(rate / bound, 3) if bound else None,
+                "cpu_ms_per_result": per_service,
+                "cpu_ms_per_result_services_total": round(pipeline_cpu, 3),
+                "peak_rss_mb": {k: round(v, 1) for k, v in sampler.peak.items()},
+                "passed": sum(1 for r in outcome.results.values() if r.template and r.template.verify_result),
+            }
+        finally:
+            stack.down(settings)
+
+
+def main(args: argparse.Namespace) -> int:
+    replicas = {}
+    for item in getattr(args, "replicas", None) or []:
+        name, _, k = item.partition("=")
+        replicas[name] = int(k)
+    rows = []
+    for lat in args.latency_ms:
+        row = run_once(args.questions, lat, args.concurrency, replicas)
+        rows.append(row)
+        print(f"\n== latency {lat:g} ms, {row['results']} results, concurrency {args.concurrency}")
+        print(f"  throughput: {row['results_per_s']} results/s in {row['elapsed_s']} s"
+              + (f"  (bound C/(2L) = {row['bound_results_per_s']}/s, {100 * row['fraction_of_bound']:.1f}% of it)"
+                 if row["bound_results_per_s"] else ""))
+        print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
+        for name, ms in row["cpu_ms_per_result"].items():
+            print(f"    {name:<14} {ms:>8.3f} ms/result   peak RSS {row['peak_rss_mb'].get(name, 0):>7.1f} MB")
+    print("\n" + json.dumps(rows, indent=2))
+    return 0

@@ -1,0 +1,1 @@
+"""Projector service: folds every event into ClickHouse and answers read-only queries."""

@@ -1,0 +1,275 @@
+"""Projector: every `vb.>` event -> ClickHouse (`events`, `verification_results`, `runs`).
+
+Subscribe (durable pull consumer "projector", whole batches), fold the batch into rows
+(`shared.store.project_envelopes`: msgspec only, no pydantic), insert, then ack. Redelivery
+is harmless: the tables are ReplacingMergeTree and every read uses FINAL. An undecodable message
+becomes an `events` row (event_type 'undecodable') and is acked, so it never blocks a batch.
+
+With embedded chdb the projector owns the folder (one process per folder), so it also answers
+read-only SQL on core NATS request-reply `QUERY_SUBJECT`:
+`{"sql": ..., "params": {...}}` -> `{"columns": [...], "types": [...], "rows": [[...]]}` or
+`{"error": "..."}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from faststream import AckPolicy, FastStream
+from faststream.nats import ConsumerConfig, DeliverPolicy, JStream, NatsBroker, PullSub
+from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from shared.config import Settings
+from shared.events import QUERY_SUBJECT, STREAM, STREAM_SUBJECTS, decode
+from shared.query import nats_connect_kwargs
+from shared.store import (
+    Projection,
+    ReadOnlyError,
+    Store,
+    open_store,
+    preload_chdb,
+    project_envelope,
+    undecodable_row,
+)
+
+log = logging.getLogger("veribus.projector")
+
+DURABLE = "projector"
+PRODUCER = "projector/0.1"
+DEFAULT_BATCH_SIZE = 500
+DEFAULT_BATCH_TIMEOUT = 0.5  # s: a batch is inserted when full or after this long
+RETRY_DELAY = 2.0  # s: nak delay when the store is unavailable
+DEFAULT_MAX_REPLY = 1024 * 1024
+
+_json = msgspec.json.Encoder(enc_hook=str)
+
+
+class _QueryRequest(msgspec.Struct):
+    sql: str
+    params: dict[str, Any] | None = None
+
+
+_query_dec = msgspec.json.Decoder(_QueryRequest)
+
+
+def stream_config() -> StreamConfig:
+    """The event stream, as the projector creates it when missing.
+
+    Placeholder until shared/bus.py provides `stream_config()`: the projector only creates the
+    stream if it does not exist and never updates an existing one.
+    """
+    return StreamConfig(name=STREAM, subjects=list(STREAM_SUBJECTS), storage=StorageType.FILE,
+                        duplicate_window=120.0)
+
+
+async def ensure_stream(settings: Settings) -> None:
+    """Create the stream if it is missing (never alter an existing one)."""
+    import nats
+
+    nc = await nats.connect(**nats_connect_kwargs(settings), connect_timeout=5)
+    try:
+        js = nc.jetstream()
+        try:
+            await js.stream_info(STREAM)
+        except NotFoundError:
+            await js.add_stream(stream_config())
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Stats:
+    batches: int = 0
+    events: int = 0
+    results: int = 0
+    runs: int = 0
+    undecodable: int = 0
+    insert_failures: int = 0
+    queries: int = 0
+    project_cpu_s: float = 0.0  # CPU of decode + row building (the per-event Python work)
+
+
+class Projector:
+    """The projector's logic, separate from the FastStream wiring so it can be driven directly."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store: Store | None = None
+        self.stats = Stats()
+        self.max_reply_bytes = DEFAULT_MAX_REPLY
+
+    def open(self) -> None:
+        """Open (and migrate) the store; call in the main thread (chdb import, folder lock)."""
+        if self.store is None:
+            self.store = open_store(self.settings)
+            self.store.reader()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    # ---- events ----
+    def project_batch(self, msgs: list[Any]) -> Projection:
+        """Decode a fetched batch into rows. Never raises for a bad message."""
+        t0 = time.process_time()
+        out = Projection()
+        bad = 0
+        for m in msgs:
+            try:
+                env = decode(m.data)
+            except Exception as exc:  # noqa: BLE001 - any undecodable message is recorded
+                out.events.append(undecodable_row(m.subject, m.data, exc))
+                bad += 1
+                continue
+            project_envelope(env, out)
+        self.stats.undecodable += bad
+        self.stats.project_cpu_s += time.process_time() - t0
+        return out
+
+    def insert(self, p: Projection) -> None:
+        assert self.store is not None, "Projector.open() first"
+        self.store.insert_projection(p)
+        self.stats.batches += 1
+        self.stats.events += len(p.events)
+        self.stats.results += len(p.results)
+        self.stats.runs += len(p.runs)
+
+    def store_ok(self) -> bool:
+        try:
+            assert self.store is not None
+            self.store.query("SELECT 1")
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not available"
+            return False
+
+    async def handle_batch(self, msgs: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Project and insert; returns (messages to ack, messages to nak).
+
+        A failed batch insert is retried message by message when the store itself answers, so
+        one row ClickHouse refuses is recorded as a 'projection_failed' event and acked instead
+        of blocking the consumer; when the store is down, everything is nak'ed for later.
+        """
+        p = self.project_batch(msgs)
+        try:
+            await asyncio.to_thread(self.insert, p)
+            return msgs, []
+        except Exception as exc:  # noqa: BLE001
+            self.stats.insert_failures += 1
+            log.warning("batch insert of %d events failed: %s", len(msgs), exc)
+        if not await asyncio.to_thread(self.store_ok):
+            return [], msgs
+        ack: list[Any] = []
+        nak: list[Any] = []
+        for m in msgs:
+            one = self.project_batch([m])
+            try:
+                await asyncio.to_thread(self.insert, one)
+                ack.append(m)
+                continue
+            except Exception as exc:  # noqa: BLE001
+                row = undecodable_row(m.subject, m.data, exc)
+                row[1], row[10] = "projection_failed", "projection_failed"
+                try:
+                    await asyncio.to_thread(self.insert, Projection(events=[row]))
+                    ack.append(m)
+                except Exception:  # noqa: BLE001 - the store went away: retry later
+                    nak.append(m)
+        return ack, nak
+
+    # ---- queries ----
+    def answer_query(self, data: bytes) -> bytes:
+        """A request body -> the JSON reply (never raises)."""
+        self.stats.queries += 1
+        try:
+            req = _query_dec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return _json.encode({"error": f"bad request: {exc}"})
+        try:
+            assert self.store is not None
+            res = self.store.query_read_only(req.sql, req.params)
+        except ReadOnlyError as exc:
+            return _json.encode({"error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - database errors go back to the caller
+            return _json.encode({"error": f"{type(exc).__name__}: {exc}"[:4000]})
+        body = _json.encode({"columns": res.columns, "types": res.types, "rows": res.rows})
+        if len(body) > self.max_reply_bytes:
+            return _json.encode({
+                "error": f"result too large for a NATS reply ({len(body)} bytes, {len(res.rows)} rows, "
+                f"limit {self.max_reply_bytes}): add a LIMIT or aggregate"
+            })
+        return body
+
+
+def create_app(
+    settings: Settings,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_timeout: float = DEFAULT_BATCH_TIMEOUT,
+    log_level: int = logging.INFO,
+) -> tuple[FastStream, Projector]:
+    """The FastStream app and its Projector (not yet started)."""
+    projector = Projector(settings)
+    broker = NatsBroker(
+        **nats_connect_kwargs(settings), serializer=None, log_level=log_level, name=PRODUCER,
+    )
+
+    @broker.subscriber(
+        "vb.>",
+        stream=JStream(name=STREAM, subjects=list(STREAM_SUBJECTS), declare=False),
+        durable=DURABLE,
+        pull_sub=PullSub(batch_size=batch_size, timeout=batch_timeout, batch=True),
+        config=ConsumerConfig(
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=settings.consumer_ack_wait_s,
+            max_ack_pending=max(settings.consumer_max_ack_pending, 2 * batch_size),
+            max_deliver=-1,  # a failed insert is the store's fault, not the message's: keep it
+        ),
+        ack_policy=AckPolicy.MANUAL,
+        decoder=lambda msg: msg.raw_message,  # raw nats Msgs: no JSON decode by FastStream
+    )
+    async def on_events(msgs: list[Any]) -> None:
+        ack, nak = await projector.handle_batch(msgs)
+        for m in ack:
+            await m.ack()
+        for m in nak:
+            await m.nak(delay=RETRY_DELAY)
+
+    @broker.subscriber(QUERY_SUBJECT, queue=DURABLE, decoder=lambda msg: msg.body)
+    async def on_query(body: bytes) -> bytes:
+        return await asyncio.to_thread(projector.answer_query, body)
+
+    app = FastStream(broker, logger=log)
+
+    @app.on_startup
+    async def _open() -> None:
+        projector.open()  # blocking on purpose: before any message is consumed, in the main thread
+        await ensure_stream(settings)
+
+    @app.after_startup
+    async def _limits() -> None:
+        conn = getattr(broker, "_connection", None)
+        projector.max_reply_bytes = int(getattr(conn, "max_payload", 0) or DEFAULT_MAX_REPLY) - 1024
+
+    @app.after_shutdown
+    async def _close() -> None:
+        projector.close()
+        log.info("projector stopped: %s", projector.stats)
+
+    return app, projector
+
+
+def main() -> None:
+    """Entry point of `python -m services.projector` (settings from VERIBUS_* env vars)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    if not settings.clickhouse_url:
+        preload_chdb()
+    app, _ = create_app(settings)
+    asyncio.run(app.run())

@@ -1,0 +1,303 @@
+"""The store against the real engine (embedded chdb): DDL, idempotent inserts, round trip, views,
+the read-only guard and the direct-query fallback.
+
+chdb opens one folder per process, so every test here shares one folder (module fixture) and
+isolates itself with its own database.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.clickhouse import TABLES, VIEWS
+from shared import events
+from shared.config import Settings
+from shared.query import QueryError, format_json, format_table, run_query
+from shared.store import (
+    Store,
+    is_read_only_sql,
+    open_store,
+    project_envelopes,
+    read_only_refusal,
+    result_to_row,
+    row_to_result,
+)
+from tests.unit.test_flatten import RUBRIC, USAGE, _stage_env, make_result
+
+_FOLDER: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One chdb folder for this process (chdb refuses a second folder in the same process)."""
+    if "home" not in _FOLDER:
+        _FOLDER["home"] = tmp_path_factory.mktemp("veribus-home")
+    return _FOLDER["home"]
+
+
+@pytest.fixture
+def settings(home: Path) -> Settings:
+    return Settings(home=home, clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
+                    nats_url="nats://127.0.0.1:1")  # nothing listens there: no projector
+
+
+@pytest.fixture
+def store(settings: Settings) -> Iterator[Store]:
+    st = open_store(settings)
+    try:
+        yield st
+    finally:
+        st.client.command(f"DROP DATABASE IF EXISTS {settings.clickhouse_database}")
+        st.close()
+
+
+def _objects(store: Store) -> list[tuple[str, str]]:
+    return store.query(
+        "SELECT name, engine FROM system.tables WHERE database = {db:String} ORDER BY name",
+        {"db": store.database},
+    ).rows
+
+
+def test_migrate_is_idempotent(store: Store) -> None:
+    before = _objects(store)
+    assert {n for n, _ in before} == set(TABLES) | set(VIEWS)
+    store.insert_results([result_to_row(make_result(), "run1")])
+    store.migrate()
+    store.migrate()
+    assert _objects(store) == before
+    assert store.count("verification_results") == 1  # data survives a re-migrate
+
+
+def _stage_events(rid: str, t0: float) -> list[events.Envelope]:
+    """The stage events of one result, each carrying the cumulative stage log, as the services do."""
+    gen = ("generate_answer", "performed", t0, t0 + 2.0)
+    guard = ("abstention_check", "skipped", t0 + 2.1, t0 + 2.1)
+    parse = ("parse_template", "performed", t0 + 2.2, t0 + 2.7)
+    rubric = ("rubric_evaluation", "performed", t0 + 2.2, t0 + 3.2)
+    verify = ("verify_template", "performed", t0 + 2.8, t0 + 2.81)
+    return [
+        _stage_env(events.ANSWER_GENERATED, rid, [gen], usage={"answer_generation": {"input_tokens": 10, "output_tokens": 20}}),
+        _stage_env(events.GUARDS_CHECKED, rid, [gen, guard]),
+        _stage_env(events.TEMPLATE_PARSED, rid, [gen, guard, parse]),
+        _stage_env(events.RUBRIC_EVALUATED, rid, [gen, guard, rubric]),
+        _stage_env(events.TEMPLATE_VERIFIED, rid, [gen, guard, parse, verify]),
+    ]
+
+
+def test_duplicate_events_and_results_do_not_double_count(store: Store) -> None:
+    envs = [e for i in range(20) for e in _stage_events(f"r{i}", 1000.0 + i)]
+    store.insert_events(envs)
+    store.insert_events(envs)  # a redelivered batch
+    store.insert_events(envs[:7])  # and a partial one
+    assert store.count("events") == len(envs)
+
+    rows = [result_to_row(make_result(question=f"q{i}"), "run1", version=1) for i in range(10)]
+    store.insert_results(rows)
+    store.insert_results(rows)
+    assert store.count("verification_results") == 10
+
+    # a re-projection with a newer version replaces the row
+    newer = result_to_row(make_result(question="q0", verify=False), "run1", version=2)
+    store.insert_results([newer])
+    got = store.query("SELECT verify_result, version FROM verification_results FINAL WHERE result_id = {r:String}",
+                      {"r": newer["result_id"]}).rows
+    assert got == [(False, 2)]
+    assert store.count("verification_results") == 10
+
+
+def test_result_round_trip_through_clickhouse(store: Store) -> None:
+    originals = [
+        make_result(rubric=RUBRIC, usage=USAGE, tools=["search"]),
+        make_result(question="q2", verify=None, error="generate_answer: TimeoutError: timed out", replicate=None),
+        make_result(question="q3", verify=False, mode="template_and_rubric", run_name=None),
+    ]
+    store.insert_results([result_to_row(r, "run1") for r in originals])
+    res = store.query("SELECT result_id, result_json, verify_result, replicate, llm_trait_scores "
+                      "FROM verification_results FINAL")
+    by_id = {row[0]: row for row in res.rows}
+    for r in originals:
+        rid, rjson, verify, replicate, llm = by_id[r.metadata.result_id]
+        assert row_to_result(rjson) == r
+        assert verify == (r.template.verify_result if r.template else None)
+        assert replicate == r.metadata.replicate
+        assert llm == ({k: float(v) for k, v in r.rubric.llm_trait_scores.items()} if r.rubric else {})
+
+
+def _synthetic() -> list[tuple[Any, ...]]:
+    """2 models × 3 questions × 3 replicates with a varied, deterministic pass pattern, plus errors."""
+    out = []
+    for k, (model, q, rep) in enumerate(itertools.product(["gpt-a", "gpt-b"], ["q1", "q2", "q3"], [1, 2, 3])):
+        if model == "gpt-b" and q == "q3" and rep == 3:
+            verify, err = None, "parse_template: ValueError: bad"
+        else:
+            verify, err = (k * 7 + len(q) + rep) % 3 != 0, None
+        usage = {"answer_generation": {"input_tokens": 10 + k, "output_tokens": 5}, "parsing": {"input_tokens": 3, "output_tokens": 1}}
+        rubric = {"llm_trait_scores": {"clarity": 1 + k % 5}, "regex_trait_scores": {"cites": k % 2 == 0}}
+        out.append((model, q, rep, verify, err, usage, rubric))
+    return out
+
+
+def test_views_compute_pass_rates_usage_and_traits(store: Store) -> None:
+    data = _synthetic()
+    results = [make_result(question=q, model=m, replicate=rep, verify=v, error=e, usage=u, rubric=rb)
+               for m, q, rep, v, e, u, rb in data]
+    rows = [result_to_row(r, "runV") for r in results]
+    store.insert_results(rows)
+    store.insert_results(rows)  # duplicates must not change any view
+    store.insert_runs([events.RunRequested(run_id="runV", timestamp="t", job_count=len(rows) + 2, answer_count=1,
+                                           benchmark_name="bench")] * 2)
+
+    # expectations computed from the data, independently of SQL
+    by_model: dict[str, list[bool | None]] = defaultdict(list)
+    by_question: dict[str, list[bool | None]] = defaultdict(list)
+    for m, q, _rep, v, *_ in data:
+        by_model[f"litellm:{m}"].append(v)
+        by_question[q].append(v)
+
+    def rate(vs: list[bool | None]) -> float:
+        verdicts = [v for v in vs if v is not None]
+        return sum(verdicts) / len(verdicts)
+
+    got = store.query("SELECT answering_model, results, passed, failed, errors, pass_rate FROM v_pass_rate_by_model "
+                      "WHERE run_id = 'runV' ORDER BY answering_model").rows
+    assert [(g[0], g[1], g[2], g[3]) for g in got] == [
+        (m, len(vs), sum(v is True for v in vs), sum(v is False for v in vs)) for m, vs in sorted(by_model.items())
+    ]
+    assert [g[5] for g in got] == pytest.approx([rate(vs) for _, vs in sorted(by_model.items())])
+    assert [g[4] for g in got] == [0, 1]
+
+    got = store.query("SELECT question_id, pass_rate FROM v_pass_rate_by_question WHERE run_id = 'runV' "
+                      "ORDER BY question_id").rows
+    assert got == [(q, pytest.approx(rate(vs))) for q, vs in sorted(by_question.items())]
+
+    (summary,) = store.query("SELECT job_count, total, passed, failed, no_verdict, errors, pass_rate, "
+                             "benchmark_name FROM v_run_summary WHERE run_id = 'runV'").rows
+    all_v = [d[3] for d in data]
+    assert summary == (len(rows) + 2, len(rows), sum(v is True for v in all_v), sum(v is False for v in all_v),
+                       1, 1, pytest.approx(rate(all_v)), "bench")
+
+    usage = store.query("SELECT model, stage, results, input_tokens, output_tokens FROM v_usage_by_model "
+                        "WHERE run_id = 'runV' ORDER BY model, stage").rows
+    exp_usage: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for m, _q, _r, _v, _e, u, _rb in data:
+        for stage, entry in u.items():
+            key = (m if stage == "answer_generation" else "gpt-4o-mini", stage)
+            exp_usage[key][0] += 1
+            exp_usage[key][1] += entry["input_tokens"]
+            exp_usage[key][2] += entry["output_tokens"]
+    assert usage == [(m, s, *v) for (m, s), v in sorted(exp_usage.items())]
+
+    traits = store.query("SELECT answering_model, trait_type, trait_name, n, mean_score FROM v_trait_scores "
+                         "WHERE run_id = 'runV' ORDER BY answering_model, trait_type, trait_name").rows
+    exp_traits = []
+    for m in sorted({d[0] for d in data}):
+        mine = [d for d in data if d[0] == m]
+        exp_traits.append((f"litellm:{m}", "llm", "clarity", len(mine),
+                           pytest.approx(sum(d[6]["llm_trait_scores"]["clarity"] for d in mine) / len(mine))))
+        exp_traits.append((f"litellm:{m}", "regex", "cites", len(mine),
+                           pytest.approx(sum(d[6]["regex_trait_scores"]["cites"] for d in mine) / len(mine))))
+    assert traits == exp_traits
+
+
+def test_stage_latency_counts_each_stage_record_once(store: Store) -> None:
+    envs = [e for i in range(4) for e in _stage_events(f"s{i}", 2000.0 + i)]
+    p = project_envelopes(envs)
+    store.insert_projection(p)
+    store.insert_projection(p)
+    got = store.query("SELECT event_type, stage, status, n, p50_ms, max_ms FROM v_stage_latency "
+                      "WHERE run_id = 'run1' ORDER BY stage").rows
+    assert got == [
+        ("guards.checked", "abstention_check", "skipped", 4, 0.0, 0.0),
+        ("answer.generated", "generate_answer", "performed", 4, pytest.approx(2000.0), pytest.approx(2000.0)),
+        ("template.parsed", "parse_template", "performed", 4, pytest.approx(500.0), pytest.approx(500.0)),
+        ("rubric.evaluated", "rubric_evaluation", "performed", 4, pytest.approx(1000.0), pytest.approx(1000.0)),
+        ("template.verified", "verify_template", "performed", 4, pytest.approx(10.0), pytest.approx(10.0)),
+    ]
+    counts = dict(store.query("SELECT event_type, events FROM v_event_counts WHERE run_id = 'run1'").rows)
+    assert counts == {t: 4 for t in (events.ANSWER_GENERATED, events.GUARDS_CHECKED, events.TEMPLATE_PARSED,
+                                     events.RUBRIC_EVALUATED, events.TEMPLATE_VERIFIED)}
+    tokens = store.query("SELECT sum(input_tokens), sum(output_tokens) FROM events FINAL "
+                         "WHERE event_type = 'answer.generated'").rows
+    assert tokens == [(40, 80)]
+
+
+READ_ONLY_CASES = [
+    ("SELECT 1", True),
+    ("select count() from verification_results FINAL where run_id = {r:String};", True),
+    ("WITH x AS (SELECT 1 AS a) SELECT a FROM x", True),
+    ("  (SELECT 1) UNION ALL (SELECT 2)", True),
+    ("SHOW TABLES", True),
+    ("SHOW CREATE TABLE events", True),
+    ("DESCRIBE TABLE events", True),
+    ("EXPLAIN SELECT 1", True),
+    ("SELECT 'DROP TABLE x; INSERT' AS s -- a comment; DROP", True),
+    ("SELECT `update` FROM t", True),
+    ("INSERT INTO events (event_id) VALUES ('x')", False),
+    ("ALTER TABLE events DELETE WHERE 1", False),
+    ("DROP TABLE events", False),
+    ("CREATE TABLE x (a Int8) ENGINE = Memory", False),
+    ("SYSTEM SHUTDOWN", False),
+    ("KILL QUERY WHERE 1", False),
+    ("SET readonly = 0", False),
+    ("TRUNCATE TABLE events", False),
+    ("OPTIMIZE TABLE events FINAL", False),
+    ("SELECT 1; DROP TABLE events", False),
+    ("SELECT 1 /* ; */ ; SELECT 2", False),
+    ("SELECT * FROM file('/etc/passwd', 'LineAsString')", False),
+    ("SELECT file('/etc/hostname')", False),
+    ("SELECT * FROM `url`('http://example.com', 'CSV')", False),
+    ("SELECT * FROM s3('https://b/x.csv')", False),
+    ("SELECT * FROM remote('h', db.t)", False),
+    ("SELECT * FROM mysql('h:3306', 'db', 't', 'u', 'p')", False),
+    ("SELECT * FROM postgresql('h', 'db', 't', 'u', 'p')", False),
+    ("SELECT * FROM executable('x.sh', 'TSV', 'a String')", False),
+    ("SELECT 1 INTO OUTFILE 'x.csv'", False),
+    ("SELECT 1 SETTINGS readonly = 0", False),
+    ("WITH 1 AS a INSERT INTO t SELECT a", False),
+    ("", False),
+    ("  ;  ", False),
+]
+
+
+@pytest.mark.parametrize(("sql", "ok"), READ_ONLY_CASES)
+def test_read_only_guard(sql: str, ok: bool) -> None:
+    assert is_read_only_sql(sql) is ok, read_only_refusal(sql)
+
+
+def test_read_only_queries_use_a_read_only_handle(store: Store) -> None:
+    store.insert_results([result_to_row(make_result(), "run1")])
+    assert store.query_read_only("SELECT count() FROM verification_results FINAL").rows == [(1,)]
+    with pytest.raises(ValueError, match="refused"):
+        store.query_read_only("DROP TABLE verification_results")
+    # even past the text guard, the engine refuses writes on the reader handle
+    with pytest.raises(Exception, match="(?i)readonly"):
+        store.reader().command(f"INSERT INTO {store.database}.runs (run_id) VALUES ('x')")
+    assert store.count("verification_results") == 1 and store.count("runs") == 0
+    df = store.query_df("SELECT result_id, verify_result FROM verification_results FINAL")
+    assert list(df.columns) == ["result_id", "verify_result"] and len(df) == 1
+
+
+def test_run_query_falls_back_to_the_folder_without_a_projector(store: Store, settings: Settings) -> None:
+    results = [make_result(question=f"q{i}", verify=i % 2 == 0) for i in range(3)]
+    store.insert_results([result_to_row(r, "runQ") for r in results])
+    res = run_query(settings, "SELECT question_id, verify_result, execution_time FROM verification_results FINAL "
+                              "WHERE run_id = {run:String} ORDER BY question_id", {"run": "runQ"})
+    assert res.columns == ["question_id", "verify_result", "execution_time"]
+    assert res.rows == [("q0", True, 1.25), ("q1", False, 1.25), ("q2", True, 1.25)]
+    with pytest.raises(QueryError, match="refused"):
+        run_query(settings, "DELETE FROM verification_results WHERE 1")
+
+    table = format_table(res).splitlines()
+    assert table[0].split() == ["question_id", "verify_result", "execution_time"]
+    assert table[2].split() == ["q0", "True", "1.25"] and table[-1] == "(3 rows)"
+    assert len({len(line) for line in table[:2]}) == 1  # header and rule aligned
+    import json
+
+    assert json.loads(format_json(res))[1] == {"question_id": "q1", "verify_result": False, "execution_time": 1.25}
