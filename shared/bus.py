@@ -23,6 +23,34 @@ from shared.config import Settings
 
 log = logging.getLogger("veribus.bus")
 
+
+def _patch_pull_fetch_timeout() -> None:
+    """nats-py 2.16 can raise a bare asyncio.TimeoutError from `fetch` (a second fetch after a
+    partial batch), which FastStream 0.7.8 does not catch: its pull loop then dies with the batch
+    it already holds, and those messages wait a whole ack_wait for redelivery. Re-raise it as
+    nats' own TimeoutError, which FastStream handles."""
+    from nats import errors as nats_errors
+    from nats.js.client import JetStreamContext
+
+    sub_cls = JetStreamContext.PullSubscription
+    if getattr(sub_cls.fetch, "_veribus_patched", False):
+        return
+    original = sub_cls.fetch
+
+    async def fetch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN001
+        try:
+            return await original(self, *args, **kwargs)
+        except nats_errors.TimeoutError:
+            raise
+        except asyncio.TimeoutError as exc:
+            raise nats_errors.TimeoutError from exc
+
+    fetch._veribus_patched = True  # type: ignore[attr-defined]
+    sub_cls.fetch = fetch  # type: ignore[method-assign]
+
+
+_patch_pull_fetch_timeout()
+
 DUPLICATE_WINDOW_S = 600.0
 
 

@@ -118,7 +118,8 @@ class LLMError(Exception):
     model, stage, HTTP status and attempt count, and never contains an API key."""
 
     def __init__(self, kind: str, message: str, *, model: str = "", stage: str = "",
-                 status_code: int | None = None, attempts: int = 1, retry_after: float | None = None) -> None:
+                 status_code: int | None = None, attempts: int = 1, retry_after: float | None = None,
+                 usage: dict[str, Any] | None = None) -> None:
         if kind not in ERROR_KINDS:
             raise ValueError(f"unknown LLMError kind {kind!r}")
         self.kind = kind
@@ -127,6 +128,7 @@ class LLMError(Exception):
         self.status_code = status_code
         self.attempts = attempts
         self.retry_after = retry_after
+        self.usage = usage or {}  # tokens spent before failing (bad_output replies)
         super().__init__(message)
 
     @property
@@ -265,10 +267,12 @@ class NatsKVCache:
                     try:
                         self._kv = await self.js.key_value(self.bucket)
                     except (BucketNotFoundError, NotFoundError):
-                        self._kv = await self.js.create_key_value(
-                            KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
-                                           description="veribus LLM response cache")
-                        )
+                        config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
+                                                description="veribus LLM response cache")
+                        try:
+                            self._kv = await self.js.create_key_value(config)
+                        except Exception:  # another replica created it meanwhile
+                            self._kv = await self.js.key_value(self.bucket)
         return self._kv
 
     async def get(self, key: str) -> dict[str, Any] | None:
@@ -366,9 +370,9 @@ def _classify(exc: BaseException) -> tuple[str, int | None]:
             return "server_error", status
         if 400 <= status < 500:
             return "bad_request", status
-    if isinstance(exc, ConnectionError | OSError):
+    if isinstance(exc, ConnectionError | OSError) or type(exc).__module__.startswith(("aiohttp", "httpx")):
         return "connection", status
-    return "server_error", status
+    return "bad_request", status  # anything else (a bug, a bad argument) would fail again: no retry
 
 
 def _retry_after(exc: BaseException) -> float | None:
@@ -486,7 +490,7 @@ class LLMClient:
                 f"bad_output: model {model.model_name} at stage {stage} gave no valid "
                 f"{'JSON' if structured else 'reply'} after {MAX_OUTPUT_RETRIES + 1} replies "
                 f"({attempts} attempts); last error: {last_error}",
-                model=model.model_name, stage=stage, attempts=attempts,
+                model=model.model_name, stage=stage, attempts=attempts, usage=usage,
             )
         raw_message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
@@ -583,7 +587,7 @@ class LLMClient:
                 if (kind == "bad_request" and "response_format" in kwargs and not dropped_format
                         and _mentions_response_format(exc)):
                     log.info("llm %s rejected response_format; retrying without it", model.model_name)
-                    kwargs = {k: v for k, v in kwargs.items() if k != "response_format"}
+                    del kwargs["response_format"]  # in place: later validation rounds go without it too
                     dropped_format = True
                     continue
                 ra = _retry_after(exc) if kind == "rate_limit" else None

@@ -35,6 +35,11 @@ Handler = Callable[[events.Envelope, Any], Awaitable[list[events.Envelope]]]
 GiveUp = Callable[[events.Envelope, Any, BaseException], list[events.Envelope]]
 
 
+async def _raw_body(msg: NatsMessage) -> bytes:
+    """Hand handlers the raw bytes: envelopes are decoded once, by msgspec, in `_dispatch`."""
+    return msg.body
+
+
 def backoff_s(delivered: int) -> float:
     return min(30.0, 0.5 * (2 ** max(0, delivered - 1)))
 
@@ -123,6 +128,7 @@ class StageService:
                 config=config,
                 ack_policy=AckPolicy.MANUAL,
                 max_workers=workers,
+                decoder=_raw_body,
             )
             async def _on_message(body: bytes, msg: NatsMessage) -> None:
                 await self._dispatch(fn, payload_type, give_up, body, msg, max_deliver)

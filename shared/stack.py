@@ -157,7 +157,7 @@ def wait_ready(state: StackState, timeout: float = 60.0) -> None:
     while pending and time.monotonic() < deadline:
         for p in list(pending):
             text = Path(p.log).read_text(errors="replace") if Path(p.log).exists() else ""
-            if " ready" in text:
+            if " ready" in text or "app started successfully" in text:
                 pending.remove(p)
             elif not p.alive():
                 tail = "\n".join(text.splitlines()[-15:])

@@ -31,6 +31,15 @@ DEFAULT_TRUE_FIELDS = ["sufficient", "is_sufficient", "equivalent", "semanticall
 REASONING_NAMES = ("reasoning", "explanation", "rationale", "justification", "reason", "thoughts")
 DEFAULT_ERROR_MIX = {"429": 0.4, "500": 0.4, "slow": 0.2}
 LATENCY_DISTS = ("fixed", "uniform", "lognormal")
+CONTENT_FAULTS = frozenset({"malformed", "invalid", "empty", "fenced"})  # 200 with unusable/odd content
+DELAY_FAULTS = frozenset({"slow", "timeout"})  # answer only after --slow-ms
+
+
+def _valid_forced(item: Any) -> bool:
+    if isinstance(item, int) and not isinstance(item, bool):
+        return 400 <= item <= 599
+    text = str(item)
+    return text in CONTENT_FAULTS or text in DELAY_FAULTS or (text.isdigit() and 400 <= int(text) <= 599)
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
@@ -97,6 +106,14 @@ class Entry:
         if abstain:
             values.setdefault("abstention_detected", True)
         answer = raw.get("answer")
+        lists = {name: list(raw.get(name) or []) for name in ("errors", "answer_errors", "judge_errors")}
+        for name, items in lists.items():
+            for item in items:
+                if not _valid_forced(item):
+                    raise ValueError(
+                        f"script question {raw['match']!r}: {name} item {item!r} is not an HTTP status 400-599 "
+                        f"or one of {sorted(CONTENT_FAULTS | DELAY_FAULTS)}"
+                    )
         return cls(
             index=index,
             match=raw["match"],
@@ -105,9 +122,9 @@ class Entry:
             values=values,
             abstain=abstain,
             tool_calls=list(raw.get("tool_calls") or []),
-            errors=list(raw.get("errors") or []),
-            answer_errors=list(raw.get("answer_errors") or []),
-            judge_errors=list(raw.get("judge_errors") or []),
+            errors=lists["errors"],
+            answer_errors=lists["answer_errors"],
+            judge_errors=lists["judge_errors"],
         )
 
 
@@ -232,7 +249,9 @@ def fill_schema(
     values: dict[str, Any] | None = None,
     true_fields: frozenset[str] | set[str] = frozenset(DEFAULT_TRUE_FIELDS),
 ) -> Any:
-    """An instance of `schema`: scripted `values` by property name, else type defaults."""
+    """An instance of `schema`: a scripted value for any property (at any depth) whose name is in
+    `values`, else a type default (booleans false unless in `true_fields`, numbers the midpoint of
+    their bounds, strings "simulated", enums their first value, arrays empty)."""
     return _fill(schema, schema, values or {}, frozenset(true_fields), "", 0)
 
 
@@ -620,11 +639,10 @@ class Simulator:
     async def _inject(self, forced: Any, model: str) -> web.Response | None:
         """An injected failure; None when `forced` only alters the content (malformed, empty...)."""
         kind = str(forced)
-        if kind in ("malformed", "invalid", "empty", "fenced"):
-            self._count_error(kind)
-            return None
         self._count_error(kind)
-        if kind == "slow" or kind == "timeout":
+        if kind in CONTENT_FAULTS:
+            return None
+        if kind in DELAY_FAULTS:
             await asyncio.sleep(self.config.slow_ms / 1000)
             return None
         if kind == "429":

@@ -363,11 +363,12 @@ async def test_missing_key_env_names_the_variable(fake, monkeypatch: pytest.Monk
 
 async def test_response_format_rejected_falls_back(fake) -> None:
     t = fake([_exc("bad", message="response_format json_schema is not supported by this model"),
-              '```json\n{"ok": true}\n```'])
+              "not json", '```json\n{"ok": true}\n```'])
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     reply = await _client().complete(MODEL, [{"role": "user", "content": "q"}], stage="parsing", response_schema=schema)
-    assert reply.parsed == {"ok": True}
-    assert "response_format" in t.calls[0] and "response_format" not in t.calls[1]
+    assert reply.parsed == {"ok": True} and len(t.calls) == 3
+    assert "response_format" in t.calls[0]
+    assert "response_format" not in t.calls[1] and "response_format" not in t.calls[2]
     assert t.calls[0]["response_format"]["json_schema"]["schema"] == schema
 
 
@@ -405,6 +406,7 @@ async def test_bad_output_exhausted(fake) -> None:
         await _client().complete(MODEL, [{"role": "user", "content": "q"}], stage="parsing",
                                  response_schema={"type": "object"})
     assert ei.value.kind == "bad_output" and ei.value.attempts == 3 and "no JSON" in str(ei.value)
+    assert ei.value.usage["total_tokens"] > 0 and ei.value.usage["model"] == "openai/fake-model"
 
 
 async def test_cache_hit_returns_original_usage(fake) -> None:
@@ -452,3 +454,11 @@ def test_litellm_import_is_offline_and_lean() -> None:
     from litellm.litellm_core_utils.litellm_logging import Logging
 
     assert getattr(Logging, "_veribus_lean", False)
+
+
+def test_script_rejects_unknown_forced_errors() -> None:
+    Script({"questions": [{"match": "ok", "errors": [429, "500", "slow", "malformed"], "judge_errors": ["invalid"]}]})
+    with pytest.raises(ValueError, match="timout"):
+        Script({"questions": [{"match": "typo", "errors": ["timout"]}]})
+    with pytest.raises(ValueError, match="200"):
+        Script({"questions": [{"match": "not an error", "answer_errors": [200]}]})
