@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from contextvars import ContextVar
 import json
 import logging
 import os
@@ -300,6 +301,11 @@ class NatsKVCache:
 _key_encoder = msgspec.json.Encoder(order="sorted")
 
 
+CACHE_SCOPE: ContextVar[str | None] = ContextVar("veribus_llm_cache_scope", default=None)
+"""The scope of cached replies (the run id, set per handled event): a redelivery or replay of the
+same run reuses a reply; a new run of the same benchmark asks the model afresh."""
+
+
 def cache_key(model: ModelSpec, messages: list[dict[str, Any]], *, response_schema: dict[str, Any] | None = None,
               schema_name: str = "response", tools: list[dict[str, Any]] | None = None,
               replicate: int | None = None) -> str:
@@ -315,6 +321,7 @@ def cache_key(model: ModelSpec, messages: list[dict[str, Any]], *, response_sche
         "schema_name": schema_name if response_schema is not None else None,
         "tools": tools,
         "replicate": replicate,
+        "scope": CACHE_SCOPE.get(),
     }
     return hashlib.sha256(_key_encoder.encode(material)).hexdigest()
 

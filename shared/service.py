@@ -26,6 +26,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared import bus, events
 from shared.config import Settings
+from shared.llm import CACHE_SCOPE, LLMClient, NatsKVCache
 
 log = logging.getLogger("veribus.service")
 
@@ -68,6 +69,18 @@ class StageService:
         self._js: JetStreamContext | None = None
         self._stream = JStream(name=events.STREAM, declare=False)
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
+
+    def llm_client(self) -> LLMClient:
+        """The service's model client; its response cache moves to the shared JetStream KV bucket
+        at start-up (so a redelivered or replayed stage does not pay for the same call twice)."""
+        client = LLMClient()
+
+        async def attach_cache() -> None:
+            if self.settings.llm_cache:
+                client.cache = NatsKVCache(self.js)
+
+        self.startup_hooks.append(attach_cache)
+        return client
 
     @property
     def js(self) -> JetStreamContext:
@@ -158,6 +171,7 @@ class StageService:
             else:
                 await msg.nack(delay=backoff_s(delivered))
             return
+        CACHE_SCOPE.set(env.run_id)
         try:
             outs = await fn(env, payload)
             await self.publish(outs)

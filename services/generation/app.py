@@ -6,11 +6,10 @@ from typing import Any
 
 from services.generation.stage import STAGE, generate_answer
 from shared import events
-from shared.llm import LLMClient
 from shared.service import StageService, stage_error
 
 service = StageService("generation")
-llm = LLMClient()
+llm = service.llm_client()
 
 
 def _give_up(env: events.Envelope, req: events.AnswerRequested, exc: BaseException) -> list[events.Envelope]:

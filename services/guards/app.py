@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from services.guards.stage import check_guards
 from shared import events
-from shared.llm import LLMClient
 from shared.service import StageService, stage_error
 from shared.template_cache import TemplateInfoCache
 
 service = StageService("guards")
-llm = LLMClient()
+llm = service.llm_client()
 templates = TemplateInfoCache()
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from services.rubric.stage import STAGE, evaluate_rubric
 from shared import events
-from shared.llm import LLMClient
 from shared.service import StageService, stage_error
 
 service = StageService("rubric")
-llm = LLMClient()
+llm = service.llm_client()
 
 
 def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
