@@ -26,7 +26,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared import bus, events
 from shared.config import Settings
-from shared.llm import CACHE_SCOPE, LLMClient, NatsKVCache
+from shared.llm import CACHE_SCOPE, LLMClient, NatsKVCache, close_transports
 
 log = logging.getLogger("veribus.service")
 
@@ -58,14 +58,16 @@ class StageService:
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 1,
             "connect_timeout": 5,
-            "log_level": logging.WARNING,
+            "logger": None,
+            "apply_types": False,
             "graceful_timeout": 10.0,
         }
         for key in ("user", "password", "token", "tls"):
             if key in opts:
                 kwargs[key] = opts[key]
         self.broker = NatsBroker(opts["servers"], **kwargs)
-        self.app = FastStream(self.broker, on_startup=[self._startup], after_startup=[self._after_startup])
+        self.app = FastStream(self.broker, on_startup=[self._startup], after_startup=[self._after_startup],
+                              on_shutdown=[close_transports])
         self._js: JetStreamContext | None = None
         self._stream = JStream(name=events.STREAM, declare=False)
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
@@ -143,7 +145,8 @@ class StageService:
                 max_workers=workers,
                 decoder=_raw_body,
             )
-            async def _on_message(body: bytes, msg: NatsMessage) -> None:
+            async def _on_message(body: bytes) -> None:
+                msg: NatsMessage = self.broker.context.get_local("message")
                 await self._dispatch(fn, payload_type, give_up, body, msg, max_deliver)
 
             return fn

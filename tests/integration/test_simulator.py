@@ -128,6 +128,13 @@ def slow_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     s.stop()
 
 
+@pytest.fixture(autouse=True, params=["direct", "litellm"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every behaviour holds on both HTTP paths: the direct OpenAI-compatible one and litellm."""
+    monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", request.param)
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def _reset(request: pytest.FixtureRequest) -> None:
     for name in ("sim", "slow_sim"):

@@ -29,6 +29,13 @@ REF = Path("/work/shared/reference/karenina/llm_responses/claude-haiku-4-5")
 JUDGE_DIRS = ["template_parsing", "abstention", "rubric_evaluation"]
 
 
+
+
+@pytest.fixture(autouse=True)
+def _litellm_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests drive litellm itself (mock_response); the direct transport has its own tests."""
+    monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", "litellm")
+
 def _reference_files() -> list[Path]:
     if not REF.is_dir():
         return []
@@ -462,3 +469,19 @@ def test_script_rejects_unknown_forced_errors() -> None:
         Script({"questions": [{"match": "typo", "errors": ["timout"]}]})
     with pytest.raises(ValueError, match="200"):
         Script({"questions": [{"match": "not an error", "answer_errors": [200]}]})
+
+
+def test_transport_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.llm import transport_for
+
+    local = ModelSpec(model_name="openai/qwen", api_base="http://127.0.0.1:8000/v1")
+    hosted = ModelSpec(model_name="anthropic/claude-haiku-4-5")
+    monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", "auto")
+    assert transport_for(local) == "direct" and transport_for(hosted) == "litellm"
+    monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", "litellm")
+    assert transport_for(local) == "litellm"
+    monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", "direct")
+    assert transport_for(hosted) == "litellm"  # nothing to post to without an OpenAI-compatible base
+    monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", "bogus")
+    with pytest.raises(ValueError, match="VERIBUS_LLM_TRANSPORT"):
+        transport_for(local)
