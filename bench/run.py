@@ -92,7 +92,9 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             import httpx
 
             httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
-            models = {"api_base": state.simulator_url, "max_concurrency": concurrency}
+            # C is the total number of model calls in flight: each result makes two sequential
+            # calls (answer, then parse) in two services, so each model gets C/2.
+            models = {"api_base": state.simulator_url, "max_concurrency": max(1, concurrency // 2)}
             config = VerificationConfig(
                 answering_models=[ModelConfig(model_name="openai/bench-answerer", **models)],
                 parsing_models=[ModelConfig(model_name="openai/bench-judge", **models)],

@@ -179,6 +179,12 @@ def _tool_calls_of(msg: dict[str, Any]) -> list[tuple[str, str, Any]]:
     return out
 
 
+def _result_call_id(msg: dict[str, Any]) -> str:
+    """The id of the call a tool message answers (ours/OpenAI's `tool_call_id`, or the reference's)."""
+    result = msg.get("tool_result") if isinstance(msg.get("tool_result"), dict) else {}
+    return str(msg.get("tool_call_id") or result.get("tool_use_id") or "")
+
+
 def _role(msg: dict[str, Any]) -> str:
     role = str(msg.get("role") or msg.get("type") or "")
     return {"ai": "assistant", "human": "user"}.get(role, role)
@@ -206,7 +212,7 @@ def agent_metrics(trace: list[dict[str, Any]]) -> dict[str, Any]:
         elif role == "tool":
             tool_results += 1
             result = msg.get("tool_result") if isinstance(msg.get("tool_result"), dict) else {}
-            call_id = str(msg.get("tool_call_id") or result.get("tool_use_id") or "")
+            call_id = _result_call_id(msg)
             name = names_by_id.get(call_id) or str(msg.get("name") or "")
             failed = bool(msg.get("is_error") or result.get("is_error")) or str(
                 msg.get("status") or "").lower() in ("error", "failed", "failure")
@@ -243,7 +249,7 @@ def render_trace(trace: list[dict[str, Any]]) -> str:
                     lines += [f"  {name} ({cid})", f"   Call ID: {cid}", f"   Args: {args!r}"]
             blocks.append("\n".join(lines))
         elif role == "tool":
-            blocks.append(f"--- Tool Message (call_id: {msg.get('tool_call_id', '')}) ---\n{content}")
+            blocks.append(f"--- Tool Message (call_id: {_result_call_id(msg)}) ---\n{content}")
         elif role == "user":
             blocks.append(f"--- Human Message ---\n{content}")
         elif role == "system":

@@ -1,6 +1,12 @@
 """ParseTemplate (spec/003 stage 7): the judge fills the template's schema from the response.
 Fatal on failure (the job's template branch ends with an error); skipped after the guards'
 cascade (recursion limit, trace failure, abstention, insufficiency).
+
+With `deep_judgment_enabled` the parse is the three-stage deep judgment of
+`services.parsing.deep_judgment` (excerpts -> reasoning -> parameters) and `state.deep_judgment`
+holds every VerificationResultDeepJudgment field; a skipped or failed stage still leaves
+`{"deep_judgment_enabled": True, "deep_judgment_performed": False, ...}` so the result says the
+feature was on. With it off, nothing of deep judgment runs (one dict lookup).
 """
 
 from __future__ import annotations
@@ -9,9 +15,11 @@ import time
 from typing import Any
 
 from services.guards.stage import evaluation_text
+from services.parsing.deep_judgment import base_section, deep_judgment_parse
 from shared import prompts
 from shared.events import Job, State
 from shared.llm import LLMClient, LLMError, usage_entry
+from shared.search import SearchTool
 from shared.service import record, stage_error
 from shared.templates import TemplateInfo
 
@@ -49,8 +57,13 @@ def schema_validator(schema: dict[str, Any]):  # noqa: ANN201
     return check
 
 
-async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateInfo | None) -> State:
+async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateInfo | None,
+                         search_tool: SearchTool | None = None) -> State:
+    """Stage 7; `search_tool` overrides the registry lookup of `deep_judgment_search_tool` (tests, embedding apps)."""
     t = time.time()
+    deep = bool(job.options.get("deep_judgment_enabled"))
+    if deep:
+        state.deep_judgment = base_section(job.options)
     reason = skip_reason(state)
     if reason:
         record(state, STAGE, "skipped", t, reason)
@@ -62,6 +75,8 @@ async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateI
         record(state, STAGE, "failed", t, err[:300])
         return state
     text = evaluation_text(state, bool(job.options.get("use_full_trace_for_template", False)))
+    if deep:
+        return await _deep_parse(job, state, llm, info, text, t, search_tool)
     msgs = prompts.parsing_messages(job.question_text, text, info.json_schema, job.options, job.parsing.system_prompt)
     try:
         reply = await llm.complete(
@@ -75,4 +90,20 @@ async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateI
     state.signals["parsed"] = reply.parsed
     state.usage["parsing"] = usage_entry(reply)
     record(state, STAGE, "performed", t)
+    return state
+
+
+async def _deep_parse(job: Job, state: State, llm: LLMClient, info: TemplateInfo, text: str, t: float,
+                      search_tool: SearchTool | None) -> State:
+    out = await deep_judgment_parse(job, text, info, llm, schema_validator(info.json_schema or {}), search_tool)
+    state.deep_judgment = out.section
+    state.usage.update(out.usage)
+    if out.error is not None:
+        state.error = stage_error(STAGE, out.error)
+        record(state, STAGE, "failed", t, f"deep judgment: {out.error}"[:300])
+        return state
+    state.signals["parsed"] = out.parsed
+    missing = out.section.get("attributes_without_excerpts") or []
+    record(state, STAGE, "performed", t,
+           f"deep judgment: no excerpts for {', '.join(missing)}" if missing else "deep judgment")
     return state
