@@ -54,7 +54,7 @@ class AgentLLM:
 
 @pytest.fixture
 async def pool() -> AsyncIterator[MCPPool]:
-    p = MCPPool(connect_timeout=10, call_timeout=2, server_objects={TOOLS: build_server()})
+    p = MCPPool(connect_timeout=10, call_timeout=1, server_objects={TOOLS: build_server()})
     yield p
     await p.aclose()
 
@@ -164,14 +164,14 @@ async def test_bad_tool_calls_come_back_as_errors_and_the_loop_goes_on(pool: MCP
     ])
     started = time.monotonic()
     st = await generate_answer(job(), llm, pool)  # type: ignore[arg-type]
-    assert time.monotonic() - started < 8  # the slow tool is cut at call_timeout (2 s)
+    assert time.monotonic() - started < 6  # the slow tool is cut at call_timeout (1 s)
     tools = [m for m in st.template["trace_messages"] if m["role"] == "tool"]
     assert tools[0]["is_error"] and tools[0]["content"].startswith("Error: unknown tool 'no_such_tool'")
     assert tools[1]["is_error"] and "not valid JSON" in tools[1]["content"]
     # a bare name unique across servers is resolved to its namespaced tool
     assert (tools[2]["name"], tools[2]["content"], tools[2]["is_error"]) == (
         "mcp__calc__lookup_capital", "The capital of Japan is Tokyo.", False)
-    assert tools[3]["is_error"] and "timed out after 2 s" in tools[3]["content"]
+    assert tools[3]["is_error"] and "timed out after 1 s" in tools[3]["content"]
     m = st.template["agent_metrics"]
     assert m["suspect_failed_tool_calls"] == 3
     assert st.template["trace_messages"][-1] == {"role": "assistant", "content": "Tokyo."}
