@@ -263,8 +263,10 @@ class MCPConnection:
 
     async def open(self) -> None:
         """Connect, handshake and list tools, within `connect_timeout`; raises MCPConnectionError."""
-        from mcp import Client
-
+        try:
+            from mcp import Client
+        except ImportError as exc:
+            raise self._error(f"the `mcp` Python package is not importable ({exc})") from None
         if self._server_object is not None:
             server: Any = self._server_object
         else:
@@ -335,7 +337,7 @@ class MCPConnection:
         try:
             async with asyncio.timeout(self.call_timeout + 5.0):
                 result = await self.client.call_tool(tool, arguments, read_timeout_seconds=self.call_timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             return ToolOutcome(f"Error: tool {tool!r} on MCP server {self.name!r} timed out after "
                                f"{self.call_timeout:g} s", True)
         except asyncio.CancelledError:

@@ -533,7 +533,11 @@ class Simulator:
 
         tool_calls = None
         if tools and entry is not None and entry.tool_calls:
-            turn = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+            # the agent's turn: assistant messages after the last user message (few-shot pairs
+            # before the question are not agent turns)
+            last_user = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+                            default=-1)
+            turn = sum(1 for m in messages[last_user + 1:] if isinstance(m, dict) and m.get("role") == "assistant")
             if turn < len(entry.tool_calls):
                 tool_calls = self._tool_calls(entry.tool_calls[turn], turn, entry.index)
         if tool_calls is not None:

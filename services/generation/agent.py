@@ -105,6 +105,11 @@ def _parse_call(raw: dict[str, Any], turn: int, index: int) -> tuple[str, str, d
     return call_id, name, args, ""
 
 
+def _raw_args(raw: dict[str, Any]) -> Any:
+    fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
+    return fn.get("arguments", fn.get("input", ""))
+
+
 async def run_agent(job: Job, llm: LLMClient, toolbox: Toolbox, servers: list[str] | None = None) -> AgentRun:
     """Run the tool loop for `job`'s question (prompt built as for plain generation)."""
     model = job.answering
@@ -123,9 +128,9 @@ async def run_agent(job: Job, llm: LLMClient, toolbox: Toolbox, servers: list[st
         final_text = reply.text or ""
         calls = [_parse_call(tc, turn, i) for i, tc in enumerate(reply.tool_calls)]
         step: dict[str, Any] = {"role": "assistant", "content": final_text}
-        if calls:
-            step["tool_calls"] = [{"id": cid, "name": name, "arguments": args if args is not None else {}}
-                                  for cid, name, args, _ in calls]
+        if calls:  # unparseable arguments are kept as the model sent them
+            step["tool_calls"] = [{"id": cid, "name": name, "arguments": args if args is not None else _raw_args(tc)}
+                                  for (cid, name, args, _), tc in zip(calls, reply.tool_calls, strict=True)]
         trace.append(step)
         if not calls:
             break
@@ -135,8 +140,9 @@ async def run_agent(job: Job, llm: LLMClient, toolbox: Toolbox, servers: list[st
         convo.append({
             "role": "assistant", "content": final_text or None,
             "tool_calls": [{"id": cid, "type": "function",
-                            "function": {"name": name, "arguments": json.dumps(args if args is not None else {})}}
-                           for cid, name, args, _ in calls],
+                            "function": {"name": name, "arguments": json.dumps(args) if args is not None
+                                         else str(_raw_args(tc))}}
+                           for (cid, name, args, _), tc in zip(calls, reply.tool_calls, strict=True)],
         })
         outcomes = await asyncio.gather(*(_run_call(toolbox, name, args, problem)
                                           for _cid, name, args, problem in calls))

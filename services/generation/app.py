@@ -6,10 +6,16 @@ from typing import Any
 
 from services.generation.stage import STAGE, generate_answer
 from shared import events
+from shared.mcp_client import default_pool
 from shared.service import StageService, stage_error
 
 service = StageService("generation")
 llm = service.llm_client()
+
+
+@service.app.on_shutdown
+async def _close_mcp() -> None:
+    await default_pool().aclose()
 
 
 def _give_up(env: events.Envelope, req: events.AnswerRequested, exc: BaseException) -> list[events.Envelope]:

@@ -59,7 +59,7 @@ def schema_validator(schema: dict[str, Any]):  # noqa: ANN201
 
 async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateInfo | None,
                          search_tool: SearchTool | None = None) -> State:
-    """Stage 7; `search_tool` overrides the registry lookup of `deep_judgment_search_tool` (tests, embedding apps)."""
+    """Stage 7; `search_tool` replaces the registry lookup of `deep_judgment_search_tool` (tests, custom tools)."""
     t = time.time()
     deep = bool(job.options.get("deep_judgment_enabled"))
     if deep:

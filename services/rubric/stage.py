@@ -1,6 +1,24 @@
-"""RubricEvaluation (spec/003 stage 11): LLM, regex, callable and metric traits on the
-evaluation input. Non-fatal: a failing trait records its error in `trait_errors` and the other
-traits still score.
+"""RubricEvaluation and DeepJudgmentRubricAutoFail (spec/003 stages 11-12).
+
+Stage 11 scores LLM, regex, callable and metric traits on the evaluation input. Non-fatal: a
+failing trait records its error in `trait_errors` and the other traits still score.
+- Dynamic rubrics: a rubric wire dict may carry `"dynamic_traits"` (trait dicts like `"traits"`).
+  One batched judge call decides which concepts the response engages with; present ones are
+  evaluated like static traits (`dynamic_rubric_promoted_traits`), absent ones are listed with the
+  judge's reason in `dynamic_rubric_skipped_traits`. A concept the judge does not mention counts
+  as present (the prompt's own rule: skipping a relevant evaluation is worse). A dynamic trait
+  whose name clashes with a static one, or that does not validate, is an error for that trait
+  (`trait_errors["dynamic:<name>"]` and a skip reason), never for the rubric. If the presence
+  call fails, every dynamic trait is skipped with that reason.
+- Deep judgment (`deep_judgment_rubric_mode`, see services/rubric/deep_judgment.py): deep-judged
+  LLM traits get excerpts -> reasoning -> score; their scores also appear in `llm_trait_scores`,
+  the other LLM traits' in `deep_judgment_rubric.standard_rubric_scores`.
+- The judge's batch reply may be the asked-for `{trait: value}` or the reference's
+  `{"scores": {trait: value}}`; a one-trait call may answer `{"result": v}` / `{"score": v}`.
+
+Stage 12 (DeepJudgmentRubricAutoFail): deep judgment ran and some traits have no valid excerpt
+(and no abstention) -> `signals["dj_rubric_autofail"]`, which the fold turns into verify_result
+False. Both stages record their status in `state.stages`.
 """
 
 from __future__ import annotations
@@ -10,15 +28,19 @@ import logging
 import time
 from typing import Any
 
+from services.rubric.deep_judgment import evaluate_dj_traits, resolve_trait_configs
 from shared import prompts
 from shared.events import Job, State
 from shared.llm import LLMClient, LLMError, add_usage, usage_entry
-from shared.rubric import Rubric
+from shared.rubric import AnyTrait, Rubric
+from shared.search import SearchTool
 from shared.service import record
 from shared.templates import regex_trait_score, run_callable_trait
 
 log = logging.getLogger("veribus.rubric")
 STAGE = "rubric_evaluation"
+AUTOFAIL_STAGE = "deep_judgment_rubric_autofail"
+_SINGLE_KEYS = ("result", "score", "label", "value")
 
 
 def _llm_trait_schema(trait: Any) -> dict[str, Any]:
@@ -94,11 +116,12 @@ async def _llm_traits(job: Job, text: str, traits: list[Any], llm: LLMClient, ou
                 out["errors"][t.name] = str(exc)
             return
         out["usage"] = add_usage(out["usage"], usage_entry(reply)) if out["usage"] else usage_entry(reply)
+        values = _trait_values(reply.parsed, group)
         for t in group:
             try:
-                if t.name not in reply.parsed:
+                if t.name not in values:
                     raise ValueError(f"trait {t.name!r}: judge returned no value")
-                score, label = _coerce(t, reply.parsed[t.name])
+                score, label = _coerce(t, values[t.name])
                 out["llm"][t.name] = score
                 if label is not None:
                     out["labels"][t.name] = label
@@ -106,6 +129,21 @@ async def _llm_traits(job: Job, text: str, traits: list[Any], llm: LLMClient, ou
                 out["errors"][t.name] = str(exc)
 
     await asyncio.gather(*(run_group(g) for g in groups))
+
+
+def _trait_values(parsed: dict[str, Any], group: list[Any]) -> dict[str, Any]:
+    """Trait name -> judge value, from `{trait: v}`, `{"scores": {trait: v}}`, or (one trait) `{"result": v}`."""
+    names = {t.name for t in group}
+    if names & parsed.keys():
+        return parsed
+    scores = parsed.get("scores")
+    if isinstance(scores, dict):
+        return scores
+    if len(group) == 1:
+        for key in _SINGLE_KEYS:
+            if key in parsed:
+                return {group[0].name: parsed[key]}
+    return parsed
 
 
 def _is_object(obj: Any) -> Any:
@@ -176,29 +214,42 @@ async def _metric_trait(job: Job, text: str, trait: Any, llm: LLMClient, out: di
     out["confusion"][trait.name] = {"tp": tp_l, "fn": fn_l, "fp": fp_l, "tn": tn_l or []}
 
 
-async def evaluate_rubric(job: Job, state: State, llm: LLMClient) -> State:
+async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: SearchTool | None = None) -> State:
+    """Stages 11-12; `search_tool` overrides the registry lookup of `deep_judgment_search_tool`."""
     t = time.time()
     if state.error:
         record(state, STAGE, "skipped", t, "upstream error")
+        record(state, AUTOFAIL_STAGE, "skipped", t, "upstream error")
         return state
-    rubric = Rubric.from_wire(job.rubric) if job.rubric else None
-    if rubric is None or rubric.is_empty():
+    rubric = Rubric.from_wire(job.rubric) if job.rubric else Rubric()
+    dynamic_raw = (job.rubric or {}).get("dynamic_traits") or []
+    if rubric.is_empty() and not dynamic_raw:
         record(state, STAGE, "skipped", t, "no rubric traits")
+        record(state, AUTOFAIL_STAGE, "skipped", t, "no rubric traits")
         return state
     use_full = bool(job.options.get("use_full_trace_for_rubric", True))
     if state.signals.get("trace_validation_failed") and not use_full:
-        record(state, STAGE, "skipped", t, "trace validation failed and use_full_trace_for_rubric is false")
+        why = "trace validation failed and use_full_trace_for_rubric is false"
+        record(state, STAGE, "skipped", t, why)
+        record(state, AUTOFAIL_STAGE, "skipped", t, why)
         return state
     from services.guards.stage import evaluation_text
 
     text = evaluation_text(state, use_full)
     out: dict[str, Any] = {"llm": {}, "labels": {}, "errors": {}, "metric": {}, "confusion": {}, "usage": {}}
+    promoted: list[str] | None = None
+    skipped: dict[str, str] | None = None
+    if dynamic_raw:
+        rubric, promoted, skipped = await _resolve_dynamic(job, state, text, rubric, dynamic_raw, llm, out)
     has = {"llm": bool(rubric.llm_traits), "regex": bool(rubric.regex_traits),
            "callable": bool(rubric.callable_traits), "metric": bool(rubric.metric_traits)}
     # traits the checkpoint could not define completely fail on their own, before any scoring
     for trait in rubric.all_traits():
         if trait.load_error:
             out["errors"][trait.name] = f"trait not evaluable: {trait.load_error}"
+    dj_configs, dj_config_errors = resolve_trait_configs(
+        job.options, [lt for lt in rubric.llm_traits if lt.name not in out["errors"]], job.question_id)
+    out["errors"].update(dj_config_errors)
     broken = set(out["errors"])
     rubric = rubric.model_copy(update={
         "llm_traits": [t for t in rubric.llm_traits if t.name not in broken],
@@ -206,6 +257,8 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient) -> State:
         "callable_traits": [t for t in rubric.callable_traits if t.name not in broken],
         "metric_traits": [t for t in rubric.metric_traits if t.name not in broken],
     })
+    dj_traits = [lt for lt in rubric.llm_traits if lt.name in dj_configs]
+    std_traits = [lt for lt in rubric.llm_traits if lt.name not in dj_configs]
     regex_scores: dict[str, bool] = {}
     for rt in rubric.regex_traits:
         try:
@@ -225,11 +278,27 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient) -> State:
         except Exception as exc:
             out["errors"][ct.name] = f"{type(exc).__name__}: {exc}"
 
+    dj_out: list[Any] = []
+
+    async def run_dj() -> None:
+        dj_out.append(await evaluate_dj_traits(job, text, dj_traits, dj_configs, llm, _coerce, search_tool))
+
     await asyncio.gather(
         *(run_callable(ct) for ct in rubric.callable_traits),
-        *([_llm_traits(job, text, list(rubric.llm_traits), llm, out)] if rubric.llm_traits else []),
+        *([_llm_traits(job, text, std_traits, llm, out)] if std_traits else []),
         *(_metric_trait(job, text, mt, llm, out) for mt in rubric.metric_traits),
+        *([run_dj()] if dj_traits else []),
     )
+    if dj_out:
+        dj = dj_out[0]
+        dj.section["standard_rubric_scores"] = {lt.name: out["llm"][lt.name] for lt in std_traits
+                                                if lt.name in out["llm"]} if std_traits else None
+        out["llm"].update(dj.scores)
+        out["labels"].update(dj.labels)
+        out["errors"].update(dj.errors)
+        state.deep_judgment_rubric = dj.section
+        if dj.usage:
+            state.usage["deep_judgment_rubric"] = dj.usage
     state.rubric = {
         "rubric_evaluation_performed": True,
         "rubric_evaluation_strategy": job.options.get("rubric_evaluation_strategy", "batch"),
@@ -240,11 +309,107 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient) -> State:
         "metric_trait_scores": out["metric"] if rubric.metric_traits or has["metric"] else None,
         "metric_trait_confusion_lists": out["confusion"] if rubric.metric_traits or has["metric"] else None,
         "trait_errors": out["errors"] or None,
+        "dynamic_rubric_promoted_traits": promoted,
+        "dynamic_rubric_skipped_traits": skipped,
     }
     if out["usage"]:
         state.usage["rubric_evaluation"] = out["usage"]
     if out["errors"]:
         log.warning("result %s: %d rubric trait(s) failed: %s", job.result_id, len(out["errors"]), out["errors"])
     record(state, STAGE, "performed", t, f"{len(out['errors'])} trait error(s)" if out["errors"] else "")
-    record(state, "deep_judgment_rubric_autofail", "skipped", time.time(), "deep judgment rubric not performed")
+    deep_judgment_rubric_autofail(job, state)
     return state
+
+
+def _presence_verdicts(parsed: Any) -> dict[str, tuple[bool, str]]:
+    """Trait name -> (present, reasoning) from `{"results": [...]}`, a bare list, or `{name: bool}`."""
+    items = parsed.get("results") if isinstance(parsed, dict) and "results" in parsed else parsed
+    out: dict[str, tuple[bool, str]] = {}
+    if isinstance(items, list):
+        for it in items:
+            if isinstance(it, dict) and (it.get("trait_name") or it.get("name")) is not None:
+                present = it.get("present", True)
+                if isinstance(present, str):
+                    present = present.strip().lower() not in ("false", "no", "absent")
+                out[str(it.get("trait_name") or it.get("name"))] = (bool(present), str(it.get("reasoning") or ""))
+    elif isinstance(items, dict):
+        for name, value in items.items():
+            if isinstance(value, bool):
+                out[str(name)] = (value, "")
+            elif isinstance(value, dict) and "present" in value:
+                out[str(name)] = (bool(value["present"]), str(value.get("reasoning") or ""))
+    return out
+
+
+async def _resolve_dynamic(job: Job, state: State, text: str, static: Rubric, raw_traits: Any, llm: LLMClient,
+                           out: dict[str, Any]) -> tuple[Rubric, list[str], dict[str, str]]:
+    """Presence check of the dynamic traits; returns (static + promoted rubric, promoted names, skipped)."""
+    skipped: dict[str, str] = {}
+    static_names = set(static.trait_names())
+    candidates: list[AnyTrait] = []
+    if not isinstance(raw_traits, list):
+        raw_traits = [raw_traits]
+    for i, raw in enumerate(raw_traits):
+        label = str(raw.get("name") or f"dynamic_traits[{i}]") if isinstance(raw, dict) else f"dynamic_traits[{i}]"
+        try:
+            trait = Rubric.from_wire({"traits": [raw]}).all_traits()[0]
+        except ValueError as exc:  # RubricError, pydantic ValidationError
+            out["errors"][f"dynamic:{label}"] = f"invalid dynamic trait: {exc}"[:1000]
+            skipped[label] = "error: invalid trait definition"
+            continue
+        if trait.name in static_names or any(c.name == trait.name for c in candidates):
+            where = "a static rubric trait" if trait.name in static_names else "another dynamic trait"
+            out["errors"][f"dynamic:{trait.name}"] = f"dynamic trait name clashes with {where}"
+            skipped[trait.name] = f"error: name clashes with {where}"
+            continue
+        candidates.append(trait)
+    if not candidates:
+        return static, [], skipped
+    concepts = [(c.name, c.description or c.name) for c in candidates]
+    try:
+        reply = await llm.complete(job.parsing, prompts.rubric_presence_messages(job.question_text, text, concepts,
+                                                                                 job.options),
+                                   stage="rubric_presence_check", response_schema=prompts.PRESENCE_SCHEMA,
+                                   schema_name="concept_presence", validate=_presence_container)
+    except LLMError as exc:
+        log.warning("result %s: dynamic rubric presence check failed: %s", job.result_id, exc)
+        for c in candidates:
+            skipped[c.name] = f"presence check failed: {exc}"[:300]
+        return static, [], skipped
+    state.usage["rubric_presence_check"] = usage_entry(reply)
+    verdicts = _presence_verdicts(reply.parsed)
+    promoted: list[AnyTrait] = []
+    for c in candidates:
+        present, why = verdicts.get(c.name, (True, ""))
+        if present:
+            promoted.append(c)
+        else:
+            skipped[c.name] = f"concept not present: {why}" if why else "concept not present"
+    merged = static.merge(Rubric.from_traits(promoted)) if promoted else static
+    return merged, [c.name for c in promoted], skipped
+
+
+def _presence_container(obj: Any) -> Any:
+    if not isinstance(obj, dict | list):
+        raise ValueError('expected {"results": [{"trait_name", "present", "reasoning"}]}')
+    return obj
+
+
+def deep_judgment_rubric_autofail(job: Job, state: State) -> None:
+    """Stage 12: deep-judged traits without a valid excerpt fail the result (via the fold)."""
+    t = time.time()
+    dj = state.deep_judgment_rubric
+    if not dj or not dj.get("deep_judgment_rubric_performed"):
+        record(state, AUTOFAIL_STAGE, "skipped", t, "deep judgment rubric not performed")
+    elif state.signals.get("abstention"):
+        record(state, AUTOFAIL_STAGE, "skipped", t, "abstention detected")
+    elif not dj.get("traits_without_valid_excerpts"):
+        record(state, AUTOFAIL_STAGE, "skipped", t, "no traits missing excerpts")
+    else:
+        missing = list(dj["traits_without_valid_excerpts"])
+        meta = dj.get("trait_metadata") or {}
+        state.signals["dj_rubric_autofail"] = True
+        log.warning("result %s: deep judgment rubric auto-fail: no valid excerpts for %s -> verify_result=False",
+                    job.result_id, ", ".join(f"{n} ({meta.get(n, {}).get('excerpt_retry_count', 0)} retries)"
+                                             for n in missing))
+        record(state, AUTOFAIL_STAGE, "performed", t, f"no valid excerpts for {', '.join(missing)}"[:300])

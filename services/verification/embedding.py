@@ -11,7 +11,7 @@
   one intra-op thread (`VERIBUS_EMBEDDING_THREADS`, default 1): for two short strings more threads
   only burn CPU (measured ~33 ms CPU per pair with 1 thread vs ~58 ms with 2).
 - What is compared (`values_text`): the *values* of the parsed ground truth and the parsed
-  response, in field-name order, joined with "; " (non-strings as JSON). The reference embeds the
+  response, in the ground truth's field order, joined with "; " (non-strings as JSON). The reference embeds the
   whole JSON dict, keys included; identical keys on both sides inflate the similarity of wrong
   values (`{"result": 4}` vs `{"result": 5}`), so values alone discriminate better.
 
@@ -84,10 +84,10 @@ def _as_text(value: Any) -> str:
 
 
 def values_text(data: dict[str, Any] | None, keys: list[str] | None = None) -> str:
-    """The field values of a parsed answer, in `keys` (default: sorted field names) order, '; '-joined."""
+    """The field values of a parsed answer, in `keys` order (default: the dict's own), '; '-joined."""
     if not data:
         return ""
-    return "; ".join(_as_text(data.get(k)) for k in (keys if keys is not None else sorted(data)))
+    return "; ".join(_as_text(data.get(k)) for k in (keys if keys is not None else list(data)))
 
 
 class EmbeddingUnavailable(RuntimeError):

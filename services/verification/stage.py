@@ -138,7 +138,7 @@ async def embedding_check(job: Job, state: State, llm: LLMClient | None = None,
     if not expected or not got:
         record(state, EMBEDDING_STAGE, "skipped", t, "no parsed ground truth or response to compare")
         return
-    keys = sorted(set(expected) | set(got))
+    keys = list(expected) + [k for k in got if k not in expected]
     expected_text, got_text = values_text(expected, keys), values_text(got, keys)
     emb = embedder or get_embedder(cfg.model)
     tmpl["embedding_check_performed"] = True

@@ -168,6 +168,7 @@ async def test_bad_tool_calls_come_back_as_errors_and_the_loop_goes_on(pool: MCP
     tools = [m for m in st.template["trace_messages"] if m["role"] == "tool"]
     assert tools[0]["is_error"] and tools[0]["content"].startswith("Error: unknown tool 'no_such_tool'")
     assert tools[1]["is_error"] and "not valid JSON" in tools[1]["content"]
+    assert st.template["trace_messages"][0]["tool_calls"][1]["arguments"] == "{not json"
     # a bare name unique across servers is resolved to its namespaced tool
     assert (tools[2]["name"], tools[2]["content"], tools[2]["is_error"]) == (
         "mcp__calc__lookup_capital", "The capital of Japan is Tokyo.", False)
