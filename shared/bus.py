@@ -42,7 +42,7 @@ def _patch_pull_fetch_timeout() -> None:
             return await original(self, *args, **kwargs)
         except nats_errors.TimeoutError:
             raise
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise nats_errors.TimeoutError from exc
 
     fetch._veribus_patched = True  # type: ignore[attr-defined]

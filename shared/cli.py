@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -117,7 +116,7 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa: ANN202
-    from shared.config import ModelConfig, VerificationConfig
+    from shared.config import VerificationConfig
 
     data: dict[str, Any] = {}
     if args.config:
@@ -157,12 +156,10 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
     for flag in ("abstention_enabled", "sufficiency_enabled", "embedding_check_enabled", "deep_judgment_enabled"):
         if getattr(args, flag, False):
             data[flag] = True
-    cfg = VerificationConfig.model_validate(data)
-    _ = ModelConfig
-    return cfg
+    return VerificationConfig.model_validate(data)
 
 
-def _is_simulated(args: argparse.Namespace, config_models: list[str]) -> bool:
+def _is_simulated(args: argparse.Namespace) -> bool:
     if args.simulate:
         return True
     if args.api_base:
@@ -185,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except BenchmarkError as exc:
         _err(str(exc))
         return EXIT_INPUT
-    simulated = _is_simulated(args, args.model or [])
+    simulated = _is_simulated(args)
     try:
         # validate everything before anything starts or is published
         config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
@@ -257,7 +254,14 @@ def _post_script(simulator_url: str, script: dict) -> None:
 
 
 async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: ANN001, ANN202
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from shared import runner
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.events import Job, State, StageError
+from shared.events import Job, StageError, State
 from shared.models import (
     ModelIdentity,
     VerificationResult,

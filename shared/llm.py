@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from contextvars import ContextVar
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import ssl
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
+from shared.bus import connect_options, server_reachable
 from shared.config import Settings
 from shared.events import QUERY_SUBJECT
 from shared.store import QueryResult, ReadOnlyError, open_store, read_only_refusal
@@ -44,20 +44,6 @@ class _Reply(msgspec.Struct):
 _reply_dec = msgspec.json.Decoder(_Reply)
 
 
-def nats_connect_kwargs(settings: Settings) -> dict[str, Any]:
-    """nats-py / FastStream connection options from Settings (replace with shared/bus.py's helper
-    once the lead provides one)."""
-    kw: dict[str, Any] = {"servers": settings.nats_url}
-    if settings.nats_user:
-        kw["user"] = settings.nats_user
-        kw["password"] = settings.nats_password
-    if settings.nats_token:
-        kw["token"] = settings.nats_token
-    if settings.nats_tls_ca:
-        kw["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
-    return kw
-
-
 async def query_via_nats(
     settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float = 10.0
 ) -> QueryResult:
@@ -66,10 +52,13 @@ async def query_via_nats(
     from nats.errors import NoRespondersError, NoServersError
     from nats.errors import TimeoutError as NatsTimeout
 
+    if not server_reachable(settings.nats_url):
+        raise NoProjector(f"no NATS server at {settings.nats_url}")
+    opts = connect_options(settings)
+    opts.update(name="veribus-query", connect_timeout=2, allow_reconnect=False,
+                max_reconnect_attempts=1, reconnect_time_wait=0.1)
     try:
-        nc = await nats.connect(
-            **nats_connect_kwargs(settings), connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0
-        )
+        nc = await asyncio.wait_for(nats.connect(**opts), timeout=5)
     except (TimeoutError, NoServersError, OSError, NatsTimeout) as exc:
         raise NoProjector(f"no NATS server at {settings.nats_url}: {exc}") from exc
     try:

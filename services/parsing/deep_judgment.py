@@ -69,10 +69,14 @@ def base_section(options: dict[str, Any]) -> dict[str, Any]:
     return {
         "deep_judgment_enabled": True,
         "deep_judgment_performed": False,
-        "deep_judgment_search_enabled": bool(options.get("deep_judgment_search_enabled", False)),
+        "extracted_excerpts": None,
+        "attribute_reasoning": None,
         "deep_judgment_stages_completed": [],
         "deep_judgment_model_calls": 0,
         "deep_judgment_excerpt_retry_count": 0,
+        "attributes_without_excerpts": None,
+        "deep_judgment_search_enabled": bool(options.get("deep_judgment_search_enabled", False)),
+        "hallucination_risk_assessment": None,
     }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +23,12 @@ from typing import Any
 import msgspec
 from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, DeliverPolicy, JStream, NatsBroker, PullSub
-from nats.js.api import StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import AckPolicy as JsAckPolicy
 
+from shared.bus import connect as bus_connect
+from shared.bus import connect_options, ensure_stream
 from shared.config import Settings
-from shared.events import QUERY_SUBJECT, STREAM, STREAM_SUBJECTS, decode
-from shared.query import nats_connect_kwargs
+from shared.events import QUERY_SUBJECT, STREAM, decode
 from shared.store import (
     Projection,
     ReadOnlyError,
@@ -56,31 +57,6 @@ class _QueryRequest(msgspec.Struct):
 
 
 _query_dec = msgspec.json.Decoder(_QueryRequest)
-
-
-def stream_config() -> StreamConfig:
-    """The event stream, as the projector creates it when missing.
-
-    Placeholder until shared/bus.py provides `stream_config()`: the projector only creates the
-    stream if it does not exist and never updates an existing one.
-    """
-    return StreamConfig(name=STREAM, subjects=list(STREAM_SUBJECTS), storage=StorageType.FILE,
-                        duplicate_window=120.0)
-
-
-async def ensure_stream(settings: Settings) -> None:
-    """Create the stream if it is missing (never alter an existing one)."""
-    import nats
-
-    nc = await nats.connect(**nats_connect_kwargs(settings), connect_timeout=5)
-    try:
-        js = nc.jetstream()
-        try:
-            await js.stream_info(STREAM)
-        except NotFoundError:
-            await js.add_stream(stream_config())
-    finally:
-        await nc.close()
 
 
 @dataclass
@@ -216,16 +192,20 @@ def create_app(
 ) -> tuple[FastStream, Projector]:
     """The FastStream app and its Projector (not yet started)."""
     projector = Projector(settings)
+    opts = connect_options(settings)
     broker = NatsBroker(
-        **nats_connect_kwargs(settings), serializer=None, log_level=log_level, name=PRODUCER,
+        opts.pop("servers"), **{k: v for k, v in opts.items() if k != "name"},
+        name="veribus-projector", serializer=None, log_level=log_level, graceful_timeout=10.0,
     )
 
     @broker.subscriber(
         "vb.>",
-        stream=JStream(name=STREAM, subjects=list(STREAM_SUBJECTS), declare=False),
+        stream=JStream(name=STREAM, declare=False),  # declared by shared.bus.ensure_stream
         durable=DURABLE,
         pull_sub=PullSub(batch_size=batch_size, timeout=batch_timeout, batch=True),
         config=ConsumerConfig(
+            durable_name=DURABLE,
+            ack_policy=JsAckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=settings.consumer_ack_wait_s,
             max_ack_pending=max(settings.consumer_max_ack_pending, 2 * batch_size),
@@ -250,7 +230,11 @@ def create_app(
     @app.on_startup
     async def _open() -> None:
         projector.open()  # blocking on purpose: before any message is consumed, in the main thread
-        await ensure_stream(settings)
+        nc = await bus_connect(settings, name="veribus-projector-admin")
+        try:
+            await ensure_stream(nc.jetstream())
+        finally:
+            await nc.close()
 
     @app.after_startup
     async def _limits() -> None:
@@ -271,5 +255,8 @@ def main() -> None:
     settings = Settings.from_env()
     if not settings.clickhouse_url:
         preload_chdb()
-    app, _ = create_app(settings)
+    batch = int(os.environ.get("VERIBUS_PROJECTOR_BATCH", DEFAULT_BATCH_SIZE))
+    timeout = float(os.environ.get("VERIBUS_PROJECTOR_BATCH_TIMEOUT", DEFAULT_BATCH_TIMEOUT))
+    logging.getLogger("faststream").setLevel(logging.WARNING)  # no per-batch "Received/Processed" lines
+    app, _ = create_app(settings, batch_size=batch, batch_timeout=timeout, log_level=logging.WARNING)
     asyncio.run(app.run())

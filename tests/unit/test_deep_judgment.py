@@ -147,7 +147,8 @@ def test_deep_judgment_performed_fills_every_field_and_passes() -> None:
     judge = Judge({"deep_judgment_excerpts": GOOD, "deep_judgment_reasoning": REASONING, "parsing": PARSED})
     st = asyncio.run(parse_and_verify(make_job(DJ_ON), judge))
     dj = st.deep_judgment
-    assert dj is not None and set(VerificationResultDeepJudgment.model_fields) - {"hallucination_risk_assessment"} <= set(dj)
+    assert dj is not None and set(dj) == set(VerificationResultDeepJudgment.model_fields)
+    assert dj["hallucination_risk_assessment"] is None
     assert dj["deep_judgment_enabled"] and dj["deep_judgment_performed"] and not dj["deep_judgment_search_enabled"]
     assert dj["deep_judgment_stages_completed"] == ["excerpts", "reasoning", "parameters"]
     assert dj["deep_judgment_model_calls"] == 3 and dj["deep_judgment_excerpt_retry_count"] == 0
@@ -227,7 +228,7 @@ def test_deep_judgment_skipped_on_abstention_keeps_enabled_flag() -> None:
     judge = Judge({})
     st = events.State(template={"raw_llm_response": "No."}, signals={"abstention": True})
     st = asyncio.run(parse_and_verify(make_job(DJ_ON), judge, st))
-    assert judge.calls == []
+    assert judge.calls == [] and set(st.deep_judgment) == set(VerificationResultDeepJudgment.model_fields)
     assert st.deep_judgment["deep_judgment_enabled"] and not st.deep_judgment["deep_judgment_performed"]
     assert status(st, "parse_template") == ("skipped", "abstention detected")
     assert status(st, "deep_judgment_autofail") == ("skipped", "abstention detected")
@@ -527,3 +528,30 @@ def test_dynamic_only_rubric_with_failed_presence_check_skips_all() -> None:
 def test_static_rubric_reports_no_dynamic_fields() -> None:
     st = eval_rubric(make_job({}, Rubric(llm_traits=TRAITS), "rubric_only"), rubric_judge())
     assert st.rubric["dynamic_rubric_promoted_traits"] is None and st.rubric["dynamic_rubric_skipped_traits"] is None
+
+
+def test_rubric_deep_judgment_scores_literal_traits_with_labels() -> None:
+    tone = LLMRubricTrait(name="tone", kind="literal", description="register of the answer",
+                          classes={"formal": "formal register", "casual": "casual register"},
+                          deep_judgment_enabled=True, deep_judgment_excerpt_enabled=False)
+    judge = Judge({"deep_judgment_rubric_reasoning": "Short, friendly sentences: casual.",
+                   "deep_judgment_rubric_score": "```json\n{\"label\": \"Casual\"}\n```"})
+    j = make_job({"deep_judgment_rubric_mode": "use_checkpoint"}, Rubric(llm_traits=[tone]), "rubric_only")
+    st = eval_rubric(j, judge)
+    assert st.rubric["llm_trait_scores"] == {"tone": 1} and st.rubric["llm_trait_labels"] == {"tone": "casual"}
+    assert st.deep_judgment_rubric["deep_judgment_rubric_scores"] == {"tone": 1}
+    score_call = judge.stage_calls("deep_judgment_rubric_score")[0]
+    assert score_call["schema"]["properties"]["label"]["enum"] == ["formal", "casual"]
+    assert "Short, friendly sentences: casual." in score_call["messages"][-1]["content"]
+
+
+def test_deep_judgment_autofail_skips_when_deep_judgment_did_not_run() -> None:
+    from services.verification.stage import deep_judgment_autofail
+
+    st = events.State(template={"verify_result": True})
+    deep_judgment_autofail(make_job(DJ_ON), st)  # e.g. a state from before deep judgment was switched on
+    assert status(st, "deep_judgment_autofail") == ("skipped", "deep judgment not performed")
+    st.deep_judgment = {**template_dj.base_section(DJ_ON), "attributes_without_excerpts": ["celsius"]}
+    deep_judgment_autofail(make_job(DJ_ON), st)  # listed attributes, but the parse never completed
+    assert status(st, "deep_judgment_autofail") == ("skipped", "deep judgment not performed")
+    assert st.template["verify_result"] is True
