@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -50,7 +51,7 @@ class StageService:
 
     def __init__(self, name: str, settings: Settings | None = None) -> None:
         self.name = name
-        self.producer = f"{name}/{VERSION}"
+        self.producer = f"{name}/{VERSION}@{socket.gethostname()}:{os.getpid()}"  # which replica
         self.settings = settings or Settings.from_env()
         opts = bus.connect_options(self.settings)
         kwargs: dict[str, Any] = {
