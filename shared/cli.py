@@ -145,7 +145,8 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
                 m.setdefault("api_base", args.api_base)
             if simulated_base is not None:
                 name = m["model_name"].split("/", 1)[-1]
-                m.update(model_name=f"openai/{name}", api_base=simulated_base, id=name)
+                # interface "simulator": results are labelled as simulated in every row and export
+                m.update(model_name=f"openai/{name}", api_base=simulated_base, id=name, interface="simulator")
             models.append(m)
         data[key] = models
     for flag, field in (("replicates", "replicate_count"), ("mode", "evaluation_mode"), ("run_name", "run_name"),
@@ -186,7 +187,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         # validate everything before anything starts or is published
         config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
-        runner.plan_run(benchmark, config)
+        runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     except (ValidationError, ValueError) as exc:
         _err(str(exc))
         return EXIT_INPUT
@@ -208,7 +209,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if extra.exists():
                 script = _merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
             _post_script(state.simulator_url, script)
-        plan = runner.plan_run(benchmark, config)
+        plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
         label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
         print(f"run {plan.run_id}: {plan.job_count} jobs ({len(plan.requests)} answers to generate) "
               f"from {benchmark.name!r}{label}")
@@ -351,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sufficiency", dest="sufficiency_enabled", action="store_true")
     run.add_argument("--embedding-check", dest="embedding_check_enabled", action="store_true")
     run.add_argument("--deep-judgment", dest="deep_judgment_enabled", action="store_true")
+    run.add_argument("--include-unfinished", action="store_true",
+                     help="also verify questions not marked finished (skipped and counted by default)")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for results")
     run.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED")
     run.set_defaults(fn=cmd_run)

@@ -54,11 +54,14 @@ def plan_run(
     run_id: str | None = None,
     timestamp: str | None = None,
     only_result_ids: set[str] | None = None,
+    include_unfinished: bool = False,
 ) -> RunPlan:
-    """One job per finished question x answering model x parsing model x replicate."""
+    """One job per finished question x answering model x parsing model x replicate
+    (every question with `include_unfinished`)."""
+    selected = list(benchmark.questions) if include_unfinished else benchmark.finished_questions()
     problems = []
     mode = config.evaluation_mode
-    for q in benchmark.finished_questions():
+    for q in selected:
         if mode != "rubric_only":
             if not q.template_code:
                 problems.append(f"question {q.id!r} ({q.text[:50]!r}): no answer template (mode {mode} needs one)")
@@ -70,7 +73,7 @@ def plan_run(
         raise RunInputError("refused before publishing:\n  " + "\n  ".join(problems))
     if mode != "template_only":
         has_rubric = (benchmark.global_rubric and not benchmark.global_rubric.is_empty()) or any(
-            q.rubric and not q.rubric.is_empty() for q in benchmark.finished_questions())
+            q.rubric and not q.rubric.is_empty() for q in selected)
         if not has_rubric:
             raise RunInputError(f"evaluation_mode {mode!r} needs rubric traits, and the benchmark has none")
 
@@ -79,7 +82,7 @@ def plan_run(
     options = config.stage_options().model_dump(mode="json")
     few_shot = (config.few_shot_config or {}).get("examples") or []
     requests: list[events.AnswerRequested] = []
-    for q in benchmark.finished_questions():
+    for q in selected:
         rubric = benchmark.rubric_for(q) if mode != "template_only" else None
         rubric_wire = rubric.to_wire() if rubric is not None and not rubric.is_empty() else None
         for am in config.answering_models:
@@ -104,7 +107,7 @@ def plan_run(
                     ))
                 if jobs:
                     requests.append(events.AnswerRequested(jobs=jobs))
-    unfinished = [q.id for q in benchmark.unfinished_questions()]
+    unfinished = [] if include_unfinished else [q.id for q in benchmark.unfinished_questions()]
     run_event = events.RunRequested(
         run_id=run_id, timestamp=timestamp, job_count=sum(len(r.jobs) for r in requests),
         answer_count=len(requests), run_name=config.run_name, benchmark_name=benchmark.name,

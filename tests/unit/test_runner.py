@@ -1,0 +1,93 @@
+"""Planning a run: job fan-out, shared answers, stable ids, refusal of bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.benchmark import Benchmark
+from shared.config import ModelConfig, VerificationConfig
+from shared.runner import RunInputError, plan_run
+from tests.conftest import CHECKPOINTS, EXAMPLE
+
+
+def config(**kw: object) -> VerificationConfig:
+    base = {
+        "answering_models": [ModelConfig(model_name="openai/a1"), ModelConfig(model_name="openai/a2")],
+        "parsing_models": [ModelConfig(model_name="openai/j1"), ModelConfig(model_name="openai/j2")],
+    }
+    base.update(kw)
+    return VerificationConfig(**base)  # type: ignore[arg-type]
+
+
+def test_fan_out_and_shared_answers() -> None:
+    bench = Benchmark.load(CHECKPOINTS / "multi_question.jsonld")  # 4 finished + 1 unfinished
+    plan = plan_run(bench, config(replicate_count=3))
+    assert plan.job_count == 4 * 2 * 2 * 3
+    assert len(plan.requests) == 4 * 2 * 3  # one answer per question x answering model x replicate
+    assert all(len(r.jobs) == 2 for r in plan.requests)  # ... parsed by both judges
+    assert len(set(plan.result_ids)) == plan.job_count
+    assert plan.unfinished == ["urn:karenina:test:mq005"]
+    assert plan.run_event.job_count == plan.job_count and plan.run_event.unfinished_skipped == plan.unfinished
+    replicates = {j.replicate for r in plan.requests for j in r.jobs}
+    assert replicates == {1, 2, 3}
+
+
+def test_ids_are_stable_for_the_same_submission_time() -> None:
+    bench = Benchmark.load(CHECKPOINTS / "multi_question.jsonld")
+    a = plan_run(bench, config(), run_id="r1", timestamp="2026-01-01T00:00:00+00:00")
+    b = plan_run(bench, config(), run_id="r1", timestamp="2026-01-01T00:00:00+00:00")
+    c = plan_run(bench, config(), run_id="r2", timestamp="2026-01-02T00:00:00+00:00")
+    assert a.result_ids == b.result_ids
+    assert not set(a.result_ids) & set(c.result_ids)
+
+
+def test_only_result_ids_selects_jobs() -> None:
+    bench = Benchmark.load(CHECKPOINTS / "multi_question.jsonld")
+    full = plan_run(bench, config(), run_id="r1", timestamp="t")
+    keep = set(full.result_ids[:3])
+    part = plan_run(bench, config(), run_id="r1", timestamp="t", only_result_ids=keep)
+    assert set(part.result_ids) == keep
+
+
+def test_include_unfinished() -> None:
+    bench = Benchmark.load(CHECKPOINTS / "minimal.jsonld")  # its only question has no `finished` flag
+    cfg = config(answering_models=[ModelConfig(model_name="openai/a")], parsing_models=[ModelConfig(model_name="openai/j")])
+    assert plan_run(bench, cfg).job_count == 0
+    plan = plan_run(bench, cfg, include_unfinished=True)
+    assert plan.job_count == 1 and plan.unfinished == []
+
+
+def test_template_that_does_not_compile_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "b.yaml"
+    path.write_text("name: b\nquestions:\n  - id: good\n    question: Q1?\n    answer: a\n"
+                    "    template: |\n      x = 1\n")
+    bench = Benchmark.load(path)
+    bench.questions[0].template_code = "class Answer(:\n    pass\n"
+    with pytest.raises(RunInputError, match=r"question 'good'.*does not compile"):
+        plan_run(bench, config())
+
+
+def test_rubric_mode_needs_traits() -> None:
+    bench = Benchmark.load(CHECKPOINTS / "minimal.jsonld")
+    with pytest.raises(RunInputError, match="needs rubric traits"):
+        plan_run(bench, config(evaluation_mode="rubric_only"), include_unfinished=True)
+
+
+def test_modes_carry_the_right_inputs() -> None:
+    bench = Benchmark.load(EXAMPLE)
+    t_only = plan_run(bench, config(evaluation_mode="template_only"))
+    assert all(j.rubric is None and j.template_code for r in t_only.requests for j in r.jobs)
+    r_only = plan_run(bench, config(evaluation_mode="rubric_only"))
+    assert all(j.template_code is None and j.template_id == "no_template" and j.rubric
+               for r in r_only.requests for j in r.jobs)
+    both = plan_run(bench, config(evaluation_mode="template_and_rubric"))
+    salt = [j for r in both.requests for j in r.jobs if j.question_id == "ex-chem-salt"][0]
+    names = {t["name"] for t in salt.rubric["traits"]}
+    assert "NamesTheCompound" in names and "Clarity" in names  # question-specific + global traits
+
+
+def test_config_requires_models() -> None:
+    with pytest.raises(ValueError, match="answering_models"):
+        VerificationConfig(parsing_models=[ModelConfig(model_name="j")])
