@@ -30,6 +30,7 @@ from shared.bus import connect_options, ensure_stream
 from shared.config import Settings
 from shared.events import QUERY_SUBJECT, STREAM, decode
 from shared.store import (
+    PROJECTION_FAILED,
     Projection,
     ReadOnlyError,
     Store,
@@ -43,7 +44,7 @@ log = logging.getLogger("veribus.projector")
 
 DURABLE = "projector"
 PRODUCER = "projector/0.1"
-DEFAULT_BATCH_SIZE = 500
+DEFAULT_BATCH_SIZE = 1000  # measured: 500 -> 0.41, 1000 -> 0.34, 2000 -> 0.31 ms CPU/event
 DEFAULT_BATCH_TIMEOUT = 0.5  # s: a batch is inserted when full or after this long
 RETRY_DELAY = 2.0  # s: nak delay when the store is unavailable
 DEFAULT_MAX_REPLY = 1024 * 1024
@@ -150,8 +151,8 @@ class Projector:
                 ack.append(m)
                 continue
             except Exception as exc:  # noqa: BLE001
-                row = undecodable_row(m.subject, m.data, exc)
-                row[1], row[10] = "projection_failed", "projection_failed"
+                row = undecodable_row(m.subject, m.data, exc, kind=PROJECTION_FAILED)
+                log.error("message on %s cannot be stored, recorded as projection_failed: %s", m.subject, exc)
                 try:
                     await asyncio.to_thread(self.insert, Projection(events=[row]))
                     ack.append(m)
@@ -257,6 +258,6 @@ def main() -> None:
         preload_chdb()
     batch = int(os.environ.get("VERIBUS_PROJECTOR_BATCH", DEFAULT_BATCH_SIZE))
     timeout = float(os.environ.get("VERIBUS_PROJECTOR_BATCH_TIMEOUT", DEFAULT_BATCH_TIMEOUT))
-    logging.getLogger("faststream").setLevel(logging.WARNING)  # no per-batch "Received/Processed" lines
-    app, _ = create_app(settings, batch_size=batch, batch_timeout=timeout, log_level=logging.WARNING)
+    # FastStream logs every batch / query ("Received", "Processed") at `log_level`: keep them at DEBUG
+    app, _ = create_app(settings, batch_size=batch, batch_timeout=timeout, log_level=logging.DEBUG)
     asyncio.run(app.run())

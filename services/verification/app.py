@@ -7,6 +7,7 @@ from shared import events
 from shared.service import StageService, stage_error
 
 service = StageService("verification")
+llm = service.llm_client()  # the embedding check's equivalence judge
 
 
 def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
@@ -16,5 +17,5 @@ def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) ->
 
 @service.handles(events.TEMPLATE_PARSED, events.StageEvent, give_up=_give_up)
 async def on_template_parsed(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
-    state = await verify_template(ev.job, ev.state)
+    state = await verify_template(ev.job, ev.state, llm)
     return [service.emit(events.TEMPLATE_VERIFIED, ev.job, events.StageEvent(ev.job, state))]
