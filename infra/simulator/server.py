@@ -244,6 +244,37 @@ def _interior_words(match: str) -> list[str]:
 # ---------------------------------------------------------------- schema filling
 
 
+_RESPONSE_BLOCK = re.compile(r"<response>\n?(.*?)\n?</response>", re.S)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _is_excerpt_list(node: Any) -> bool:
+    if not isinstance(node, dict) or node.get("type") != "array":
+        return False
+    props = (node.get("items") or {}).get("properties") or {}
+    return "text" in props and "confidence" in props
+
+
+def excerpt_reply(schema: dict[str, Any], values: dict[str, Any], texts: list[str]) -> dict[str, Any] | None:
+    """Deep-judgment excerpt requests (every property a list of {text, confidence}): quote, verbatim,
+    the sentence of the prompt's <response> block that mentions the scripted value of that
+    property, else its first sentence; None when the schema is not an excerpt request."""
+    props = schema.get("properties") or {}
+    if not props or not all(_is_excerpt_list(p) for p in props.values()):
+        return None
+    m = _RESPONSE_BLOCK.search("\n".join(texts))
+    sentences = [x.strip() for x in _SENTENCE_END.split(m.group(1))] if m else []
+    sentences = [x for x in sentences if x]
+    out: dict[str, Any] = {}
+    for name in props:
+        value = values.get(name)
+        needle = str(value).lower() if isinstance(value, str | int | float) and str(value) else None
+        pick = next((x for x in sentences if needle and needle in x.lower()), sentences[0] if sentences else "")
+        out[name] = ([{"text": pick, "confidence": "high"}] if pick
+                     else [{"text": "", "confidence": "none", "explanation": "simulated: no evidence"}])
+    return out
+
+
 def fill_schema(
     schema: dict[str, Any],
     values: dict[str, Any] | None = None,
@@ -545,7 +576,7 @@ class Simulator:
             content: str | None = None
         elif judge:
             stats["judge"] += 1
-            content = self._judge_content(schema, entry, forced)
+            content = self._judge_content(schema, entry, forced, texts)
         else:
             stats["answer"] += 1
             content = self._answer(entry, model, messages, texts)
@@ -587,7 +618,8 @@ class Simulator:
         schema = _schema_in_messages(texts)
         return schema, schema is not None
 
-    def _judge_content(self, schema: dict[str, Any] | None, entry: Entry | None, forced: Any) -> str:
+    def _judge_content(self, schema: dict[str, Any] | None, entry: Entry | None, forced: Any,
+                       texts: list[str] | None = None) -> str:
         if forced == "malformed":
             return "I think the answer is {\"unterminated\": "
         if forced == "invalid":
@@ -595,8 +627,11 @@ class Simulator:
         if forced == "empty":
             return ""
         values = entry.values if entry is not None else {}
-        if schema is None:
-            obj: Any = dict(values)
+        excerpts = excerpt_reply(schema, values, texts or []) if schema is not None else None
+        if excerpts is not None:
+            obj: Any = excerpts
+        elif schema is None:
+            obj = dict(values)
         else:
             obj = fill_schema(schema, values, self.script.true_fields)
         text = _encode(obj).decode()

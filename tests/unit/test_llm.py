@@ -485,3 +485,17 @@ def test_transport_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", "bogus")
     with pytest.raises(ValueError, match="VERIBUS_LLM_TRANSPORT"):
         transport_for(local)
+
+
+def test_simulator_quotes_excerpts_from_the_response() -> None:
+    from infra.simulator.server import excerpt_reply
+    from shared import prompts
+
+    schema = prompts.excerpt_schema(["author", "year"], 3)
+    msgs = prompts.deep_judgment_excerpt_messages(
+        "Who wrote Hamlet?", "Hamlet is a tragedy. It was written by William Shakespeare around 1600.",
+        {"author": "the author", "year": "the year"}, 3, {}, None)
+    out = excerpt_reply(schema, {"author": "William Shakespeare", "year": 1600}, [m["content"] for m in msgs])
+    assert out == {"author": [{"text": "It was written by William Shakespeare around 1600.", "confidence": "high"}],
+                   "year": [{"text": "It was written by William Shakespeare around 1600.", "confidence": "high"}]}
+    assert excerpt_reply({"type": "object", "properties": {"x": {"type": "integer"}}}, {}, []) is None
