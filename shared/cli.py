@@ -173,7 +173,7 @@ def _is_simulated(args: argparse.Namespace) -> bool:
 def cmd_run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from shared import report, runner, stack
+    from shared import cli_analysis, report, runner, stack
     from shared.benchmark import Benchmark, BenchmarkError, simulator_script_for
 
     settings = _settings()
@@ -188,6 +188,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # validate everything before anything starts or is published
         config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
         runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
+        cli_analysis.validate_run_gates(args)
     except (ValidationError, ValueError) as exc:
         _err(str(exc))
         return EXIT_INPUT
@@ -209,34 +210,61 @@ def cmd_run(args: argparse.Namespace) -> int:
             if extra.exists():
                 script = _merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
             _post_script(state.simulator_url, script)
-        plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
-        label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
+        trait_ranges = report.trait_ranges_from_benchmark(benchmark)
+        runs: list[tuple[list[Any], dict[str, Any]]] = []
+        run_ids: list[str] = []
+        exit_code = EXIT_OK
+        for i in range(args.num_runs):
+            if args.num_runs > 1:
+                print(f"\n=== run {i + 1} of {args.num_runs} ===")
+            results, summary, code, plan = _one_run(settings, benchmark, config, args, simulated, trait_ranges)
+            runs.append((results, summary))
+            run_ids.append(plan.run_id)
+            exit_code = max(exit_code, code)
+            if args.output and args.num_runs == 1:
+                report.write_outputs(Path(args.output), benchmark.name, plan.run_id, results, summary,
+                                     plan.run_event.config, simulated, trait_ranges=trait_ranges)
+        if args.output and args.num_runs > 1:
+            report.write_multi_run(Path(args.output), runs, suite=benchmark.name, run_ids=run_ids,
+                                   config=runner.public_config(config), simulated=simulated,
+                                   trait_ranges=trait_ranges)
+            if not args.quiet:
+                print(f"\naggregate over {args.num_runs} runs written to {args.output}/aggregate_stats.json")
+        return exit_code
+    finally:
+        if temporary:
+            stack.down(settings)
+
+
+def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespace, simulated: bool,
+             trait_ranges: dict[str, tuple[float, float]]) -> tuple[list[Any], dict[str, Any], int, Any]:
+    """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan)."""
+    from shared import cli_analysis, report, runner
+
+    plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
+    label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
+    if not args.quiet:
         print(f"run {plan.run_id}: {plan.job_count} jobs ({len(plan.requests)} answers to generate) "
               f"from {benchmark.name!r}{label}")
         if plan.unfinished:
             print(f"  {len(plan.unfinished)} unfinished question(s) skipped: {', '.join(plan.unfinished)}")
-        asyncio.run(runner.submit(settings, plan))
-        outcome = asyncio.run(_follow(settings, plan, args.timeout, quiet=args.quiet))
-        results = list(outcome.results.values())
-        summary = report.summarize(results, len(plan.unfinished))
-        summary["dead_lettered"] = len(outcome.dead_letters)
-        if outcome.timed_out:
-            missing = len(plan.result_ids) - len(results) - len(outcome.dead_letters)
-            _err(f"timed out after {args.timeout}s with {missing} job(s) unfinished; "
-                 f"results so far are stored; `veribus status {plan.run_id}` shows progress")
-        _await_projection(settings, plan.run_id, len(results))
-        if args.output:
-            report.write_outputs(Path(args.output), benchmark.name, plan.run_id, results, summary,
-                                 plan.run_event.config, simulated)
-        if args.quiet:
-            ok = not outcome.timed_out and summary["errors"] == 0
-            print("✓ PASSED" if ok else "✗ FAILED")
-        else:
-            _print_summary(plan.run_id, summary, simulated)
-        return EXIT_RUN_ERROR if outcome.timed_out else EXIT_OK
-    finally:
-        if temporary:
-            stack.down(settings)
+    asyncio.run(runner.submit(settings, plan))
+    outcome = asyncio.run(_follow(settings, plan, args.timeout, quiet=args.quiet))
+    results = list(outcome.results.values())
+    summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
+                               "dead_lettered": len(outcome.dead_letters)}
+    gate_code = cli_analysis.apply_gates(args, results, summary, trait_ranges)
+    if outcome.timed_out:
+        missing = len(plan.result_ids) - len(results) - len(outcome.dead_letters)
+        _err(f"timed out after {args.timeout}s with {missing} job(s) unfinished; "
+             f"results so far are stored; `veribus status {plan.run_id}` shows progress")
+    _await_projection(settings, plan.run_id, len(results))
+    if args.quiet:
+        print("✓ PASSED" if gate_code == 0 and not outcome.timed_out else "✗ FAILED")
+    else:
+        report.print_results(summary, summary.get("gate_lines") or [], simulated=simulated, run_id=plan.run_id)
+    code = EXIT_RUN_ERROR if outcome.timed_out else (EXIT_GATE_FAILED if gate_code else EXIT_OK)
+    return results, summary, code, plan
 
 
 def _merge_scripts(base: dict, extra: dict) -> dict:
@@ -294,29 +322,9 @@ def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.
     _err(f"the projector has not written all {expected} rows of run {run_id} to ClickHouse yet")
 
 
-def _print_summary(run_id: str, s: dict[str, Any], simulated: bool) -> None:
-    print()
-    print("Results:" + ("  (SIMULATED LLM)" if simulated else ""))
-    print(f"  Total samples: {s['total']}")
-    print(f"  Attempted: {s['total_attempted']}")
-    print(f"  Avg score: {s['avg_score_total']:.2f} (attempted: {s['avg_score_attempted']:.2f})")
-    pct = 100.0 * s["passed_attempts"] / s["total_attempted"] if s["total_attempted"] else 0.0
-    print(f"  Passed: {s['passed_attempts']} ({pct:.1f}%)")
-    print(f"  Failed: {s['failed_attempts']}")
-    print(f"  Errors: {s['errors']}")
-    if s.get("unfinished_questions_skipped"):
-        print(f"  Unfinished questions skipped: {s['unfinished_questions_skipped']}")
-    if s.get("dead_lettered"):
-        print(f"  Dead-lettered jobs: {s['dead_lettered']}")
-    print("Per model:")
-    for model, m in s["per_model"].items():
-        rate = f"{100 * m['pass_rate']:.1f}%" if m["pass_rate"] is not None else "n/a"
-        print(f"  {model}: {m['passed']}/{m['attempted']} passed ({rate}), {m['errors']} error(s)")
-    print(f"\nrun id: {run_id}  —  rows: veribus query \"SELECT * FROM verification_results FINAL "
-          f"WHERE run_id = '{run_id}'\"")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from shared import cli_analysis
+
     p = argparse.ArgumentParser(prog="veribus", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -356,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also verify questions not marked finished (skipped and counted by default)")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for results")
     run.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED")
+    cli_analysis.add_run_options(run)
     run.set_defaults(fn=cmd_run)
 
     q = sub.add_parser("query", help="read-only SQL over the results in ClickHouse")
@@ -363,16 +372,30 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--format", choices=["table", "json"], default="table")
     q.set_defaults(fn=cmd_query)
 
+    cli_analysis.register(sub)  # results, export, report, compare
+    from shared import cli_lifecycle
+
+    cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
+
     b = sub.add_parser("bench", help="measure throughput, CPU and memory per service")
     b.add_argument("--questions", type=int, default=300)
     b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0])
     b.add_argument("--concurrency", type=int, default=32)
     b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
+    b.add_argument("--analysis", action="store_true",
+                   help="instead: time summaries and a streamed export over a synthetic results table")
+    from bench.analysis import add_arguments as add_analysis_arguments
+
+    add_analysis_arguments(b)
     b.set_defaults(fn=cmd_bench)
     return p
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.analysis:
+        from bench.analysis import main as analysis_main
+
+        return analysis_main(args)
     from bench.run import main as bench_main
 
     return bench_main(args)

@@ -118,24 +118,47 @@ def flat_columns_for(results: Iterable[VerificationResult]) -> list[str]:
     return BASE_NAMES + trait_columns(llm, labels, other, metrics)
 
 
+_TRAIT_PREFIXES = ("trait.", "label.")
+_SCORE_MAPS = ("llm_trait_scores", "regex_trait_scores", "callable_trait_scores")
+
+
+def row_builder(columns: Sequence[str], source_columns: Sequence[str]) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function turning one row of `source_columns` (typed columns + the trait maps of
+    `verification_results`) into the values of the flat `columns`, worked out once per page."""
+    pos = {c: i for i, c in enumerate(source_columns)}
+    idx = [None if c.startswith(_TRAIT_PREFIXES) else pos.get(c) for c in columns]
+    traits = [(j, c) for j, c in enumerate(columns) if c.startswith(_TRAIT_PREFIXES)]
+    score_maps = [pos[m] for m in _SCORE_MAPS if m in pos]
+    metric_i, label_i = pos.get("metric_trait_scores"), pos.get("llm_trait_labels")
+    json_j = columns.index("result_json") if "result_json" in columns else None
+
+    def build(row: Sequence[Any]) -> list[Any]:
+        out = [None if i is None else row[i] for i in idx]
+        if traits:
+            t: dict[str, Any] = {}
+            for i in score_maps:
+                for name, value in (row[i] or {}).items():
+                    t["trait." + name] = value
+            if metric_i is not None:
+                for name, ms in (row[metric_i] or {}).items():
+                    for metric, value in (ms or {}).items():
+                        t[f"trait.{name}.{metric}"] = value
+            if label_i is not None:
+                for name, label in (row[label_i] or {}).items():
+                    t["label." + name] = label
+            for j, c in traits:
+                out[j] = t.get(c)
+        if json_j is not None and isinstance(out[json_j], bytes | bytearray):
+            out[json_j] = bytes(out[json_j]).decode()
+        return out
+
+    return build
+
+
 def flat_row(row: Mapping[str, Any], columns: Sequence[str]) -> dict[str, Any]:
-    """A `verification_results` row (typed columns + trait maps) -> the flat export row."""
-    out = {c: row.get(c) for c in columns if not c.startswith(("trait.", "label."))}
-    traits: dict[str, Any] = {}
-    for key in ("llm_trait_scores", "regex_trait_scores", "callable_trait_scores"):
-        for name, value in (row.get(key) or {}).items():
-            traits[f"trait.{name}"] = value
-    for name, ms in (row.get("metric_trait_scores") or {}).items():
-        for metric, value in (ms or {}).items():
-            traits[f"trait.{name}.{metric}"] = value
-    for name, label in (row.get("llm_trait_labels") or {}).items():
-        traits[f"label.{name}"] = label
-    for c in columns:
-        if c.startswith(("trait.", "label.")):
-            out[c] = traits.get(c)
-    if "result_json" in columns and isinstance(out.get("result_json"), bytes | bytearray):
-        out["result_json"] = bytes(out["result_json"]).decode()
-    return out
+    """A `verification_results` row dict (typed columns + trait maps) -> the flat export row."""
+    keys = list(row)
+    return dict(zip(columns, row_builder(columns, keys)([row[k] for k in keys]), strict=True))
 
 
 def flat_rows_from_results(results: Iterable[VerificationResult], columns: Sequence[str],
@@ -144,6 +167,14 @@ def flat_rows_from_results(results: Iterable[VerificationResult], columns: Seque
 
     for r in results:
         yield flat_row(result_to_row(r, run_id, version=0), columns)
+
+
+def flat_lists_from_results(results: Iterable[VerificationResult], columns: Sequence[str],
+                            run_id: str = "") -> list[list[Any]]:
+    from shared.store import RESULT_COLUMNS, result_to_row
+
+    build = row_builder(columns, RESULT_COLUMNS)
+    return [build([row[c] for c in RESULT_COLUMNS]) for row in (result_to_row(r, run_id, version=0) for r in results)]
 
 
 def _discover_trait_columns(source: RowSource, where: ResultFilter) -> list[str]:
@@ -164,23 +195,22 @@ def _discover_trait_columns(source: RowSource, where: ResultFilter) -> list[str]
 # --------------------------------------------------------------------------------------------
 
 
-def _csv_cell(value: Any, kind: str) -> Any:
-    if value is None:
-        return ""
-    if kind == "list" or isinstance(value, list | dict):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return value
-
-
-def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[dict[str, Any]]]) -> int:
+def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[list[Any]]]) -> int:
+    """Rows (lists in `columns` order) as CSV: booleans as true/false, lists as JSON, NULL empty."""
     w = csv.writer(fh)
     w.writerow(columns)
-    kinds = [_KINDS.get(c, "any") for c in columns]
+    bools = [j for j, c in enumerate(columns) if _KINDS.get(c) == "bool"]
+    lists = [j for j, c in enumerate(columns) if _KINDS.get(c) == "list"]
     n = 0
     for page in pages:
-        w.writerows([_csv_cell(row.get(c), k) for c, k in zip(columns, kinds, strict=True)] for row in page)
+        for row in page:
+            for j in bools:
+                v = row[j]
+                if v is not None:
+                    row[j] = "true" if v else "false"
+            for j in lists:
+                row[j] = _enc.encode(row[j] or []).decode()
+        w.writerows(page)
         n += len(page)
     return n
 
@@ -207,8 +237,8 @@ def _arrow_value(value: Any, column: str) -> Any:
     return value
 
 
-def write_parquet(path: Path, columns: Sequence[str], pages: Iterable[list[dict[str, Any]]]) -> int:
-    """One row group per page, written as it arrives (pyarrow ParquetWriter)."""
+def write_parquet(path: Path, columns: Sequence[str], pages: Iterable[list[list[Any]]]) -> int:
+    """One row group per page (rows as lists in `columns` order), written as it arrives."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -218,7 +248,8 @@ def write_parquet(path: Path, columns: Sequence[str], pages: Iterable[list[dict[
         for page in pages:
             if not page:
                 continue
-            arrays = [pa.array([_arrow_value(r.get(c), c) for r in page], type=schema.field(c).type) for c in columns]
+            arrays = [pa.array([_arrow_value(r[j], c) for r in page], type=schema.field(c).type)
+                      for j, c in enumerate(columns)]
             writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
             n += len(page)
         if n == 0:
@@ -411,10 +442,10 @@ def export_from_source(
         if fmt == "parquet":
             selected.append("result_json")
 
-        def pages() -> Iterator[list[dict[str, Any]]]:
+        def pages() -> Iterator[list[list[Any]]]:
             for page in counted(iter_pages(source, ", ".join(selected), where, page_size=page_size), len):
-                names = page.columns
-                yield [flat_row(dict(zip(names, row, strict=True)), columns) for row in page.rows]
+                build = row_builder(columns, page.columns)
+                yield [build(row) for row in page.rows]
 
         if fmt == "csv":
             with out.open("w", encoding="utf-8", newline="") as fh:
@@ -453,7 +484,7 @@ def export_results(
             n = write_jsonl(fh, blobs)
     else:
         columns = flat_columns_for(rs) + (["result_json"] if fmt == "parquet" else [])
-        page = list(flat_rows_from_results(rs, columns, run_id))
+        page = flat_lists_from_results(rs, columns, run_id)
         if fmt == "csv":
             with out.open("w", encoding="utf-8", newline="") as fh:
                 n = write_csv(fh, columns, [page])

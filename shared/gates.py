@@ -37,7 +37,7 @@ EXIT_GATE_FAILED = 1
 
 _SYMBOL_OPS = {">=": "gte", "<=": "lte", ">": "gt", "<": "lt", "==": "eq", "=": "eq"}
 _OP_RE = r"(>=|<=|==|=|>|<|\bgte\b|\blte\b|\bgt\b|\blt\b|\beq\b)"
-_GATE_RE = re.compile(rf"^\s*(?P<metric>.+?)\s*(?P<op>{_OP_RE})\s*(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?%?)\s*$")
+_GATE_RE = re.compile(rf"^\s*(?P<metric>[^<>=\s].*?)\s*(?P<op>{_OP_RE})\s*(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?%?)\s*$")
 _PASS_RE = re.compile(rf"\s+pass\s*(?P<op>{_OP_RE})\s*(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?%?)\s*$")
 RUN_METRICS = ("accuracy", "avg_score", "avg_score_total", "pass_rate", "error_rate", "errors", "total",
                "total_attempted")

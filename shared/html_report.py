@@ -61,7 +61,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
         if math.isnan(v):
             return "–"
-        return f"{v:.{digits}g}" if abs(v) < 1e6 else f"{v:,.0f}"
+        return f"{v:.{digits}g}" if abs(v) < 100 else f"{v:,.0f}"
     if isinstance(v, int):
         return f"{v:,}"
     return str(v)
@@ -139,8 +139,8 @@ def svg_heatmap(rows: Sequence[str], cols: Sequence[str], cells: Mapping[tuple[s
                 title: str) -> str:
     """Model x question grid coloured by pass rate; a tooltip per cell gives passed/n."""
     label_w, top = 260, 40
-    cell = max(6, min(28, 900 // max(1, len(cols))))
-    w = label_w + cell * len(cols) + 20
+    cell = max(6, min(28, 800 // max(1, len(cols))))
+    w = max(label_w + cell * len(cols) + 20, label_w + 11 * 24 + 160, 8 + 7 * len(title))
     h = top + cell * len(rows) + 60
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" aria-label="{_esc(title)}">',
            f'<text x="8" y="20" class="t">{_esc(title)}</text>']
@@ -169,20 +169,19 @@ def svg_heatmap(rows: Sequence[str], cols: Sequence[str], cells: Mapping[tuple[s
 
 
 def svg_grouped_bars(categories: Sequence[str], series: Sequence[tuple[str, Sequence[float]]], title: str,
-                     fmt: str = "{:g}", width: int = 420, height: int = 190) -> str:
+                     fmt: str = "{:g}", width: int = 420, height: int = 190, integer: bool = False) -> str:
     """Vertical grouped bars: one group per category, one bar per series."""
     left, top, bottom = 46, 28, 44
     plot_w, plot_h = width - left - 10, height - top - bottom
-    vmax = max([v for _, vals in series for v in vals] + [1e-9])
-    nice = 10 ** math.floor(math.log10(vmax)) if vmax > 0 else 1
-    vmax = math.ceil(vmax / nice) * nice
+    vmax, step = _nice_axis(max([v for _, vals in series for v in vals] + [0.0]), integer=integer)
+    ticks = int(round(vmax / step))
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
            f'aria-label="{_esc(title)}"><text x="6" y="16" class="t2">{_esc(_short(title, 60))}</text>']
-    for k in range(5):
-        v = vmax * k / 4
-        y = top + plot_h - plot_h * k / 4
+    for k in range(ticks + 1):
+        v = step * k
+        y = top + plot_h - plot_h * k / ticks
         out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" class="grid"/>'
-                   f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" class="ax">{fmt.format(v)}</text>')
+                   f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" class="ax">{_axis_label(v)}</text>')
     ng = max(1, len(categories))
     gw = plot_w / ng
     bw = max(2.0, (gw - 8) / max(1, len(series)))
@@ -198,6 +197,24 @@ def svg_grouped_bars(categories: Sequence[str], series: Sequence[tuple[str, Sequ
                    f'{_esc(_short(cat, max(4, int(gw / 6))))}<title>{_esc(cat)}</title></text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def _nice_axis(vmax: float, target: int = 4, integer: bool = False) -> tuple[float, float]:
+    """(axis top, tick step): a step of 1, 2, 2.5 or 5 x 10^k giving about `target` ticks
+    (whole steps only for counts)."""
+    if vmax <= 0:
+        return (4.0, 1.0) if integer else (1.0, 0.25)
+    raw = vmax / target
+    mag = 10 ** math.floor(math.log10(raw))
+    mults = (1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)
+    step = next(m * mag for m in mults if m * mag >= raw)
+    if integer:
+        step = max(1.0, float(round(step)))
+    return step * math.ceil(vmax / step - 1e-9), step
+
+
+def _axis_label(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:g}"
 
 
 def _legend(names: Sequence[str]) -> str:
@@ -319,7 +336,8 @@ def section_traits(results: Sequence[VerificationResult]) -> str:
         all_vals = [v for vs in per_model.values() for v in vs]
         cats: list[Any] = sorted({_bucket(v) for v in all_vals}, key=_sort_key)
         series = [(m, [float(Counter(_bucket(v) for v in per_model.get(m, []))[c]) for c in cats]) for m in models]
-        charts.append(svg_grouped_bars([_fmt(c) for c in cats], series, f"{name} ({kind}): count per value", "{:.0f}"))
+        charts.append(svg_grouped_bars([_fmt(c) for c in cats], series, f"{name} ({kind}): count per value", "{:.0f}",
+                                       integer=True))
         for m in models:
             vs = per_model.get(m, [])
             nums = [trait_score(v) if isinstance(v, bool) else float(v) for v in vs
@@ -370,15 +388,18 @@ def section_usage_latency(results: Sequence[VerificationResult], stage_latency: 
     else:
         parts.append("<div class='grid'>")
     lat = [dict(x) for x in stage_latency if x.get("stage")]
+    by_stage: dict[str, dict[str, float]] = {}
     if lat:
-        by_stage: dict[str, dict[str, float]] = {}
         for x in lat:
+            if x.get("status") not in (None, "performed"):
+                continue  # skipped stages take no time worth charting (they stay in the table)
             d = by_stage.setdefault(str(x["stage"]), {"n": 0.0, "p50": 0.0, "p95": 0.0, "max": 0.0, "total": 0.0})
             d["n"] += float(x.get("n") or 0)
             d["p50"] = max(d["p50"], float(x.get("p50_ms") or 0.0))
             d["p95"] = max(d["p95"], float(x.get("p95_ms") or 0.0))
             d["max"] = max(d["max"], float(x.get("max_ms") or 0.0))
             d["total"] += float(x.get("total_ms") or 0.0)
+    if by_stage:
         order = sorted(by_stage, key=lambda s: -by_stage[s]["p95"])
         parts.append("<div class='chart'>" + svg_grouped_bars(
             order, [("p50 ms", [by_stage[s]["p50"] for s in order]), ("p95 ms", [by_stage[s]["p95"] for s in order])],

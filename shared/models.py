@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.ids import compute_result_id
 
@@ -60,6 +60,18 @@ class VerificationResultMetadata(_Section):
     few_shot_enabled: bool = False
     few_shot_example_count: int = 0
     evaluation_mode: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _status_from_failure(cls, data: Any) -> Any:
+        """Reference exports (format 2.2) record a failure as `failure` with no
+        `completed_without_errors`: derive both status fields from it."""
+        if isinstance(data, dict) and "completed_without_errors" not in data and data.get("failure"):
+            failure = data["failure"]
+            reason = failure.get("reason") if isinstance(failure, dict) else str(failure)
+            data = {**data, "completed_without_errors": False}
+            data.setdefault("error", f"{failure.get('stage', 'pipeline')}: {reason}" if isinstance(failure, dict) else reason)
+        return data
 
     @property
     def answering_model(self) -> str:

@@ -1196,19 +1196,25 @@ def iter_pages(
     says a reply would exceed the NATS payload limit."""
     from shared.query import QueryError
 
-    cond, params = (where or ResultFilter()).sql()
+    where = where or ResultFilter()
+    cond, params = where.sql()
+    # one run: the key's second column alone orders the rows (a predicate the primary key serves)
+    key_pred = " AND result_id > {k_id:String}" if where.run_id else \
+        " AND (run_id, result_id) > ({k_run:String}, {k_id:String})"
     after_run, after_id = "", ""
     first = True
     fetched = 0
     size = max(1, page_size)
     while limit is None or fetched < limit:
         n = size if limit is None else min(size, limit - fetched)
-        keyset = "" if first else " AND (run_id, result_id) > ({k_run:String}, {k_id:String})"
+        keyset = "" if first else key_pred
         sql = (f"SELECT run_id, result_id, {columns} FROM {table} FINAL WHERE {cond}{keyset} "
                f"ORDER BY run_id, result_id LIMIT {int(n)}")
         p = dict(params)
         if not first:
-            p.update(k_run=after_run, k_id=after_id)
+            p["k_id"] = after_id
+            if not where.run_id:
+                p["k_run"] = after_run
         try:
             page = source.query(sql, p)
         except QueryError as exc:

@@ -111,12 +111,12 @@ def plan_run(
     run_event = events.RunRequested(
         run_id=run_id, timestamp=timestamp, job_count=sum(len(r.jobs) for r in requests),
         answer_count=len(requests), run_name=config.run_name, benchmark_name=benchmark.name,
-        evaluation_mode=mode, config=_public_config(config), unfinished_skipped=unfinished,
+        evaluation_mode=mode, config=public_config(config), unfinished_skipped=unfinished,
     )
     return RunPlan(run_id, timestamp, config.run_name, requests, run_event, unfinished)
 
 
-def _public_config(config: VerificationConfig) -> dict:
+def public_config(config: VerificationConfig) -> dict:
     """The config as recorded in events: model settings without anything secret."""
     data = config.model_dump(mode="json")
     for key in ("answering_models", "parsing_models"):

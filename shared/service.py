@@ -6,17 +6,25 @@ Failure policy (at-least-once, exactly-once effect):
 - after that the job is not dropped: a `stage.failed` event records the error and the
   stage's fallback event (its normal output, with `state.error` set) lets the run finish;
 - a message that cannot be decoded at all goes to `dead.letter` with the reason.
+
+Run control (`shared.lifecycle.RunControl`): an `answer.requested` of a run that was cancelled or
+has spent its token budget is not handled; the stage's fallback event (its normal output with
+the stop recorded as the error) is published instead, so the job still finalizes. Services add
+the tokens each handled event spent to the run's counter when the run has a budget. Events a
+service publishes carry the attempt key of the event they answer (`resume` re-runs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import socket
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from faststream import AckPolicy, FastStream
@@ -27,11 +35,15 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared import bus, events
 from shared.config import Settings
+from shared.lifecycle import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
 from shared.llm import CACHE_SCOPE, LLMClient, NatsKVCache, close_transports
 
 log = logging.getLogger("veribus.service")
 
 VERSION = "0.1.0"
+
+CHAIN: ContextVar[str] = ContextVar("veribus_chain", default="")
+"""The attempt key of the event being handled ('' for a first run; see `lifecycle.chain_suffix`)."""
 
 Handler = Callable[[events.Envelope, Any], Awaitable[list[events.Envelope]]]
 GiveUp = Callable[[events.Envelope, Any, BaseException], list[events.Envelope]]
@@ -40,6 +52,22 @@ GiveUp = Callable[[events.Envelope, Any, BaseException], list[events.Envelope]]
 async def _raw_body(msg: NatsMessage) -> bytes:
     """Hand handlers the raw bytes: envelopes are decoded once, by msgspec, in `_dispatch`."""
     return msg.body
+
+
+def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
+    """NATS auth and TLS for a FastStream `NatsBroker` (`security=`): FastStream 0.7 takes no
+    `user`/`password`/`tls` keyword arguments, unlike nats-py's `connect`."""
+    from faststream.nats.security import NatsSecurity, NatsToken, NatsUserPassword
+
+    ssl_context = bus.connect_options(settings).get("tls")
+    if settings.nats_user:
+        return {"security": NatsUserPassword(settings.nats_user, settings.nats_password or "",
+                                             ssl_context=ssl_context)}
+    if settings.nats_token:
+        return {"security": NatsToken(settings.nats_token, ssl_context=ssl_context)}
+    if ssl_context is not None:
+        return {"security": NatsSecurity(ssl_context=ssl_context)}
+    return {}
 
 
 def backoff_s(delivered: int) -> float:
@@ -63,15 +91,16 @@ class StageService:
             "apply_types": False,
             "graceful_timeout": 10.0,
         }
-        for key in ("user", "password", "token", "tls"):
-            if key in opts:
-                kwargs[key] = opts[key]
+        kwargs.update(broker_auth_kwargs(self.settings))
         self.broker = NatsBroker(opts["servers"], **kwargs)
         self.app = FastStream(self.broker, on_startup=[self._startup], after_startup=[self._after_startup],
-                              on_shutdown=[close_transports])
+                              on_shutdown=[close_transports, self._close_control])
         self._js: JetStreamContext | None = None
         self._stream = JStream(name=events.STREAM, declare=False)
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
+        self.control = RunControl(lambda: self.js)
+        # events whose handling is dispatch of new model work: skipped for a stopped run
+        self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
 
     def llm_client(self) -> LLMClient:
         """The service's model client; its response cache moves to the shared JetStream KV bucket
@@ -98,11 +127,22 @@ class StageService:
         finally:
             await nc.close()
 
+    async def _close_control(self) -> None:
+        await self.control.close()
+
     async def _after_startup(self) -> None:
         self._js = self.broker.connection.jetstream()
         for hook in self.startup_hooks:
             await hook()
         log.info("%s ready", self.name)
+
+    async def last_event(self, subject: str) -> events.Envelope | None:
+        """The newest event on an exact subject, if it belongs to the same run attempt as the
+        event being handled (a resumed job's join must not pick up its broken first attempt)."""
+        env = await bus.last_event(self.js, subject)
+        if env is not None and chain_suffix(env) != CHAIN.get():
+            return None
+        return env
 
     def emit(self, event_type: str, job: events.Job, payload: Any, attempt: int = 1) -> events.Envelope:
         return events.make_envelope(event_type, job.run_id, job.result_id, payload, self.producer, attempt)
@@ -176,9 +216,22 @@ class StageService:
                 await msg.nack(delay=backoff_s(delivered))
             return
         CACHE_SCOPE.set(env.run_id)
+        suffix = chain_suffix(env)
+        CHAIN.set(suffix)
+        if give_up is not None and env.event_type in self.gated_event_types:
+            try:
+                stop = await self.control.stop_reason(env.run_id, env.occurred_at)
+            except Exception as exc:  # noqa: BLE001 - the gate fails open
+                log.warning("%s: run control check failed: %r", self.name, exc)
+                stop = None
+            if stop is not None:
+                await self.publish(apply_suffix(suffix, give_up(env, payload, stop)))
+                await msg.ack()
+                return
+        before = await self._tokens_before(env, payload)
         try:
             outs = await fn(env, payload)
-            await self.publish(outs)
+            await self.publish(apply_suffix(suffix, outs))
             await msg.ack()
         except asyncio.CancelledError:
             raise
@@ -190,11 +243,27 @@ class StageService:
             fallback = give_up(env, payload, exc) if give_up else []
             failed = self._stage_failed(env, exc, delivered)
             try:
-                await self.publish([failed, *fallback])
+                await self.publish(apply_suffix(suffix, [failed, *fallback]))
                 await msg.ack()
             except Exception:
                 log.exception("%s: could not record the give-up of %s", self.name, env.event_id)
                 await msg.nack(delay=backoff_s(delivered))
+            return
+        if before is not None and outs:
+            try:
+                self.control.record_usage(env.run_id, tokens_spent(before, outs))
+            except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+                log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
+
+    async def _tokens_before(self, env: events.Envelope, payload: Any) -> int | None:
+        """For a run with a token budget: the tokens already on the incoming event (None: no budget)."""
+        try:
+            if await self.control.budget(env.run_id) is None:
+                return None
+            return tokens_before(payload)
+        except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+            log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
+            return None
 
     def _stage_failed(self, env: events.Envelope, exc: BaseException, delivered: int) -> events.Envelope:
         err = stage_error(self.name, exc, delivered)
@@ -214,7 +283,8 @@ class StageService:
             deliveries=delivered, data=body[:4096].decode("utf-8", "replace"),
         )
         env = events.make_envelope(events.DEAD_LETTER, run_id, result_id, dl, self.producer, delivered)
-        env.event_id = f"{result_id}:{events.DEAD_LETTER}:{self.name}:{abs(hash(body)) % 10**12}"
+        digest = hashlib.sha256(subject.encode() + b"\0" + body).hexdigest()[:16]  # same id in every process
+        env.event_id = f"{result_id}:{events.DEAD_LETTER}:{self.name}:{digest}"
         await bus.publish(self.js, env)
         log.error("%s: dead-lettered %s after %d deliveries: %s", self.name, subject, delivered, dl.error)
 

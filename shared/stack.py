@@ -217,3 +217,106 @@ def status(settings: Settings) -> dict[str, Any]:
         procs.append(info)
     return {"running": any(p["alive"] for p in procs if p["name"] == "nats"), "nats_url": state.nats_url,
             "simulator_url": state.simulator_url, "home": state.home, "procs": procs}
+
+
+# ---- restarting one process (crash recovery, `projections rebuild`) ----
+
+
+def proc_named(state: StackState, name: str) -> Proc:
+    for p in state.procs:
+        if p.name == name:
+            return p
+    raise KeyError(f"no process {name!r} in the stack (have: {', '.join(p.name for p in state.procs)})")
+
+
+def kill_proc(p: Proc, timeout: float = 10.0) -> None:
+    """kill -9 one process by PID and wait until it is gone (crash tests)."""
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and p.alive():
+        time.sleep(0.02)
+
+
+def _stack_env(state: StackState, skip_pid: int | None = None) -> dict[str, str]:
+    """The environment `up` gave the stack's processes: read from a live sibling (its environ at
+    exec is what `up` passed, extra_env included), else this process's, plus the stack's own."""
+    env: dict[str, str] | None = None
+    for p in sorted(state.procs, key=lambda q: q.name in ("nats", "simulator")):  # services first
+        if p.pid == skip_pid or not p.alive():
+            continue
+        try:
+            env = dict(psutil.Process(p.pid).environ())
+            break
+        except (psutil.Error, OSError):
+            continue
+    env = env if env else dict(os.environ)
+    env.update(state.env())
+    return env
+
+
+def wait_proc_ready(p: Proc, log_offset: int = 0, timeout: float = 60.0) -> None:
+    """Wait until a (re)started service logs that it is ready, reading its log from `log_offset`."""
+    deadline = time.monotonic() + timeout
+    path = Path(p.log)
+    while time.monotonic() < deadline:
+        text = ""
+        if path.exists():
+            with path.open("rb") as fh:
+                fh.seek(log_offset)
+                text = fh.read().decode(errors="replace")
+        if " ready" in text or "app started successfully" in text:
+            return
+        if not p.alive():
+            tail = "\n".join(text.splitlines()[-15:])
+            raise RuntimeError(f"{p.name} exited during start-up; log {p.log}:\n{tail}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{p.name} not ready after {timeout:.0f}s")
+
+
+def restart_proc(state: StackState, name: str, *, extra_env: dict[str, str] | None = None,
+                 timeout: float = 60.0) -> Proc:
+    """Start the stack process `name` again the way `up` started it: same command (for nats the
+    same port and store), same log file (appended), same environment. A live one is stopped
+    first. Updates and saves `state`; returns when it listens (nats, simulator) or is ready."""
+    old = proc_named(state, name)
+    if old.alive():
+        stop_proc(old)
+    env = _stack_env(state, skip_pid=old.pid)
+    env.update(extra_env or {})
+    log = Path(old.log)
+    offset = log.stat().st_size if log.exists() else 0
+    new = _spawn(name, list(old.cmd), env, log.parent)
+    state.procs[state.procs.index(old)] = new
+    state.save()
+    if name == "nats":
+        port = int(state.nats_url.rsplit(":", 1)[1])
+        wait_for_port("127.0.0.1", port, timeout)
+    elif name == "simulator" and state.simulator_url:
+        port = int(state.simulator_url.rsplit(":", 1)[1].split("/", 1)[0])
+        wait_for_port("127.0.0.1", port, timeout)
+    else:
+        wait_proc_ready(new, offset, timeout)
+    return new
+
+
+def nats_auth_args(settings: Settings, home: Path) -> list[str]:
+    """nats-server arguments that make the local server require the credentials the services
+    use (`VERIBUS_NATS_USER`/`_PASSWORD` or `VERIBUS_NATS_TOKEN`); [] when none are set. The
+    secret goes into `<home>/nats-auth.conf` (mode 0600), not onto the command line, where `ps`
+    would show it. For `up`: `nats_cmd += nats_auth_args(settings, home)`."""
+    if settings.nats_user:
+        block = f"authorization {{\n  user: {json.dumps(settings.nats_user)}\n" \
+                f"  password: {json.dumps(settings.nats_password or '')}\n}}\n"
+    elif settings.nats_token:
+        block = f"authorization {{\n  token: {json.dumps(settings.nats_token)}\n}}\n"
+    else:
+        return []
+    path = Path(home) / "nats-auth.conf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(block)
+    return ["-c", str(path)]

@@ -132,7 +132,9 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     z2n = z * z / n
     centre = (p + z2n / 2.0) / (1.0 + z2n)
     half = z * math.sqrt(p * (1.0 - p) / n + z2n / (4.0 * n)) / (1.0 + z2n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return (lo, hi)
 
 
 @dataclass
@@ -270,9 +272,11 @@ def mcnemar_exact(b: int, c: int) -> float:
 
 
 def newcombe_paired_diff(a: int, b: int, c: int, d: int, confidence: float = 0.95) -> tuple[float, float, float]:
-    """Difference p_A - p_B of paired proportions and its interval (Newcombe 1998, method 10).
+    """Difference p_A - p_B of paired proportions and its interval (Newcombe 1998, method 10:
+    Wilson limits of each marginal rate, combined with the phi correlation of the pairs).
 
-    a: both pass, b: A passes only, c: B passes only, d: both fail."""
+    a: both pass, b: A passes only, c: B passes only, d: both fail. As published, the interval
+    is degenerate (zero width) when b = c = 0 and both rates are exactly 1/2."""
     n = a + b + c + d
     if n == 0:
         return (0.0, -1.0, 1.0)

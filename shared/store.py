@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from shared.config import Settings
 
 UNDECODABLE = "undecodable"
+PROJECTION_FAILED = "projection_failed"
 STAGE_EVENT_TYPES = frozenset(
     {ANSWER_GENERATED, GUARDS_CHECKED, TEMPLATE_PARSED, TEMPLATE_VERIFIED, RUBRIC_EVALUATED}
 )
@@ -319,8 +320,11 @@ def _subject_ids(subject: str) -> tuple[str, str, str]:
     return "", "", ""
 
 
-def undecodable_row(subject: str, data: bytes, error: BaseException | str, max_bytes: int = 65536) -> list[Any]:
-    """An `events` row for a message that is not a valid Envelope: kept, with its error.
+def undecodable_row(
+    subject: str, data: bytes, error: BaseException | str, kind: str = UNDECODABLE, max_bytes: int = 65536
+) -> list[Any]:
+    """An `events` row for a message that is not a valid Envelope (or, with kind
+    'projection_failed', one whose rows the store refused): kept, with its error.
 
     The id is a hash of subject + data, so a redelivery of the same message is one row.
     """
@@ -328,8 +332,8 @@ def undecodable_row(subject: str, data: bytes, error: BaseException | str, max_b
     claimed_type, run_id, result_id = _subject_ids(subject)
     err_type = type(error).__name__ if isinstance(error, BaseException) else "Error"
     return [
-        f"{UNDECODABLE}:{digest}", UNDECODABLE, run_id, result_id, subject, _us(time.time()), "", 0, 0,
-        claimed_type, UNDECODABLE, "", err_type, str(error)[:4000], None, None, None, [], [], [], [],
+        f"{kind}:{digest}", kind, run_id, result_id, subject, _us(time.time()), "", 0, 0,
+        claimed_type, kind, "", err_type, str(error)[:4000], None, None, None, [], [], [], [],
         data[:max_bytes],
     ]
 
@@ -620,7 +624,7 @@ class Store:
 
     def drop_all(self) -> None:
         """Drop every veribus table and view (projections rebuild refolds them from the stream)."""
-        for name in VIEWS:
+        for name in reversed(VIEWS):
             self.client.command(f"DROP VIEW IF EXISTS {self.database}.{name}")
         for name in TABLES:
             self.client.command(f"DROP TABLE IF EXISTS {self.database}.{name}")
@@ -713,15 +717,25 @@ def open_store(settings: Settings, migrate: bool = True) -> Store:
 
     db = check_identifier(settings.clickhouse_database)
     if settings.clickhouse_url:
+        # no session id: concurrent queries on one HTTP session are refused by the server
         client = clickhouse_connect.get_client(dsn=settings.clickhouse_url, autogenerate_session_id=False)
-        client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+        if migrate:  # a read-only analyst account cannot create; it only reads
+            client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
         client.database = db
         store = Store(client, db, "server")
     else:
         preload_chdb()
         path = Path(settings.chdb_path).expanduser().resolve()
         path.mkdir(parents=True, exist_ok=True)
-        client = _chdb_client(path)
+        try:
+            client = _chdb_client(path)
+        except Exception as exc:
+            if "lock" in str(exc).lower():
+                raise RuntimeError(
+                    f"the chdb folder {path} is open in another process (one process per folder: the "
+                    f"projector owns it; query through it, or stop it first)"
+                ) from exc
+            raise
         client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
         client.database = db
         store = Store(client, db, "chdb")

@@ -10,17 +10,7 @@ import re
 from importlib import resources
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-TABLES = ("events", "verification_results", "runs")
-VIEWS = (
-    "v_pass_rate_by_model",
-    "v_pass_rate_by_question",
-    "v_pass_rate_by_replicate",
-    "v_run_summary",
-    "v_stage_latency",
-    "v_event_counts",
-    "v_usage_by_model",
-    "v_trait_scores",
-)
+_CREATE = re.compile(r"^CREATE\s+(?:OR\s+REPLACE\s+)?(TABLE|VIEW)\s+(?:IF\s+NOT\s+EXISTS\s+)?\{db\}\.(\w+)", re.I)
 
 
 def check_identifier(name: str) -> str:
@@ -51,3 +41,19 @@ def statements(database: str) -> list[str]:
     for name in sql_files():
         out.extend(s.replace("{db}", db) for s in _split(pkg.joinpath(name).read_text("utf-8")))
     return out
+
+
+def _objects(kind: str) -> tuple[str, ...]:
+    """Names of the tables or views the DDL files create (so drop/rebuild covers every file)."""
+    pkg = resources.files(__name__)
+    names: list[str] = []
+    for name in sql_files():
+        for stmt in _split(pkg.joinpath(name).read_text("utf-8")):
+            m = _CREATE.match(stmt)
+            if m and m.group(1).upper() == kind:
+                names.append(m.group(2))
+    return tuple(names)
+
+
+TABLES = _objects("TABLE")
+VIEWS = _objects("VIEW")

@@ -1,8 +1,8 @@
 """The store against the real engine (embedded chdb): DDL, idempotent inserts, round trip, views,
 the read-only guard and the direct-query fallback.
 
-chdb opens one folder per process, so every test here shares one folder (module fixture) and
-isolates itself with its own database.
+chdb opens one folder per process at a time, so every test here shares one folder (module fixture),
+isolates itself with its own database, and closes its store (which frees the folder) at teardown.
 """
 
 from __future__ import annotations
@@ -31,15 +31,11 @@ from shared.store import (
 )
 from tests.unit.test_flatten import RUBRIC, USAGE, _stage_env, make_result
 
-_FOLDER: dict[str, Path] = {}
-
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One chdb folder for this process (chdb refuses a second folder in the same process)."""
-    if "home" not in _FOLDER:
-        _FOLDER["home"] = tmp_path_factory.mktemp("veribus-home")
-    return _FOLDER["home"]
+    """One chdb folder for the module (chdb refuses a second folder while one is open)."""
+    return tmp_path_factory.mktemp("veribus-home")
 
 
 @pytest.fixture
@@ -301,3 +297,47 @@ def test_run_query_falls_back_to_the_folder_without_a_projector(store: Store, se
     import json
 
     assert json.loads(format_json(res))[1] == {"question_id": "q1", "verify_result": False, "execution_time": 1.25}
+
+
+async def test_projector_records_a_row_the_store_refuses_and_keeps_the_rest(settings: Settings) -> None:
+    """A poison message (its row cannot be stored) is recorded and acked; the batch is not blocked."""
+    from types import SimpleNamespace
+
+    from services.projector.app import Projector
+
+    good = [make_result(question=f"g{i}") for i in range(3)]
+    poison = make_result(question="poison").model_dump(mode="json")
+    poison["metadata"]["replicate"] = 2**40  # does not fit the UInt32 column
+    envs = [events.make_envelope(events.RESULT_FINALIZED, "runX", r["metadata"]["result_id"],
+                                 events.ResultFinalized(result=r), "f/1")
+            for r in [g.model_dump(mode="json") for g in good] + [poison]]
+    msgs = [SimpleNamespace(subject=e.subject, data=events.encode(e)) for e in envs]
+    msgs.append(SimpleNamespace(subject="vb.x.y.runX.z", data=b"garbage"))
+
+    projector = Projector(settings)
+    projector.open()
+    try:
+        ack, nak = await projector.handle_batch(msgs)
+        assert len(ack) == len(msgs) and nak == []
+        assert projector.stats.insert_failures == 1
+        store = projector.store
+        assert store is not None
+        assert store.count("verification_results") == len(good)
+        kinds = dict(store.query("SELECT event_type, count() FROM events FINAL GROUP BY event_type").rows)
+        assert kinds == {"result.finalized": len(good), "projection_failed": 1, "undecodable": 1}
+        (failed,) = store.query("SELECT subject, error_type FROM events FINAL WHERE event_type = 'projection_failed'").rows
+        assert failed[0] == envs[-1].subject
+    finally:
+        store = projector.store
+        if store is not None:
+            store.client.command(f"DROP DATABASE IF EXISTS {settings.clickhouse_database}")
+        projector.close()
+
+
+def test_drop_all_then_migrate_rebuilds_an_empty_schema(store: Store) -> None:
+    store.insert_results([result_to_row(make_result(), "run1")])
+    store.drop_all()
+    assert _objects(store) == []
+    store.migrate()
+    assert {n for n, _ in _objects(store)} == set(TABLES) | set(VIEWS)
+    assert store.count("verification_results") == 0

@@ -487,3 +487,17 @@ def test_reads_jsonl_lists_and_report_lines(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "results"}')
     assert len(VerificationResultSet.from_file(bad)) == 0
+
+
+def test_flat_dataframe_and_view_filters() -> None:
+    rs = VerificationResultSet(spec_results())
+    df = rs.to_dataframe()
+    assert len(df) == 4 and {"result_id", "verify_result", "trait.clarity", "trait.drug_coverage.f1"} <= set(df.columns)
+    assert df["trait.clarity"].tolist() == [4.0, 3.0, 5.0, 4.0]
+    rr = rs.get_rubrics_results()
+    assert len(rr.filter(trait_names=["under_150w"])) == 1 and len(rr.filter(question_ids=["q2"])) == 2
+    abst = [make("q1", GPT, False), make("q2", GPT, True)]
+    abst[0].template.abstention_check_performed = True  # type: ignore[union-attr]
+    abst[0].template.abstention_detected = True  # type: ignore[union-attr]
+    assert TemplateResults(abst).aggregate_abstention_rate(by="question_id") == {"q1": 1.0}
+    assert TemplateResults(abst).get_verification_results(question_id="q2") == {abst[1].metadata.result_id: True}
