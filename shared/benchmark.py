@@ -694,6 +694,13 @@ def _question_from_item(item: Any, index: int, path: Path) -> Question:
     keywords = q.get("keywords", item.get("keywords")) or []
     if isinstance(keywords, str):
         keywords = [k.strip() for k in keywords.split(",") if k.strip()]
+    if not isinstance(keywords, list):
+        raise BenchmarkError(f"{path}: {label}: keywords: expected a list of strings, got {type(keywords).__name__}",
+                             question_id=qid, field="keywords")
+    if not isinstance(q.get("additionalProperty") or [], list):
+        raise BenchmarkError(
+            f"{path}: {label}: additionalProperty: expected a list of PropertyValue objects, "
+            f"got {type(q.get('additionalProperty')).__name__}", question_id=qid, field="additionalProperty")
     props = _props(q)
     few_shot = _maybe_json(props.get("few_shot_examples")) or []
     if not isinstance(few_shot, list):

@@ -101,9 +101,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         res = run_query(settings, sql, {"run": args.run})
         print(f"run {args.run}: " + ", ".join(f"{c}={v}" for c, v in zip(res.columns, res.rows[0], strict=False)))
-        dl = run_query(settings, "SELECT count() FROM events FINAL WHERE event_type = 'dead.letter' AND run_id = {run:String}",
-                       {"run": args.run})
-        print(f"  dead letters: {dl.rows[0][0]}")
+        from shared.lifecycle import format_run_problems, run_problems
+
+        print(format_run_problems(run_problems(settings, args.run)))
     return EXIT_OK
 
 
@@ -130,6 +130,11 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         if not isinstance(data, dict):
             raise ValueError(f"run config {path} must be a mapping of VerificationConfig fields")
         data.pop("gates", None)
+        from shared.lifecycle import pop_budget
+
+        budget = pop_budget(data)
+        if budget is not None and getattr(args, "max_tokens_budget", None) is None:
+            args.max_tokens_budget = budget
     if args.model:
         data["answering_models"] = [{"model_name": m} for m in args.model]
     if args.judge:
@@ -175,6 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from shared import cli_analysis, report, runner, stack
     from shared.benchmark import Benchmark, BenchmarkError, simulator_script_for
+    from shared.lifecycle import set_budget
 
     settings = _settings()
     bench_path = Path(args.benchmark)
@@ -187,7 +193,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         # validate everything before anything starts or is published
         config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
-        runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
+        set_budget(runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished).run_event,
+                   args.max_tokens_budget)
         cli_analysis.validate_run_gates(args)
     except (ValidationError, ValueError) as exc:
         _err(str(exc))
@@ -240,8 +247,10 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
              trait_ranges: dict[str, tuple[float, float]]) -> tuple[list[Any], dict[str, Any], int, Any]:
     """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan)."""
     from shared import cli_analysis, report, runner
+    from shared.lifecycle import set_budget
 
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
+    set_budget(plan.run_event, args.max_tokens_budget)
     label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
     if not args.quiet:
         print(f"run {plan.run_id}: {plan.job_count} jobs ({len(plan.requests)} answers to generate) "
@@ -362,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--deep-judgment", dest="deep_judgment_enabled", action="store_true")
     run.add_argument("--include-unfinished", action="store_true",
                      help="also verify questions not marked finished (skipped and counted by default)")
+    run.add_argument("--max-tokens-budget", type=int, metavar="N",
+                     help="stop dispatching new answers once the run has spent N tokens (also budget_tokens in --config)")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for results")
     run.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED")
     cli_analysis.add_run_options(run)
@@ -382,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0])
     b.add_argument("--concurrency", type=int, default=32)
     b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
+    b.add_argument("--backpressure", action="store_true",
+                   help="instead: queue --jobs jobs behind a slow model and report every service's RSS")
+    b.add_argument("--jobs", type=int, default=10_000, help="jobs for --backpressure")
+    b.add_argument("--hold-s", type=float, default=20.0, help="seconds to hold the queue for --backpressure")
     b.add_argument("--analysis", action="store_true",
                    help="instead: time summaries and a streamed export over a synthetic results table")
     from bench.analysis import add_arguments as add_analysis_arguments
@@ -392,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.backpressure:
+        from bench.backpressure import main as backpressure_main
+
+        return backpressure_main(args)
     if args.analysis:
         from bench.analysis import main as analysis_main
 

@@ -48,6 +48,17 @@ class ModelConfig(BaseModel):
             raise ValueError("model_name must not be empty")
         return v.strip()
 
+    @field_validator("params")
+    @classmethod
+    def _no_secrets_in_params(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """params travel in every event: a key there would be stored everywhere."""
+        secretish = [k for k in v if any(w in k.lower() for w in ("key", "token", "secret", "password", "authorization"))]
+        if secretish:
+            raise ValueError(
+                f"params.{secretish[0]} looks like a secret: params are recorded in every event; put the secret "
+                "in an environment variable and name that variable in api_key_env")
+        return v
+
     @model_validator(mode="after")
     def _provider_prefix(self) -> ModelConfig:
         if self.model_provider and "/" not in self.model_name:
@@ -99,7 +110,6 @@ class StageOptions(BaseModel):
     use_full_trace_for_rubric: bool = True
     prompt_config: dict[str, str] | None = None
     template_timeout_s: float = Field(default=10.0, gt=0)
-    template_memory_mb: int = Field(default=512, ge=64)
 
 
 class VerificationConfig(StageOptions):

@@ -120,6 +120,63 @@ def _die_with_parent() -> None:
         pass
 
 
+_BLOCKED_EVENTS = frozenset({
+    "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec", "os.startfile",
+    "subprocess.Popen", "pty.spawn",
+    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
+    "socket.gethostbyname", "socket.gethostbyaddr",
+    "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata",
+    "os.kill", "os.killpg", "signal.pthread_kill",
+    "os.chdir", "os.chmod", "os.chown", "os.link", "os.symlink", "os.truncate",
+})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _isolate() -> str:
+    """Confine user code, after the worker's own setup and before any user code runs:
+    - a private network namespace when the kernel allows it (root on Linux): no route anywhere;
+    - a PEP 578 audit hook (cannot be removed) that refuses process creation, signals, sockets,
+      ctypes, and writes outside a private scratch folder - which becomes cwd and TMPDIR.
+    RLIMIT_NPROC does not bind root and there is no mount isolation, so these are the layers that
+    stop a template forking, phoning out or writing into the service's files."""
+    scratch = os.path.realpath(tempfile.mkdtemp(prefix="veribus-sandbox-"))
+    os.chdir(scratch)
+    os.environ["TMPDIR"] = scratch
+    tempfile.tempdir = scratch
+    sys.dont_write_bytecode = True
+    if os.environ.get("VERIBUS_SANDBOX_NETNS", "1") != "0":
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET; refused when unprivileged
+        except Exception:  # noqa: BLE001 - best effort: the audit hook still refuses sockets
+            pass
+    prefix = scratch + os.sep
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event in _BLOCKED_EVENTS:
+            raise PermissionError(f"sandbox: {event} is not allowed in template code")
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None, None))[:3]
+            if isinstance(path, int) or path is None:
+                return
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & _WRITE_FLAGS)
+            if writing:
+                real = os.path.realpath(os.fsdecode(path))
+                if not (real + os.sep).startswith(prefix):
+                    raise PermissionError(f"sandbox: writing {real} is not allowed (only under {scratch})")
+        elif event in ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "shutil.rmtree", "shutil.move"):
+            for path in args[:2]:
+                if isinstance(path, str | bytes | os.PathLike):
+                    real = os.path.realpath(os.fsdecode(path))
+                    if not (real + os.sep).startswith(prefix):
+                        raise PermissionError(f"sandbox: {event} on {real} is not allowed")
+
+    sys.addaudithook(hook)
+    return scratch
+
+
 def _resolve(fn_name: str, cache: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
     fn = cache.get(fn_name)
     if fn is None:
@@ -150,6 +207,8 @@ def _worker_main() -> None:
     for mod in cfg["preload"]:
         importlib.import_module(mod)
     _apply_limits(cfg)
+    if cfg.get("isolate", True):
+        _isolate()
     cpu_s = int(cfg["cpu_s"])
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     mem_reply = enc.encode({"ok": False, "kind": "memory", "recycle": True,

@@ -122,6 +122,7 @@ def up(
     base_env = dict(os.environ)
     base_env.update(extra_env or {})
     nats_cmd = [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(home / "nats")]
+    nats_cmd += nats_auth_args(settings, home)  # enforce the configured user/password or token
     procs.append(_spawn("nats", nats_cmd, base_env, home / "logs"))
     state = StackState(home=str(home), nats_url=f"nats://127.0.0.1:{port}", simulator_url=None, procs=procs,
                        started_at=time.time())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.finalization.stage import try_finalize
-from shared import bus, events
+from shared import events
 from shared.fold import fold_result
 from shared.service import StageService, stage_error
 
@@ -11,7 +11,7 @@ service = StageService("finalization")
 
 
 async def _lookup(subject: str) -> events.StageEvent | None:
-    env = await bus.last_event(service.js, subject)
+    env = await service.last_event(subject)
     return events.payload_as(env, events.StageEvent) if env else None
 
 

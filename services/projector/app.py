@@ -29,6 +29,7 @@ from shared.bus import connect as bus_connect
 from shared.bus import connect_options, ensure_stream
 from shared.config import Settings
 from shared.events import QUERY_SUBJECT, STREAM, decode
+from shared.service import broker_auth_kwargs
 from shared.store import (
     PROJECTION_FAILED,
     Projection,
@@ -195,7 +196,8 @@ def create_app(
     projector = Projector(settings)
     opts = connect_options(settings)
     broker = NatsBroker(
-        opts.pop("servers"), **{k: v for k, v in opts.items() if k != "name"},
+        opts.pop("servers"), **{k: v for k, v in opts.items() if k not in ("name", "user", "password", "token", "tls")},
+        **broker_auth_kwargs(settings),
         name="veribus-projector", serializer=None, log_level=log_level, graceful_timeout=10.0,
     )
 

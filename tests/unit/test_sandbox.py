@@ -137,10 +137,29 @@ async def test_prints_do_not_corrupt_the_protocol(sandbox: Sandbox) -> None:
 
 
 async def test_file_size_limit(sandbox: Sandbox, tmp_path: object) -> None:
-    target = os.path.join(str(tmp_path), "big.bin")
-    reply = await sandbox.call("exec", code=f"open({target!r}, 'wb').write(b'a' * (32 * 1024 * 1024))")
+    # inside its private scratch folder (its cwd) a template may write, up to the file-size limit
+    reply = await sandbox.call("exec", code="open('big.bin', 'wb').write(b'a' * (32 * 1024 * 1024))")
     assert reply["ok"] is False and "File too large" in reply["error"]
-    assert os.path.getsize(target) <= 16 * 1024 * 1024
+    reply = await sandbox.call("exec", code="import os\nresult = os.path.getsize('big.bin')")
+    assert reply["ok"] is True and reply["value"] <= 16 * 1024 * 1024
+    # ... and nowhere else
+    target = os.path.join(str(tmp_path), "big.bin")
+    reply = await sandbox.call("exec", code=f"open({target!r}, 'wb').write(b'a')")
+    assert reply["ok"] is False and "sandbox: writing" in reply["error"]
+    assert not os.path.exists(target)
+
+
+async def test_isolation_refuses_processes_sockets_and_ctypes(sandbox: Sandbox) -> None:
+    for code, event in (
+        ("import os\nos.fork()", "os.fork"),
+        ("import subprocess\nsubprocess.run(['true'])", "subprocess.Popen"),
+        ("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", "socket"),
+        ("import ctypes\nctypes.CDLL(None)", "ctypes"),
+        ("import os\nos.kill(1, 9)", "os.kill"),
+    ):
+        reply = await sandbox.call("exec", code=code)
+        assert reply["ok"] is False and "sandbox:" in reply["error"] and event in reply["error"], (code, reply)
+    await _serves(sandbox)
 
 
 async def test_environment_is_scrubbed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,439 @@
+"""Run lifecycle logic without a bus: attempt keys of re-runs, token accounting, the run-control
+gate (cancel, budget) and the harness around it with an in-memory JetStream fake, and the
+regrade planner."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pytest
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+from shared import events, lifecycle
+from shared.benchmark import Benchmark
+from shared.ids import compute_result_id
+from shared.runner import RunInputError
+from shared.service import StageService, stage_error
+from tests.conftest import EXAMPLE
+
+# ------------------------------------------------------------------------------ fakes
+
+
+@dataclass
+class _Msg:
+    data: bytes
+
+
+@dataclass
+class _Entry:
+    value: bytes
+    revision: int
+
+
+class FakeKV:
+    def __init__(self, conflicts: int = 0) -> None:
+        self.data: dict[str, _Entry] = {}
+        self.rev = 0
+        self.conflicts = conflicts  # updates refused as if another process got there first
+
+    async def get(self, key: str) -> _Entry:
+        if key not in self.data:
+            raise KeyNotFoundError
+        return self.data[key]
+
+    async def create(self, key: str, value: bytes) -> int:
+        if key in self.data:
+            raise KeyWrongLastSequenceError
+        self.rev += 1
+        self.data[key] = _Entry(value, self.rev)
+        return self.rev
+
+    async def update(self, key: str, value: bytes, last: int | None = None) -> int:
+        if self.conflicts > 0:
+            self.conflicts -= 1
+            self.rev += 1
+            self.data[key] = _Entry(str(int(self.data[key].value) + 1).encode(), self.rev)  # a rival's +1
+            raise KeyWrongLastSequenceError
+        if self.data[key].revision != last:
+            raise KeyWrongLastSequenceError
+        self.rev += 1
+        self.data[key] = _Entry(value, self.rev)
+        return self.rev
+
+
+@dataclass
+class _Ack:
+    duplicate: bool = False
+
+
+@dataclass
+class FakeJS:
+    """The few JetStream calls the harness and RunControl make, in memory."""
+
+    last: dict[str, bytes] = field(default_factory=dict)
+    published: list[events.Envelope] = field(default_factory=list)
+    kv: FakeKV = field(default_factory=FakeKV)
+    gets: int = 0
+    fail: bool = False
+
+    async def get_last_msg(self, stream: str, subject: str, direct: bool = False) -> _Msg:
+        self.gets += 1
+        if self.fail:
+            raise ConnectionError("server away")
+        if subject not in self.last:
+            raise NotFoundError
+        return _Msg(self.last[subject])
+
+    async def publish(self, subject: str, data: bytes, stream: str | None = None,
+                      headers: dict[str, str] | None = None) -> _Ack:
+        env = events.decode(data)
+        assert headers == {"Nats-Msg-Id": env.event_id}
+        self.published.append(env)
+        self.last[subject] = data
+        return _Ack()
+
+    async def key_value(self, bucket: str) -> FakeKV:
+        return self.kv
+
+    def put_event(self, env: events.Envelope) -> None:
+        self.last[env.subject] = events.encode(env)
+
+
+def _job(result_id: str = "r1", run_id: str = "run1", **kw: Any) -> events.Job:
+    return events.Job(run_id=run_id, result_id=result_id, answer_id="a1", question_id="q1", question_text="2+2?",
+                      answering=events.ModelSpec(model_name="openai/a"), parsing=events.ModelSpec(model_name="openai/j"),
+                      timestamp="2026-01-01T00:00:00+00:00", **kw)
+
+
+def _usage(*pairs: tuple[str, int]) -> dict[str, dict[str, Any]]:
+    return {k: {"input_tokens": n - 1, "output_tokens": 1, "total_tokens": n, "model": "m"} for k, n in pairs}
+
+
+def _run_requested(run_id: str = "run1", budget: int | None = None) -> events.Envelope:
+    cfg = {"budget_tokens": budget} if budget is not None else {}
+    return events.make_envelope(events.RUN_REQUESTED, run_id, events.RUN_KEY,
+                                events.RunRequested(run_id=run_id, timestamp="t", job_count=1, answer_count=1,
+                                                    config=cfg), "test")
+
+
+def _control(run_id: str = "run1", **kw: Any) -> events.Envelope:
+    return events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, lifecycle.RunControlPayload(**kw),
+                                "test")
+
+
+# ------------------------------------------------------------------------------ attempt keys
+
+
+def test_chain_suffix_of_first_runs_and_resumed_runs() -> None:
+    first = events.make_envelope(events.ANSWER_GENERATED, "run1", "r1", events.StageEvent(_job(), events.State()), "t")
+    assert lifecycle.chain_suffix(first) == ""
+    resumed = msgspec.structs.replace(first, event_id=first.event_id + ":resume-ab12")
+    assert lifecycle.chain_suffix(resumed) == "resume-ab12"
+    foreign = msgspec.structs.replace(first, event_id="republished-" + first.event_id)
+    assert lifecycle.chain_suffix(foreign) == ""
+    run_level = events.make_envelope(events.RUN_REQUESTED, "run1", events.RUN_KEY, _run_requested().payload, "t")
+    assert lifecycle.chain_suffix(run_level) == ""
+
+
+def test_apply_suffix_marks_each_output_once() -> None:
+    outs = [events.make_envelope(events.TEMPLATE_PARSED, "run1", "r1", {}, "t"),
+            events.make_envelope(events.TEMPLATE_PARSED, "run1", "r2", {}, "t")]
+    lifecycle.apply_suffix("resume-1", outs)
+    lifecycle.apply_suffix("resume-1", outs)
+    assert [o.event_id for o in outs] == ["r1:template.parsed:resume-1", "r2:template.parsed:resume-1"]
+    assert lifecycle.apply_suffix("", outs)[0].event_id == "r1:template.parsed:resume-1"
+
+
+# ------------------------------------------------------------------------------ token accounting
+
+
+def test_tokens_spent_is_the_growth_of_the_state_usage() -> None:
+    ev_in = events.StageEvent(_job(), events.State(usage=_usage(("answer_generation", 30))))
+    before = lifecycle.tokens_before(ev_in)
+    out_state = events.State(usage=_usage(("answer_generation", 30), ("parsing", 120)))
+    out = events.make_envelope(events.TEMPLATE_PARSED, "run1", "r1", events.StageEvent(_job(), out_state), "t")
+    assert before == 30 and lifecycle.tokens_spent(before, [out]) == 120
+
+
+def test_fan_out_answer_counts_once_and_other_events_not_at_all() -> None:
+    state = events.State(usage=_usage(("answer_generation", 40)))
+    outs = [events.make_envelope(events.ANSWER_GENERATED, "run1", rid, events.StageEvent(_job(rid), state), "t")
+            for rid in ("r1", "r2", "r3")]
+    failed = events.make_envelope(events.STAGE_FAILED, "run1", "r1",
+                                  events.StageFailed(error=stage_error("x", ValueError("boom"))), "t")
+    req = events.AnswerRequested(jobs=[_job("r1"), _job("r2"), _job("r3")])
+    assert lifecycle.tokens_spent(lifecycle.tokens_before(req), [*outs, failed]) == 40
+
+
+def test_usage_tokens_ignores_the_total_entry_and_falls_back_to_in_plus_out() -> None:
+    usage = {"parsing": {"input_tokens": 5, "output_tokens": 2}, "total": {"total_tokens": 999}}
+    assert lifecycle.usage_tokens(usage) == 7
+    assert lifecycle.usage_tokens(None) == 0
+
+
+def test_budget_helpers_validate() -> None:
+    run = events.RunRequested(run_id="r", timestamp="t", job_count=1, answer_count=1, config={"x": 1})
+    lifecycle.set_budget(run, 5000)
+    assert run.config == {"x": 1, "budget_tokens": 5000}
+    lifecycle.set_budget(run, None)
+    assert run.config["budget_tokens"] == 5000
+    with pytest.raises(ValueError, match="positive"):
+        lifecycle.set_budget(run, 0)
+    data = {"budget_tokens": 100, "replicate_count": 2}
+    assert lifecycle.pop_budget(data) == 100 and data == {"replicate_count": 2}
+    for bad in (-1, "lots", True, 1.5):
+        with pytest.raises(ValueError, match="budget_tokens"):
+            lifecycle.pop_budget({"budget_tokens": bad})
+
+
+# ------------------------------------------------------------------------------ the run-control gate
+
+
+async def test_gate_stops_a_cancelled_run_and_a_resume_lifts_it() -> None:
+    js = FakeJS()
+    js.put_event(_run_requested())
+    ctl = lifecycle.RunControl(lambda: js, ttl_s=60.0)
+    assert await ctl.stop_reason("run1") is None
+    js.put_event(_control(cancelled=True, reason="operator"))
+    assert await ctl.stop_reason("run1") is None, "cached within the ttl"
+    stop = await ctl.stop_reason("run1", published_at=time.time() + 1)  # a request newer than the cache
+    assert stop is None, "a not-cancelled view read before a newer request is not re-read"
+    ctl2 = lifecycle.RunControl(lambda: js, ttl_s=60.0)
+    stop = await ctl2.stop_reason("run1")
+    assert isinstance(stop, lifecycle.RunCancelled) and "cancelled" in str(stop) and "operator" in str(stop)
+    js.put_event(_control(cancelled=False, reason="resumed"))
+    gets = js.gets
+    assert await ctl2.stop_reason("run1", published_at=time.time() - 3600) is not None, "old request: cache holds"
+    assert js.gets == gets
+    assert await ctl2.stop_reason("run1", published_at=time.time() + 1) is None, "newer request: read again"
+
+
+async def test_gate_fails_open_when_the_server_is_away() -> None:
+    js = FakeJS(fail=True)
+    ctl = lifecycle.RunControl(lambda: js, ttl_s=0.0)
+    assert await ctl.stop_reason("run1") is None
+    assert await ctl.budget("run1") is None
+
+
+async def test_budget_counter_is_shared_and_stops_dispatch() -> None:
+    js = FakeJS(kv=FakeKV(conflicts=2))
+    js.put_event(_run_requested(budget=100))
+    a = lifecycle.RunControl(lambda: js, usage_ttl_s=0.0)
+    b = lifecycle.RunControl(lambda: js, usage_ttl_s=0.0)
+    assert await a.budget("run1") == 100
+    a.record_usage("run1", 40)
+    await a.flush()
+    b.record_usage("run1", 30)
+    await b.flush()  # two rival +1s force compare-and-set retries
+    assert await a._read_counter("run1") == 72
+    assert await a.stop_reason("run1") is None
+    b.record_usage("run1", 28)  # not flushed yet: b sees it, a does not
+    stop = await b.stop_reason("run1")
+    assert isinstance(stop, lifecycle.BudgetExhausted) and "100-token budget" in str(stop)
+    assert await a.stop_reason("run1") is None
+    await b.close()
+    assert isinstance(await a.stop_reason("run1"), lifecycle.BudgetExhausted)
+
+
+async def test_a_control_event_can_raise_the_budget() -> None:
+    js = FakeJS()
+    js.put_event(_run_requested(budget=10))
+    ctl = lifecycle.RunControl(lambda: js, ttl_s=0.0, usage_ttl_s=0.0)
+    ctl.record_usage("run1", 50)
+    assert isinstance(await ctl.stop_reason("run1"), lifecycle.BudgetExhausted)
+    js.put_event(_control(cancelled=False, budget_tokens=1000))
+    assert await ctl.stop_reason("run1") is None
+    await ctl.close()
+
+
+# ------------------------------------------------------------------------------ the harness
+
+
+@dataclass
+class _Meta:
+    num_delivered: int
+
+
+@dataclass
+class _Raw:
+    subject: str
+    metadata: _Meta
+
+
+class FakeMessage:
+    def __init__(self, subject: str, delivered: int = 1) -> None:
+        self.raw_message = _Raw(subject, _Meta(delivered))
+        self.acked = False
+        self.nacked: float | None = None
+
+    async def ack(self) -> None:
+        self.acked = True
+
+    async def nack(self, delay: float | None = None) -> None:
+        self.nacked = delay
+
+
+def _service(js: FakeJS) -> tuple[StageService, list[str]]:
+    svc = StageService("generation")
+    svc._js = js  # type: ignore[assignment]
+    calls: list[str] = []
+    return svc, calls
+
+
+def _give_up(svc: StageService):  # noqa: ANN202
+    def give_up(env: events.Envelope, req: events.AnswerRequested, exc: BaseException) -> list[events.Envelope]:
+        state = events.State(error=stage_error("generate_answer", exc))
+        return [svc.emit(events.ANSWER_GENERATED, j, events.StageEvent(j, state, "failed", str(exc))) for j in req.jobs]
+    return give_up
+
+
+async def test_harness_gates_answer_requests_of_a_cancelled_run() -> None:
+    js = FakeJS()
+    js.put_event(_run_requested())
+    js.put_event(_control(cancelled=True, reason="stop"))
+    svc, calls = _service(js)
+
+    async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+        calls.append(env.event_id)
+        return []
+
+    req = events.AnswerRequested(jobs=[_job("r1"), _job("r2")])
+    env = events.make_envelope(events.ANSWER_REQUESTED, "run1", "a1", req, "cli")
+    msg = FakeMessage(env.subject)
+    await svc._dispatch(handler, events.AnswerRequested, _give_up(svc), events.encode(env), msg, 3)  # type: ignore[arg-type]
+    assert calls == [] and msg.acked
+    assert [e.event_type for e in js.published] == [events.ANSWER_GENERATED] * 2
+    ev = events.payload_as(js.published[0], events.StageEvent)
+    assert ev.status == "failed" and ev.state.error is not None and ev.state.error.type == "RunCancelled"
+
+
+async def test_harness_propagates_attempt_key_and_accounts_tokens() -> None:
+    js = FakeJS()
+    js.put_event(_run_requested(budget=10_000))
+    svc, calls = _service(js)
+
+    async def handler(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
+        ev.state.usage["parsing"] = {"input_tokens": 90, "output_tokens": 10, "total_tokens": 100}  # in place
+        return [svc.emit(events.TEMPLATE_PARSED, ev.job, events.StageEvent(ev.job, ev.state))]
+
+    ev = events.StageEvent(_job(), events.State(usage=_usage(("answer_generation", 25))))
+    env = events.make_envelope(events.GUARDS_CHECKED, "run1", "r1", ev, "guards")
+    env.event_id += ":resume-x1"
+    msg = FakeMessage(env.subject)
+    await svc._dispatch(handler, events.StageEvent, None, events.encode(env), msg, 3)  # type: ignore[arg-type]
+    assert msg.acked and js.published[0].event_id == "r1:template.parsed:resume-x1"
+    assert svc.control._pending == {"run1": 100}
+    await svc.control.close()
+    assert await svc.control._read_counter("run1") == 100
+
+
+async def test_harness_retries_then_records_the_give_up() -> None:
+    js = FakeJS()
+    svc, _ = _service(js)
+
+    async def broken(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+        raise KeyError("bug")
+
+    env = events.make_envelope(events.ANSWER_REQUESTED, "run1", "a1", events.AnswerRequested(jobs=[_job()]), "cli")
+    first = FakeMessage(env.subject, delivered=1)
+    await svc._dispatch(broken, events.AnswerRequested, _give_up(svc), events.encode(env), first, 3)  # type: ignore[arg-type]
+    assert first.nacked == 0.5 and not first.acked and js.published == []
+    last = FakeMessage(env.subject, delivered=3)
+    await svc._dispatch(broken, events.AnswerRequested, _give_up(svc), events.encode(env), last, 3)  # type: ignore[arg-type]
+    assert last.acked
+    assert [e.event_type for e in js.published] == [events.STAGE_FAILED, events.ANSWER_GENERATED]
+    assert events.payload_as(js.published[0], events.StageFailed).error.type == "KeyError"
+
+
+async def test_dead_letter_ids_are_the_same_in_every_process() -> None:
+    js = FakeJS()
+    svc, _ = _service(js)
+    subject = events.subject(events.ANSWER_REQUESTED, "run1", "zz")
+    for _ in range(2):
+        msg = FakeMessage(subject, delivered=3)
+        await svc._dispatch(None, events.AnswerRequested, None, b"\x00nope", msg, 3)  # type: ignore[arg-type]
+        assert msg.acked
+    a, b = js.published
+    assert a.event_type == events.DEAD_LETTER and a.event_id == b.event_id
+    assert a.event_id.startswith("zz:dead.letter:generation:")
+
+
+# ------------------------------------------------------------------------------ regrade planning
+
+
+def _answers(bench: Benchmark, run_id: str = "old") -> list[events.StageEvent]:
+    out = []
+    for q in bench.finished_questions():
+        job = events.Job(run_id=run_id, result_id=f"old-{q.id}", answer_id=f"ans-{q.id}", question_id=q.id,
+                         question_text=q.text, answering=events.ModelSpec(model_name="openai/a"),
+                         parsing=events.ModelSpec(model_name="openai/j"), timestamp="2026-01-01T00:00:00+00:00",
+                         template_code=q.template_code, template_id="old-tid", evaluation_mode="template_only")
+        state = events.State(template={"raw_llm_response": f"answer to {q.id}"},
+                             usage=_usage(("answer_generation", 12)), started_at=1.0)
+        out.append(events.StageEvent(job, state))
+    return out
+
+
+def test_regrade_jobs_take_new_templates_and_keep_answers() -> None:
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=18, answer_count=18,
+                                 evaluation_mode="template_only", config={"evaluation_mode": "template_only"},
+                                 benchmark_name="veribus-example")
+    answers = _answers(bench)
+    smaller = bench.model_copy(update={"questions": bench.questions[:5]})
+    plan = lifecycle.regrade_jobs(parent, answers, benchmark=smaller, mode="template_and_rubric", run_id="new",
+                                  timestamp="2026-02-02T00:00:00+00:00")
+    kept = {q.id for q in smaller.finished_questions()}
+    assert {ev.job.question_id for ev in plan.generated} == kept
+    assert sorted(plan.skipped_not_in_benchmark) == sorted(q.id for q in bench.finished_questions() if q.id not in kept)
+    for ev in plan.generated:
+        q = smaller.get_question(ev.job.question_id)
+        assert ev.job.run_id == "new" and ev.job.template_code == q.template_code and ev.job.template_id != "old-tid"
+        assert ev.job.result_id == compute_result_id(q.id, "litellm:openai/a:", "litellm:openai/j:",
+                                                     "2026-02-02T00:00:00+00:00", None)
+        assert ev.job.rubric and ev.job.evaluation_mode == "template_and_rubric"
+        assert ev.state.template["raw_llm_response"] == f"answer to {q.id}" and ev.state.started_at > 1.0
+    ev0 = plan.run_event
+    assert ev0.parent_run_id == "old" and ev0.job_count == len(kept) and ev0.config["regraded_from"] == "old"
+
+
+def test_regrade_refuses_bad_templates_and_missing_rubrics() -> None:
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=1, answer_count=1,
+                                 evaluation_mode="template_only")
+    answers = _answers(bench)
+    broken = bench.model_copy(deep=True)
+    broken.questions[0].template_code = "class Answer(:\n    pass\n"
+    with pytest.raises(RunInputError, match=broken.questions[0].id):
+        lifecycle.regrade_jobs(parent, answers, benchmark=broken)
+    with pytest.raises(RunInputError, match="needs rubric traits"):
+        lifecycle.regrade_jobs(parent, answers, mode="rubric_only")  # the stored jobs carry no rubric
+
+
+def test_stopped_results_are_recognised() -> None:
+    def final(error: str | None) -> events.Envelope:
+        result = {"metadata": {"error": error}}
+        return events.make_envelope(events.RESULT_FINALIZED, "r", "x", events.ResultFinalized(result=result), "t")
+
+    assert lifecycle._stopped(final("generate_answer: RunCancelled: cancelled: run r was cancelled"))
+    assert lifecycle._stopped(final("generate_answer: BudgetExhausted: budget exhausted: ..."))
+    assert not lifecycle._stopped(final("generate_answer: LLMError: timeout"))
+    assert not lifecycle._stopped(final(None))
+
+
+def test_event_loop_not_leaked() -> None:
+    """RunControl's flusher is a task of the loop that recorded usage; closing drains it."""
+
+    async def main() -> dict[str, int]:
+        js = FakeJS()
+        ctl = lifecycle.RunControl(lambda: js, flush_s=0.01)
+        ctl.record_usage("run1", 5)
+        await asyncio.sleep(0.05)
+        await ctl.close()
+        return {k: int(v.value) for k, v in js.kv.data.items()}
+
+    assert asyncio.run(main()) == {"run1": 5}
