@@ -10,6 +10,7 @@ switched off, and with its per-call cost/logging work skipped when no litellm ca
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import json
 import logging
@@ -456,20 +457,33 @@ class _Obj:
 
 
 class DirectTransport:
-    """POST /chat/completions on an OpenAI-compatible server over one pooled aiohttp session."""
+    """POST /chat/completions on an OpenAI-compatible server over one pooled aiohttp session per
+    event loop (a session cannot outlive its loop: stale ones are closed when a new loop asks,
+    and at exit)."""
 
     def __init__(self) -> None:
-        self._sessions: dict[int, Any] = {}
+        self._sessions: dict[int, tuple[asyncio.AbstractEventLoop, Any]] = {}
+        atexit.register(self._drop_stale)
+
+    def _drop_stale(self) -> None:
+        for key, (loop, sess) in list(self._sessions.items()):
+            if loop.is_closed():
+                conn = sess.connector
+                if conn is not None and not conn.closed:
+                    conn._close()  # sync: its loop is gone, so nothing can be awaited any more
+                del self._sessions[key]
 
     def _session(self) -> Any:
         import aiohttp
 
         loop = asyncio.get_running_loop()
-        sess = self._sessions.get(id(loop))
-        if sess is None or sess.closed:
+        entry = self._sessions.get(id(loop))
+        if entry is None or entry[0] is not loop or entry[1].closed:
+            self._drop_stale()
             sess = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
-            self._sessions[id(loop)] = sess
-        return sess
+            self._sessions[id(loop)] = (loop, sess)
+            return sess
+        return entry[1]
 
     async def complete(self, model: ModelSpec, messages: list[dict[str, Any]], kwargs: dict[str, Any],
                        api_key: str | None) -> Any:
@@ -496,9 +510,9 @@ class DirectTransport:
     async def close(self) -> None:
         """Close this event loop's pooled session (call before the loop ends)."""
         loop = asyncio.get_running_loop()
-        sess = self._sessions.pop(id(loop), None)
-        if sess is not None and not sess.closed:
-            await sess.close()
+        entry = self._sessions.pop(id(loop), None)
+        if entry is not None and not entry[1].closed:
+            await entry[1].close()
 
 
 _direct = DirectTransport()
