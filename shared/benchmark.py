@@ -916,7 +916,7 @@ def _rubric_from_plain(raw: Any, path: Path, where: str) -> Rubric | None:
     if not isinstance(raw, dict):
         raise BenchmarkError(f"{path}: {where}: rubric: expected a mapping of trait lists, got {type(raw).__name__}")
     groups: dict[str, list[Any]] = {g: [] for g in _RUBRIC_GROUPS}
-    unknown = set(raw) - set(_RUBRIC_GROUPS) - {"traits"}
+    unknown = set(raw) - set(_RUBRIC_GROUPS) - {"traits", "dynamic_traits"}
     if unknown:
         raise BenchmarkError(
             f"{path}: {where}: rubric: unknown key(s) {sorted(unknown)}; expected {sorted(_RUBRIC_GROUPS)} or traits",
@@ -947,10 +947,23 @@ def _rubric_from_plain(raw: Any, path: Path, where: str) -> Rubric | None:
             groups[group].append(_RUBRIC_GROUPS[group].model_validate(t))
         except ValidationError as e:
             raise _trait_error(path, where, loc, t.get("name"), e) from e
-    if not any(groups.values()):
+    dynamic = raw.get("dynamic_traits") or []
+    if not isinstance(dynamic, list):
+        raise BenchmarkError(f"{path}: {where}: rubric.dynamic_traits: expected a list", path=str(path),
+                             field="dynamic_traits")
+    for i, t in enumerate(dynamic):  # validated now, so a bad one is refused before a run
+        loc = f"rubric.dynamic_traits[{i}]"
+        if not isinstance(t, dict) or t.get("type") not in _WIRE_TO_GROUP:
+            raise _trait_error(path, where, loc, t.get("name") if isinstance(t, dict) else None,
+                               f"expected a mapping with type one of {sorted(_WIRE_TO_GROUP)}")
+        try:
+            _RUBRIC_GROUPS[_WIRE_TO_GROUP[t["type"]]].model_validate({k: v for k, v in t.items() if k != "type"})
+        except ValidationError as e:
+            raise _trait_error(path, where, loc, t.get("name"), e) from e
+    if not any(groups.values()) and not dynamic:
         return None
     try:
-        return Rubric(**groups)
+        return Rubric(**groups, dynamic_traits=[dict(t) for t in dynamic])
     except ValidationError as e:
         raise _trait_error(path, where, "rubric", None, e) from e
 
@@ -966,6 +979,8 @@ def _rubric_to_plain(rubric: Rubric) -> dict[str, Any]:
                 if isinstance(t, LLMRubricTrait) and t.kind == "score":  # the range, even when 1..5
                     d["min_score"], d["max_score"] = t.min_score, t.max_score
             out[group] = dumped
+    if rubric.dynamic_traits:
+        out["dynamic_traits"] = [dict(t) for t in rubric.dynamic_traits]
     return out
 
 

@@ -311,6 +311,11 @@ class Rubric(BaseModel):
     regex_traits: list[RegexTrait] = Field(default_factory=list)
     callable_traits: list[CallableTrait] = Field(default_factory=list)
     metric_traits: list[MetricRubricTrait] = Field(default_factory=list)
+    dynamic_traits: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="traits evaluated only when the judge finds their concept in the response (spec/003 "
+        "stage 11): wire-form dicts {type, name, ...}, validated like the static ones",
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> Rubric:
@@ -334,7 +339,8 @@ class Rubric(BaseModel):
         return None
 
     def is_empty(self) -> bool:
-        return not (self.llm_traits or self.regex_traits or self.callable_traits or self.metric_traits)
+        return not (self.llm_traits or self.regex_traits or self.callable_traits or self.metric_traits
+                    or self.dynamic_traits)
 
     def merge(self, other: Rubric | None) -> Rubric:
         """Global + question-specific traits in one rubric; a shared trait name is an error."""
@@ -350,6 +356,7 @@ class Rubric(BaseModel):
             regex_traits=[*self.regex_traits, *other.regex_traits],
             callable_traits=[*self.callable_traits, *other.callable_traits],
             metric_traits=[*self.metric_traits, *other.metric_traits],
+            dynamic_traits=[*self.dynamic_traits, *other.dynamic_traits],
         )
 
     @classmethod
@@ -366,12 +373,15 @@ class Rubric(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         """Event payload form: {"traits": [{"type": "llm"|"regex"|"callable"|"metric", ...fields}]}."""
-        return {
+        wire: dict[str, Any] = {
             "traits": [
                 {"type": trait_type_of(t), **t.model_dump(mode="json", exclude_none=True)}
                 for t in self.all_traits()
             ]
         }
+        if self.dynamic_traits:
+            wire["dynamic_traits"] = [dict(t) for t in self.dynamic_traits]
+        return wire
 
     @classmethod
     def from_wire(cls, data: dict[str, Any] | None) -> Rubric:
@@ -388,4 +398,6 @@ class Rubric(BaseModel):
             if model is None:
                 raise RubricError(f"traits[{i}] ({fields.get('name', '?')}): unknown trait type {tag!r}")
             traits.append(model.model_validate(fields))  # type: ignore[arg-type]
-        return cls.from_traits(traits)
+        rubric = cls.from_traits(traits)
+        rubric.dynamic_traits = [dict(t) for t in data.get("dynamic_traits") or [] if isinstance(t, dict)]
+        return rubric

@@ -569,3 +569,26 @@ def test_rubric_merge_wire_and_names() -> None:
         Rubric(llm_traits=g.llm_traits, regex_traits=[RegexTrait(name="Clarity", pattern="x")])
     with pytest.raises(RubricError, match="unknown trait type"):
         Rubric.from_wire({"traits": [{"type": "nope", "name": "x"}]})
+
+
+def test_dynamic_traits_load_and_reach_the_job(tmp_path: Path) -> None:
+    from shared.config import ModelConfig, VerificationConfig
+    from shared.runner import plan_run
+
+    path = tmp_path / "dyn.yaml"
+    path.write_text(
+        "name: dyn\nrubric:\n  regex_traits: [{name: HasNumber, pattern: '\\\\d'}]\n"
+        "  dynamic_traits:\n    - {type: llm, name: MentionsSafety, kind: boolean, description: safety caveats}\n"
+        "questions:\n  - {id: q1, question: 'Is it safe?', answer: 'yes'}\n")
+    bench = Benchmark.load(path)
+    assert bench.global_rubric is not None and bench.global_rubric.dynamic_traits[0]["name"] == "MentionsSafety"
+    cfg = VerificationConfig(answering_models=[ModelConfig(model_name="a")], parsing_models=[ModelConfig(model_name="j")],
+                             evaluation_mode="rubric_only")
+    job = plan_run(bench, cfg).requests[0].jobs[0]
+    assert job.rubric["dynamic_traits"] == [{"type": "llm", "name": "MentionsSafety", "kind": "boolean",
+                                             "description": "safety caveats"}]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: b\nrubric:\n  dynamic_traits:\n    - {type: llm, name: X, kind: nope}\n"
+                   "questions:\n  - {id: q1, question: 'Q?', answer: 'a'}\n")
+    with pytest.raises(BenchmarkError, match="dynamic_traits"):
+        Benchmark.load(bad)
