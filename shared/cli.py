@@ -25,15 +25,9 @@ PROVIDER_KEY_VARS = (
 
 
 def _settings():  # noqa: ANN202
-    from shared.config import Settings
-    from shared.stack import running_stack
+    from shared.stack import stack_settings
 
-    settings = Settings.from_env()
-    state = running_stack(settings)
-    if state is not None and "VERIBUS_NATS_URL" not in os.environ:
-        settings.nats_url = state.nats_url
-        settings.simulator_url = settings.simulator_url or state.simulator_url
-    return settings
+    return stack_settings()
 
 
 def _err(msg: str) -> None:

@@ -32,9 +32,9 @@ EXIT_INPUT = 2
 
 
 def _settings() -> Any:
-    from shared.cli import _settings as cli_settings
+    from shared.stack import stack_settings
 
-    return cli_settings()
+    return stack_settings()
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ EXIT_RUN_ERROR = 3
 
 
 def _settings() -> Any:
-    from shared.cli import _settings as cli_settings
+    from shared.stack import stack_settings
 
-    return cli_settings()
+    return stack_settings()
 
 
 def _err(msg: str) -> None:

@@ -147,6 +147,16 @@ class StageService:
     def emit(self, event_type: str, job: events.Job, payload: Any, attempt: int = 1) -> events.Envelope:
         return events.make_envelope(event_type, job.run_id, job.result_id, payload, self.producer, attempt)
 
+    def fail_forward(self, out_type: str, stage: str) -> GiveUp:
+        """The give-up of a stage whose failure ends the job's branch with an error: publish its
+        normal output event carrying the error, so downstream stages skip and the job finalizes."""
+
+        def give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
+            ev.state.error = ev.state.error or stage_error(stage, exc)
+            return [self.emit(out_type, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
+
+        return give_up
+
     async def publish(self, envs: list[events.Envelope]) -> None:
         if len(envs) == 1:
             await bus.publish(self.js, envs[0])

@@ -21,6 +21,7 @@ import psutil
 from shared.bus import wait_for_port
 from shared.config import Settings
 
+READY_MARKERS = (" ready", "app started successfully")  # StageService / FastStream start-up lines
 SERVICES = ["projector", "generation", "guards", "parsing", "verification", "rubric", "finalization"]
 
 
@@ -43,6 +44,26 @@ class Proc:
     pid: int
     cmd: list[str]
     log: str
+    log_offset: int = 0  # where this process's output starts in its (appended) log
+
+    def log_text(self) -> str:
+        """What this process has logged so far (not earlier runs that used the same log file)."""
+        path = Path(self.log)
+        if not path.exists():
+            return ""
+        with path.open("rb") as fh:
+            fh.seek(self.log_offset)
+            return fh.read().decode(errors="replace")
+
+    def ready(self) -> bool:
+        """True once the service logged that it is ready; raises if it died during start-up."""
+        text = self.log_text()
+        if any(marker in text for marker in READY_MARKERS):
+            return True
+        if not self.alive():
+            tail = "\n".join(text.splitlines()[-15:])
+            raise RuntimeError(f"service {self.name} exited during start-up; log {self.log}:\n{tail}")
+        return False
 
     def alive(self) -> bool:
         try:
@@ -93,12 +114,24 @@ def running_stack(settings: Settings) -> StackState | None:
 
 def _spawn(name: str, cmd: list[str], env: dict[str, str], logdir: Path) -> Proc:
     log = logdir / f"{name}.log"
+    offset = log.stat().st_size if log.exists() else 0
     fh = open(log, "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
     )
     fh.close()
-    return Proc(name=name, pid=proc.pid, cmd=cmd, log=str(log))
+    return Proc(name=name, pid=proc.pid, cmd=cmd, log=str(log), log_offset=offset)
+
+
+def stack_settings() -> Settings:
+    """Settings from the environment, pointed at the local stack when one runs from this home
+    (an explicit VERIBUS_NATS_URL wins). Every CLI command starts from these."""
+    settings = Settings.from_env()
+    state = running_stack(settings)
+    if state is not None and "VERIBUS_NATS_URL" not in os.environ:
+        settings.nats_url = state.nats_url
+        settings.simulator_url = settings.simulator_url or state.simulator_url
+    return settings
 
 
 def up(
@@ -156,14 +189,9 @@ def wait_ready(state: StackState, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     pending = [p for p in state.procs if p.name not in ("nats", "simulator")]
     while pending and time.monotonic() < deadline:
-        for p in list(pending):
-            text = Path(p.log).read_text(errors="replace") if Path(p.log).exists() else ""
-            if " ready" in text or "app started successfully" in text:
-                pending.remove(p)
-            elif not p.alive():
-                tail = "\n".join(text.splitlines()[-15:])
-                raise RuntimeError(f"service {p.name} exited during start-up; log {p.log}:\n{tail}")
-        time.sleep(0.1)
+        pending = [p for p in pending if not p.ready()]
+        if pending:
+            time.sleep(0.1)
     if pending:
         raise TimeoutError(f"services not ready after {timeout:.0f}s: {', '.join(p.name for p in pending)}")
 
@@ -258,21 +286,12 @@ def _stack_env(state: StackState, skip_pid: int | None = None) -> dict[str, str]
     return env
 
 
-def wait_proc_ready(p: Proc, log_offset: int = 0, timeout: float = 60.0) -> None:
-    """Wait until a (re)started service logs that it is ready, reading its log from `log_offset`."""
+def wait_proc_ready(p: Proc, timeout: float = 60.0) -> None:
+    """Wait until one (re)started service logs that it is ready."""
     deadline = time.monotonic() + timeout
-    path = Path(p.log)
     while time.monotonic() < deadline:
-        text = ""
-        if path.exists():
-            with path.open("rb") as fh:
-                fh.seek(log_offset)
-                text = fh.read().decode(errors="replace")
-        if " ready" in text or "app started successfully" in text:
+        if p.ready():
             return
-        if not p.alive():
-            tail = "\n".join(text.splitlines()[-15:])
-            raise RuntimeError(f"{p.name} exited during start-up; log {p.log}:\n{tail}")
         time.sleep(0.05)
     raise TimeoutError(f"{p.name} not ready after {timeout:.0f}s")
 
@@ -287,9 +306,7 @@ def restart_proc(state: StackState, name: str, *, extra_env: dict[str, str] | No
         stop_proc(old)
     env = _stack_env(state, skip_pid=old.pid)
     env.update(extra_env or {})
-    log = Path(old.log)
-    offset = log.stat().st_size if log.exists() else 0
-    new = _spawn(name, list(old.cmd), env, log.parent)
+    new = _spawn(name, list(old.cmd), env, Path(old.log).parent)
     state.procs[state.procs.index(old)] = new
     state.save()
     if name == "nats":
@@ -299,7 +316,7 @@ def restart_proc(state: StackState, name: str, *, extra_env: dict[str, str] | No
         port = int(state.simulator_url.rsplit(":", 1)[1].split("/", 1)[0])
         wait_for_port("127.0.0.1", port, timeout)
     else:
-        wait_proc_ready(new, offset, timeout)
+        wait_proc_ready(new, timeout)
     return new
 
 

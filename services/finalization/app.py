@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from services.finalization.stage import try_finalize
 from shared import events
 from shared.fold import fold_result
@@ -20,8 +22,6 @@ def _finalized(ev: events.StageEvent, result_dump: dict) -> events.Envelope:
 
 
 def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
-    import time
-
     ev.state.error = ev.state.error or stage_error("finalize_result", exc)
     result = fold_result(ev.job, ev.state, None, time.time())
     return [_finalized(ev, result.model_dump(mode="json"))]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.guards.stage import check_guards
 from shared import events
-from shared.service import StageService, stage_error
+from shared.service import StageService
 from shared.template_cache import TemplateInfoCache
 
 service = StageService("guards")
@@ -12,12 +12,8 @@ llm = service.llm_client()
 templates = TemplateInfoCache()
 
 
-def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
-    ev.state.error = ev.state.error or stage_error("guards", exc)
-    return [service.emit(events.GUARDS_CHECKED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
 
-
-@service.handles(events.ANSWER_GENERATED, events.StageEvent, give_up=_give_up)
+@service.handles(events.ANSWER_GENERATED, events.StageEvent, give_up=service.fail_forward(events.GUARDS_CHECKED, "guards"))
 async def on_answer_generated(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
     job = ev.job
     schema = None

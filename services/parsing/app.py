@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.parsing.stage import STAGE, parse_template
 from shared import events
-from shared.service import StageService, stage_error
+from shared.service import StageService
 from shared.template_cache import TemplateInfoCache
 
 service = StageService("parsing")
@@ -12,12 +12,8 @@ llm = service.llm_client()
 templates = TemplateInfoCache()
 
 
-def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
-    ev.state.error = ev.state.error or stage_error(STAGE, exc)
-    return [service.emit(events.TEMPLATE_PARSED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
 
-
-@service.handles(events.GUARDS_CHECKED, events.StageEvent, give_up=_give_up)
+@service.handles(events.GUARDS_CHECKED, events.StageEvent, give_up=service.fail_forward(events.TEMPLATE_PARSED, STAGE))
 async def on_guards_checked(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
     job = ev.job
     if job.evaluation_mode == "rubric_only":

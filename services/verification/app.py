@@ -4,18 +4,14 @@ from __future__ import annotations
 
 from services.verification.stage import STAGE, verify_template
 from shared import events
-from shared.service import StageService, stage_error
+from shared.service import StageService
 
 service = StageService("verification")
 llm = service.llm_client()  # the embedding check's equivalence judge
 
 
-def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
-    ev.state.error = ev.state.error or stage_error(STAGE, exc)
-    return [service.emit(events.TEMPLATE_VERIFIED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
 
-
-@service.handles(events.TEMPLATE_PARSED, events.StageEvent, give_up=_give_up)
+@service.handles(events.TEMPLATE_PARSED, events.StageEvent, give_up=service.fail_forward(events.TEMPLATE_VERIFIED, STAGE))
 async def on_template_parsed(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
     state = await verify_template(ev.job, ev.state, llm)
     return [service.emit(events.TEMPLATE_VERIFIED, ev.job, events.StageEvent(ev.job, state))]

@@ -140,7 +140,10 @@ async def test_file_size_limit(sandbox: Sandbox, tmp_path: object) -> None:
     # inside its private scratch folder (its cwd) a template may write, up to the file-size limit
     reply = await sandbox.call("exec", code="open('big.bin', 'wb').write(b'a' * (32 * 1024 * 1024))")
     assert reply["ok"] is False and "File too large" in reply["error"]
-    reply = await sandbox.call("exec", code="import os\nresult = os.path.getsize('big.bin')")
+    # each worker has its own scratch folder, so write and measure in one call
+    reply = await sandbox.call("exec", code=(
+        "import os\ntry:\n    open('big2.bin', 'wb').write(b'a' * (32 * 1024 * 1024))\nexcept OSError:\n    pass\n"
+        "result = os.path.getsize('big2.bin')"))
     assert reply["ok"] is True and reply["value"] <= 16 * 1024 * 1024
     # ... and nowhere else
     target = os.path.join(str(tmp_path), "big.bin")
