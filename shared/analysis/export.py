@@ -25,16 +25,19 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import msgspec
 
-from shared.models import VerificationResult
-from shared.results import ResultFilter, RowSource, iter_pages, open_source, resolve_run
+from shared.core.models import VerificationResult
+from shared.core.rubric import Rubric, RubricError
+from shared.store.reads import ResultFilter, RowSource, iter_pages, open_source, resolve_run
+from shared.store.rows import RESULT_COLUMNS, result_to_row
 
 if TYPE_CHECKING:
-    from shared.config import Settings
+    from shared.core.config import Settings
 
 FORMATS = ("json", "jsonl", "csv", "parquet")
 FORMAT_VERSION = "2.2"
@@ -78,8 +81,6 @@ class ExportStats:
 
 def veribus_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("veribus")
     except Exception:  # noqa: BLE001 - not installed as a distribution (source checkout)
         return "0.1.0"
@@ -163,16 +164,12 @@ def flat_row(row: Mapping[str, Any], columns: Sequence[str]) -> dict[str, Any]:
 
 def flat_rows_from_results(results: Iterable[VerificationResult], columns: Sequence[str],
                            run_id: str = "") -> Iterator[dict[str, Any]]:
-    from shared.store import result_to_row
-
     for r in results:
         yield flat_row(result_to_row(r, run_id, version=0), columns)
 
 
 def flat_lists_from_results(results: Iterable[VerificationResult], columns: Sequence[str],
                             run_id: str = "") -> list[list[Any]]:
-    from shared.store import RESULT_COLUMNS, result_to_row
-
     build = row_builder(columns, RESULT_COLUMNS)
     return [build([row[c] for c in RESULT_COLUMNS]) for row in (result_to_row(r, run_id, version=0) for r in results)]
 
@@ -216,7 +213,7 @@ def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[list[Any
 
 
 def _arrow_schema(columns: Sequence[str]) -> Any:
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow: heavy; only the Parquet export needs it
 
     types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
              "list": pa.list_(pa.string())}
@@ -239,8 +236,8 @@ def _arrow_value(value: Any, column: str) -> Any:
 
 def write_parquet(path: Path, columns: Sequence[str], pages: Iterable[list[list[Any]]]) -> int:
     """One row group per page (rows as lists in `columns` order), written as it arrives."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # pyarrow: heavy; only the Parquet export needs it
+    import pyarrow.parquet as pq  # pyarrow: heavy; only the Parquet export needs it
 
     schema = _arrow_schema(columns)
     n = 0
@@ -363,8 +360,6 @@ def _store_run_info(source: RowSource, run_id: str, where: ResultFilter) -> tupl
 def rubric_definition_from_store(source: RowSource, run_id: str) -> dict[str, Any] | None:
     """The run's rubric (every trait any job carried, global and question-specific), in the
     reference's `Rubric` shape, read from the jobs recorded on `answer.generated` events."""
-    from shared.rubric import Rubric, RubricError
-
     res = source.query(
         "SELECT DISTINCT JSONExtractRaw(payload, 'job', 'rubric') FROM events "
         "WHERE run_id = {r:String} AND event_type = 'answer.generated' LIMIT 10000", {"r": run_id})

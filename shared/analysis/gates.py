@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.models import VerificationResult
-from shared.report import ACCURACY, DEFAULT_PASS, OP_SYMBOLS, OPS, PassCriterion, Sample, samples_of
-from shared.stats import model_matches
+from shared.analysis.report import ACCURACY, DEFAULT_PASS, OP_SYMBOLS, OPS, PassCriterion, Sample, samples_of
+from shared.analysis.stats import model_matches
+from shared.core.models import VerificationResult
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1

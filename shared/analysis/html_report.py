@@ -14,6 +14,7 @@ table it was drawn from. Sections:
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,13 +23,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.models import VerificationResult
-from shared.report import summarize, trait_score
-from shared.stats import Proportion, pass_at_k_report
+from shared.analysis.export import rubric_definition_from_store
+from shared.analysis.report import summarize, trait_score
+from shared.analysis.stats import Proportion, pass_at_k_report
+from shared.core.models import VerificationResult
+from shared.store.reads import ResultFilter, iter_result_json, open_source, resolve_run
 
 if TYPE_CHECKING:
-    from shared.config import Settings
-    from shared.results import RowSource
+    from shared.core.config import Settings
+    from shared.store.reads import RowSource
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D", "#FF9DA6",
            "#BAB0AC"]
@@ -529,10 +532,6 @@ def write_html(path: str | Path, data: RunData, gate_lines: Sequence[str] = ()) 
 
 def load_run_data(source: RowSource, run: str, *, page_size: int = 500) -> RunData:
     """A run's results, config, rubric and stage latency, from one row source."""
-    import json
-
-    from shared.export import rubric_definition_from_store
-    from shared.results import ResultFilter, iter_result_json, resolve_run
 
     run_id = resolve_run(source, run)
     results = [VerificationResult.model_validate_json(blob)
@@ -557,8 +556,6 @@ def load_run_data(source: RowSource, run: str, *, page_size: int = 500) -> RunDa
 def load_run(settings: Settings, run: str) -> RunData:
     """`load_run_data` against the configured store (projector over NATS, server, or chdb). A
     run whose models pointed at the local stack's LLM simulator is marked simulated."""
-    from shared.results import open_source
-
     with open_source(settings) as source:
         data = load_run_data(source, run)
     if settings.simulator_url and data.config:

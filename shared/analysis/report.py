@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,8 +29,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from shared.models import VerificationResult
-from shared.stats import Proportion, describe
+from shared.analysis.export import veribus_version
+from shared.analysis.stats import Proportion, describe
+from shared.core.models import VerificationResult
 
 ACCURACY = "accuracy"
 DEFAULT_SCORE_RANGE = (1.0, 5.0)
@@ -345,8 +347,6 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
 def print_results(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), *, simulated: bool = False,
                   run_id: str | None = None, file: TextIO | None = None) -> None:
     """Print the results block (and, with `run_id`, how to query the rows)."""
-    import sys
-
     out = file or sys.stdout
     print(file=out)
     print(results_block(summary, gate_lines, simulated), file=out)
@@ -371,8 +371,6 @@ def write_outputs(
     trait_ranges: Mapping[str, tuple[float, float]] | None = None,
 ) -> None:
     """header.json, summary.json and results.jsonl in `out_dir` (`spec/004`)."""
-    from shared.export import veribus_version
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {"suite_name": suite, "run_id": run_id, "timestamp": datetime.now(UTC).isoformat(),

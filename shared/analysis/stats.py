@@ -20,7 +20,7 @@ from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shared.models import VerificationResult
+    from shared.core.models import VerificationResult
 
 
 # --------------------------------------------------------------------------------------------

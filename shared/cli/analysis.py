@@ -1,7 +1,7 @@
 """Analysis commands of `veribus`: export, report, results, compare; and the gate options and
 helpers `veribus run` uses.
 
-Wiring (in shared/cli.py): `register(sub)` adds the subcommands; `add_run_options(run_parser)`
+Wiring (in shared/cli/commands.py): `register(sub)` adds the subcommands; `add_run_options(run_parser)`
 adds `--gate`, `--junit`, `--num-runs`; `validate_run_gates(args)` refuses bad gates before a run
 starts (ValueError: exit 2); `apply_gates(args, results, summary)` evaluates them after the run
 and returns the exit code (0 pass, 1 a gate failed).
@@ -21,10 +21,26 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from shared.analysis import report
+from shared.analysis.export import export_results, export_run
+from shared.analysis.files import iter_results_from_file
+from shared.analysis.gates import (
+    GateError,
+    evaluate_gates,
+    gates_from_config,
+    parse_gates,
+    summary_criterion,
+    write_junit,
+)
+from shared.analysis.html_report import RunData, load_run, write_html
+from shared.analysis.resultset import VerificationResultSet
+from shared.analysis.stats import compare_models
+from shared.control.stack import stack_settings
+from shared.store.reads import ResultFilter
+
 if TYPE_CHECKING:
-    from shared.gates import Gate
-    from shared.html_report import RunData
-    from shared.models import VerificationResult
+    from shared.analysis.gates import Gate
+    from shared.core.models import VerificationResult
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
@@ -32,8 +48,6 @@ EXIT_INPUT = 2
 
 
 def _settings() -> Any:
-    from shared.stack import stack_settings
-
     return stack_settings()
 
 
@@ -53,8 +67,6 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_gates(config_path: str | None) -> list[Gate]:
-    from shared.gates import GateError, gates_from_config
-
     if not config_path:
         return []
     path = Path(config_path)
@@ -74,9 +86,7 @@ def _config_gates(config_path: str | None) -> list[Gate]:
 
 def validate_run_gates(args: argparse.Namespace) -> list[Gate]:
     """Every gate of this run (--gate and the config's `gates:`), parsed; raises
-    shared.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
-    from shared.gates import parse_gates
-
+    shared.analysis.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
     if getattr(args, "num_runs", 1) is not None and getattr(args, "num_runs", 1) < 1:
         raise ValueError("--num-runs must be >= 1")
     return parse_gates(getattr(args, "gate", None)) + _config_gates(getattr(args, "config", None))
@@ -87,10 +97,7 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
     """Evaluate the run's gates on its results and fold the outcome into `summary` (in place:
     passed/failed attempts by the gate's per-sample criterion, `gates_passed`, `gates`,
     `gate_lines`); write --junit. Returns 0 when every gate passes (or there are none), else 1.
-    Print the block afterwards with `shared.report.print_results(summary, summary["gate_lines"])`."""
-    from shared import report
-    from shared.gates import evaluate_gates, summary_criterion, write_junit
-
+    Print the block afterwards with `shared.analysis.report.print_results(summary, summary["gate_lines"])`."""
     gates = validate_run_gates(args)
     overall, per_metric = summary_criterion(gates)
     extra = {k: v for k, v in summary.items() if k in ("dead_lettered",)}
@@ -117,9 +124,6 @@ def _is_file(run: str) -> bool:
 
 
 def load_run_arg(run: str) -> RunData:
-    from shared.html_report import RunData, load_run
-    from shared.results import iter_results_from_file
-
     if _is_file(run):
         results = list(iter_results_from_file(run))
         rubric = None
@@ -142,15 +146,10 @@ def load_run_arg(run: str) -> RunData:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shared.export import export_results, export_run
-    from shared.results import ResultFilter, iter_results_from_file
-
     fmt = args.format or _format_from_suffix(args.output)
     where = ResultFilter(question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
                          completed_only=args.completed_only)
     if _is_file(args.run):
-        from shared.results import VerificationResultSet
-
         rs = VerificationResultSet(iter_results_from_file(args.run)).filter(
             question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
             completed_only=args.completed_only)
@@ -172,10 +171,6 @@ def _format_from_suffix(output: str) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from shared import report
-    from shared.gates import evaluate_gates, parse_gates, summary_criterion, write_junit
-    from shared.html_report import write_html
-
     gates = parse_gates(args.gate)
     data = load_run_arg(args.run)
     if not data.results:
@@ -204,8 +199,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_results(args: argparse.Namespace) -> int:
     """Pass rates with Wilson intervals by a dimension, and pass@k across replicates."""
-    from shared.results import VerificationResultSet
-
     data = load_run_arg(args.run)
     rs = VerificationResultSet(data.results, run_ids=[data.run_id])
     table = rs.pass_rates(by=args.by)
@@ -239,8 +232,6 @@ def _f(v: float | None) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from shared.stats import compare_models
-
     a = load_run_arg(args.run)
     b = load_run_arg(args.run_b) if args.run_b else None
     cmp = compare_models(a.results, args.model_a, args.model_b, b.results if b is not None else None)
@@ -293,7 +284,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the analysis commands on their own (`python -m shared.cli_analysis ...`)."""
+    """Run the analysis commands on their own (`python -m shared.cli.analysis ...`)."""
     parser = argparse.ArgumentParser(prog="veribus")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """`veribus resume | regrade | cancel | projections rebuild`: run lifecycle commands.
 
-Wired into `shared.cli` by `register(sub)`; the work is in `shared.lifecycle`.
+Wired into `shared.cli` by `register(sub)`; the work is in `shared.control` (`lifecycle`, `rebuild`).
 """
 
 from __future__ import annotations
@@ -10,14 +10,17 @@ import asyncio
 import sys
 from typing import Any
 
+from shared.control import lifecycle, rebuild, streams, wait
+from shared.control.runner import RunInputError
+from shared.control.stack import stack_settings
+from shared.core.benchmark.question import BenchmarkError
+
 EXIT_OK = 0
 EXIT_INPUT = 2
 EXIT_RUN_ERROR = 3
 
 
 def _settings() -> Any:
-    from shared.stack import stack_settings
-
     return stack_settings()
 
 
@@ -26,9 +29,6 @@ def _err(msg: str) -> None:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from shared import lifecycle
-    from shared.benchmark import BenchmarkError
-
     settings = _settings()
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
@@ -36,11 +36,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
             plan = asyncio.run(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
                                                      benchmark=bench))
         else:
-            before = asyncio.run(lifecycle.finalized_counts(settings, args.run))
+            before = asyncio.run(wait.finalized_counts(settings, args.run))
             plan = asyncio.run(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
                                                 force=args.force, budget_tokens=args.max_tokens_budget,
                                                 benchmark=bench))
-    except (lifecycle.LifecycleError, BenchmarkError, ValueError) as exc:
+    except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
         _err(str(exc))
         return EXIT_INPUT
     print(f"run {plan.run_id}: {plan.job_count} jobs, {plan.finalized} with a result (skipped, no model calls), "
@@ -56,23 +56,19 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.dry_run or not args.wait or not plan.requests:
         return EXIT_OK
     ids = [j.result_id for r in plan.requests for j in r.jobs]
-    done, timed_out = asyncio.run(lifecycle.wait_for_results(settings, args.run, result_ids=ids, baseline=before,
+    done, timed_out = asyncio.run(wait.wait_for_results(settings, args.run, result_ids=ids, baseline=before,
                                                              timeout=args.timeout))
     print(f"  {done}/{len(ids)} resumed job(s) finalized" + (" (timed out)" if timed_out else ""))
     return EXIT_RUN_ERROR if timed_out else EXIT_OK
 
 
 def cmd_regrade(args: argparse.Namespace) -> int:
-    from shared import lifecycle
-    from shared.benchmark import BenchmarkError
-    from shared.runner import RunInputError
-
     settings = _settings()
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
         plan = asyncio.run(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
                                                   run_name=args.run_name))
-    except (lifecycle.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
+    except (streams.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
         _err(str(exc))
         return EXIT_INPUT
     if not plan.generated:
@@ -88,7 +84,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
         print(f"  {plan.jobs_without_answer} job(s) of the parent run have no stored answer (not regraded)")
     if args.no_wait:
         return EXIT_OK
-    done, timed_out = asyncio.run(lifecycle.wait_for_results(settings, plan.run_id, result_ids=plan.result_ids,
+    done, timed_out = asyncio.run(wait.wait_for_results(settings, plan.run_id, result_ids=plan.result_ids,
                                                              timeout=args.timeout))
     new = asyncio.run(lifecycle.run_results(settings, plan.run_id))
     old = asyncio.run(lifecycle.run_results(settings, plan.parent_run_id))
@@ -104,31 +100,27 @@ def cmd_regrade(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from shared import lifecycle
-
     settings = _settings()
     try:
         out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
-    except lifecycle.LifecycleError as exc:
+    except streams.LifecycleError as exc:
         _err(str(exc))
         return EXIT_INPUT
     print(f"run {out.run_id}: cancelled; {out.finalized}/{out.job_count} results finalized so far. Answers not "
           "yet generated finalize as cancelled results (error 'cancelled').")
     if not args.wait:
         return EXIT_OK
-    done, timed_out = asyncio.run(lifecycle.wait_for_results(settings, args.run, count=out.job_count,
+    done, timed_out = asyncio.run(wait.wait_for_results(settings, args.run, count=out.job_count,
                                                              timeout=args.timeout))
     print(f"  {done}/{out.job_count} results finalized" + (" (timed out)" if timed_out else ""))
     return EXIT_RUN_ERROR if timed_out else EXIT_OK
 
 
 def cmd_projections_rebuild(args: argparse.Namespace) -> int:
-    from shared import lifecycle
-
     settings = _settings()
     try:
-        rep = lifecycle.rebuild_projections(settings, timeout=args.timeout, progress=lambda m: print(f"  {m}"))
-    except lifecycle.LifecycleError as exc:
+        rep = rebuild.rebuild_projections(settings, timeout=args.timeout, progress=lambda m: print(f"  {m}"))
+    except streams.LifecycleError as exc:
         _err(str(exc))
         return EXIT_RUN_ERROR
     print(f"projections rebuilt from {rep.stream_messages} stream messages in {rep.elapsed_s:.1f} s ({rep.mode})")

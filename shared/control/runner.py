@@ -13,12 +13,13 @@ from datetime import UTC, datetime
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from shared import bus, events
-from shared.benchmark import Benchmark
-from shared.config import Settings, VerificationConfig
-from shared.ids import answer_id_for, compute_result_id, template_id_for
-from shared.models import VerificationResult
-from shared.templates import compile_check
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import Settings, VerificationConfig
+from shared.core.ids import answer_id_for, compute_result_id, template_id_for
+from shared.core.models import VerificationResult
+from shared.runtime import bus
+from shared.templates.calls import compile_check
 
 
 class RunInputError(ValueError):

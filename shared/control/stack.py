@@ -18,8 +18,8 @@ from typing import Any
 
 import psutil
 
-from shared.bus import wait_for_port
-from shared.config import Settings
+from shared.core.config import Settings
+from shared.runtime.bus import wait_for_port
 
 READY_MARKERS = (" ready", "app started successfully")  # StageService / FastStream start-up lines
 SERVICES = ["projector", "generation", "guards", "parsing", "verification", "rubric", "finalization"]

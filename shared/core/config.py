@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.events import ModelSpec
+from shared.core.events import ModelSpec
 
 EvaluationMode = Literal["template_only", "template_and_rubric", "rubric_only"]
 

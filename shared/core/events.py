@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from shared.ids import event_id_for
+from shared.core.ids import event_id_for
 
 T = TypeVar("T")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.events import Job, StageError, State
-from shared.models import (
+from shared.core.events import Job, StageError, State
+from shared.core.models import (
     ModelIdentity,
     VerificationResult,
     VerificationResultDeepJudgment,

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.ids import compute_result_id
+from shared.core.ids import compute_result_id
 
 
 class _Section(BaseModel):

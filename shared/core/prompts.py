@@ -120,7 +120,7 @@ def metric_messages(
 
 
 # ---------------------------------------------------------------- deep judgment (templates and rubrics)
-# Appended for services/parsing/deep_judgment.py, services/rubric/deep_judgment.py, shared/search.py and
+# Appended for services/parsing/deep_judgment.py, services/rubric/deep_judgment.py, shared/runtime/search.py and
 # the embedding check. Every prompt still quotes the question verbatim (the simulator keys on it).
 
 

@@ -5,23 +5,22 @@ message ids, durable pull consumers.
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
+import ssl
 import time
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlparse
 
 import nats
+from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from shared import events
-from shared.config import Settings
-
-log = logging.getLogger("veribus.bus")
+from shared.core import events
+from shared.core.config import Settings
 
 
 def _patch_pull_fetch_timeout() -> None:
@@ -29,9 +28,6 @@ def _patch_pull_fetch_timeout() -> None:
     partial batch), which FastStream 0.7.8 does not catch: its pull loop then dies with the batch
     it already holds, and those messages wait a whole ack_wait for redelivery. Re-raise it as
     nats' own TimeoutError, which FastStream handles."""
-    from nats import errors as nats_errors
-    from nats.js.client import JetStreamContext
-
     sub_cls = JetStreamContext.PullSubscription
     if getattr(sub_cls.fetch, "_veribus_patched", False):
         return
@@ -83,8 +79,6 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     if settings.nats_token:
         opts["token"] = settings.nats_token
     if settings.nats_tls_ca:
-        import ssl
-
         ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
         opts["tls"] = ctx
     return opts

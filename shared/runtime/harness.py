@@ -7,7 +7,7 @@ Failure policy (at-least-once, exactly-once effect):
   stage's fallback event (its normal output, with `state.error` set) lets the run finish;
 - a message that cannot be decoded at all goes to `dead.letter` with the reason.
 
-Run control (`shared.lifecycle.RunControl`): an `answer.requested` of a run that was cancelled or
+Run control (`shared.runtime.runcontrol.RunControl`): an `answer.requested` of a run that was cancelled or
 has spent its token budget is not handled; the stage's fallback event (its normal output with
 the stop recorded as the error) is published instead, so the job still finalizes. Services add
 the tokens each handled event spent to the run's counter when the run has a budget. Events a
@@ -29,14 +29,18 @@ from typing import Any
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
+from faststream.nats.security import NatsSecurity, NatsToken, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from shared import bus, events
-from shared.config import Settings
-from shared.lifecycle import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
-from shared.llm import CACHE_SCOPE, LLMClient, NatsKVCache, close_transports
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.runtime.llm.cache import CACHE_SCOPE, NatsKVCache
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.transport import close_transports
+from shared.runtime.runcontrol import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
 
 log = logging.getLogger("veribus.service")
 
@@ -57,8 +61,6 @@ async def _raw_body(msg: NatsMessage) -> bytes:
 def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
     """NATS auth and TLS for a FastStream `NatsBroker` (`security=`): FastStream 0.7 takes no
     `user`/`password`/`tls` keyword arguments, unlike nats-py's `connect`."""
-    from faststream.nats.security import NatsSecurity, NatsToken, NatsUserPassword
-
     ssl_context = bus.connect_options(settings).get("tls")
     if settings.nats_user:
         return {"security": NatsUserPassword(settings.nats_user, settings.nats_password or "",

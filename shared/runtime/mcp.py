@@ -94,7 +94,7 @@ def exposed_tool_name(server: str, tool: str) -> str:
 
 def parse_target(target: str) -> Any:
     """A URL string (streamable HTTP) or `StdioServerParameters` (a command line)."""
-    from mcp import StdioServerParameters
+    from mcp import StdioServerParameters  # mcp: heavy; only runs with MCP tools need it
 
     text = target.strip()
     if text.lower().startswith(("http://", "https://")):
@@ -142,7 +142,7 @@ def _describe(exc: BaseException) -> str:
 
 def _is_connection_failure(exc: BaseException) -> bool:
     """A transport-level failure (the session is unusable), as opposed to a tool/protocol error."""
-    import anyio
+    import anyio  # anyio: only the MCP client needs it
 
     leaf = _leaf(exc)
     if type(leaf).__name__ == "MCPError":
@@ -264,7 +264,7 @@ class MCPConnection:
     async def open(self) -> None:
         """Connect, handshake and list tools, within `connect_timeout`; raises MCPConnectionError."""
         try:
-            from mcp import Client
+            from mcp import Client  # mcp: heavy; only runs with MCP tools need it
         except ImportError as exc:
             raise self._error(f"the `mcp` Python package is not importable ({exc})") from None
         if self._server_object is not None:
@@ -299,7 +299,7 @@ class MCPConnection:
         raise err
 
     async def _run(self, client_cls: Any, server: Any, errlog: Any) -> None:
-        from mcp.client.stdio import stdio_client
+        from mcp.client.stdio import stdio_client  # mcp: heavy; only runs with MCP tools need it
 
         if errlog is not None:  # a stdio server whose stderr we keep
             client = client_cls(stdio_client(server, errlog=errlog), read_timeout_seconds=self.call_timeout)

@@ -33,9 +33,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from rapidfuzz import fuzz, process, utils
 
-from shared import prompts
-from shared.events import ModelSpec
-from shared.llm import LLMClient, LLMError, LLMReply
+from shared.core import prompts
+from shared.core.events import ModelSpec
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, LLMReply
 
 log = logging.getLogger("veribus.search")
 

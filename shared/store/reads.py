@@ -1,26 +1,35 @@
-"""Read-only SQL over the veribus tables, wherever they are.
+"""Read-only SQL over the veribus tables, wherever they are: where reads go is decided once,
+in `open_source`.
 
 - ClickHouse server (`Settings.clickhouse_url`): connect directly.
 - Embedded chdb: the folder belongs to the running projector, so ask it over NATS
   (`QUERY_SUBJECT`); when nothing answers (no stack running), open the folder directly.
 
-Every path refuses SQL that is not read-only (`shared.store.is_read_only_sql`).
+`run_query` (one query, `veribus query`) and the result loaders and exports (`ResultFilter`,
+`iter_pages`: keyset-paged reads of `verification_results FINAL`) both read through a
+`RowSource` from `open_source`. Every path refuses SQL that is not read-only
+(`shared.store.sql_guard`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import msgspec
+import nats
+from nats.errors import NoRespondersError, NoServersError
+from nats.errors import TimeoutError as NatsTimeout
 
-from shared.bus import connect_options, server_reachable
-from shared.config import Settings
-from shared.events import QUERY_SUBJECT
-from shared.store import QueryResult, ReadOnlyError, open_store, read_only_refusal
+from shared.core.config import Settings
+from shared.core.events import QUERY_SUBJECT
+from shared.runtime.bus import connect_options, server_reachable
+from shared.store.engine import QueryResult, Store, open_store
+from shared.store.sql_guard import ReadOnlyError, read_only_refusal
 
 
 class QueryError(RuntimeError):
@@ -48,10 +57,6 @@ async def query_via_nats(
     settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float = 10.0
 ) -> QueryResult:
     """Ask the projector. Raises NoProjector when no server or no subscriber is there."""
-    import nats
-    from nats.errors import NoRespondersError, NoServersError
-    from nats.errors import TimeoutError as NatsTimeout
-
     if not server_reachable(settings.nats_url):
         raise NoProjector(f"no NATS server at {settings.nats_url}")
     opts = connect_options(settings)
@@ -115,16 +120,12 @@ def _run_coro(coro: Any) -> Any:
 def run_query(
     settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float = 10
 ) -> QueryResult:
-    """Run one read-only query against the configured store (see module docstring)."""
+    """Run one read-only query against the configured store (see `open_source`)."""
     reason = read_only_refusal(sql)
     if reason:
         raise QueryError(f"refused: {reason}")
-    if settings.clickhouse_url:
-        return query_direct(settings, sql, params)
-    try:
-        return _run_coro(query_via_nats(settings, sql, params, timeout))
-    except NoProjector:
-        return query_direct(settings, sql, params)
+    with open_source(settings, timeout=timeout) as source:
+        return source.query(sql, params)
 
 
 # ---- formatting ----
@@ -171,3 +172,158 @@ def format_table(result: QueryResult, max_width: int = 60) -> str:
 def format_json(result: QueryResult) -> str:
     """The rows as a JSON array of objects (column -> value)."""
     return msgspec.json.format(_enc.encode(result.as_dicts()), indent=2).decode()
+
+
+class RowSource(Protocol):
+    """Something that runs one read-only query: a store, or the projector over NATS."""
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult: ...
+
+
+class StoreSource:
+    """Reads through an open Store (its read-only handle)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+        try:
+            return self.store.query_read_only(sql, params)
+        except ReadOnlyError as exc:
+            raise QueryError(str(exc)) from exc
+        except Exception as exc:
+            raise QueryError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class NatsSource:
+    """Reads through the projector (`veribus.query` request-reply); one connection per query."""
+
+    def __init__(self, settings: Settings, timeout: float = 30.0) -> None:
+        self.settings = settings
+        self.timeout = timeout
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+        return _run_coro(query_via_nats(self.settings, sql, params, self.timeout))
+
+
+@contextlib.contextmanager
+def open_source(settings: Settings, timeout: float = 30.0) -> Iterator[RowSource]:
+    """Where reads go, decided once: a ClickHouse server directly; else the projector over NATS
+    when a stack runs; else the chdb folder opened in this process (held open for the whole
+    read, not reopened per page)."""
+    if not settings.clickhouse_url:
+        try:
+            _run_coro(query_via_nats(settings, "SELECT 1", None, 10.0))
+        except NoProjector:
+            pass
+        else:
+            yield NatsSource(settings, timeout)
+            return
+    store = open_store(settings, migrate=not settings.clickhouse_url)
+    try:
+        yield StoreSource(store)
+    finally:
+        store.close()
+
+
+class ResultFilter:
+    """WHERE clause over `verification_results` for the loaders and exports (parameterised)."""
+
+    def __init__(
+        self, run_id: str | None = None, run_name: str | None = None, question_ids: Sequence[str] | None = None,
+        answering_models: Sequence[str] | None = None, parsing_models: Sequence[str] | None = None,
+        replicates: Sequence[int] | None = None, completed_only: bool = False,
+    ) -> None:
+        self.run_id, self.run_name = run_id, run_name
+        self.question_ids = list(question_ids or [])
+        self.answering_models = list(answering_models or [])
+        self.parsing_models = list(parsing_models or [])
+        self.replicates = list(replicates or [])
+        self.completed_only = completed_only
+
+    def sql(self) -> tuple[str, dict[str, Any]]:
+        clauses: list[str] = []
+        params: dict[str, Any] = {}
+        if self.run_id:
+            clauses.append("run_id = {f_run:String}")
+            params["f_run"] = self.run_id
+        if self.run_name:
+            clauses.append("run_name = {f_run_name:String}")
+            params["f_run_name"] = self.run_name
+        if self.question_ids:
+            clauses.append("question_id IN {f_q:Array(String)}")
+            params["f_q"] = self.question_ids
+        for col, key, models in (("answering", "f_am", self.answering_models), ("parsing", "f_pm", self.parsing_models)):
+            if models:
+                clauses.append(f"({col}_model IN {{{key}:Array(String)}} OR {col}_model_name IN {{{key}:Array(String)}})")
+                params[key] = models
+        if self.replicates:
+            clauses.append("replicate IN {f_rep:Array(UInt32)}")
+            params["f_rep"] = self.replicates
+        if self.completed_only:
+            clauses.append("completed_without_errors")
+        return (" AND ".join(clauses) or "1"), params
+
+
+def iter_pages(
+    source: RowSource, columns: str, where: ResultFilter | None = None, *, page_size: int = 1000,
+    limit: int | None = None, table: str = "verification_results",
+) -> Iterator[QueryResult]:
+    """Keyset-paged reads of `table FINAL` in (run_id, result_id) order: each page is one bounded
+    query, so memory stays flat however many rows match. The page shrinks when the projector
+    says a reply would exceed the NATS payload limit."""
+    where = where or ResultFilter()
+    cond, params = where.sql()
+    # one run: the key's second column alone orders the rows (a predicate the primary key serves)
+    key_pred = " AND result_id > {k_id:String}" if where.run_id else \
+        " AND (run_id, result_id) > ({k_run:String}, {k_id:String})"
+    after_run, after_id = "", ""
+    first = True
+    fetched = 0
+    size = max(1, page_size)
+    while limit is None or fetched < limit:
+        n = size if limit is None else min(size, limit - fetched)
+        keyset = "" if first else key_pred
+        sql = (f"SELECT run_id, result_id, {columns} FROM {table} FINAL WHERE {cond}{keyset} "
+               f"ORDER BY run_id, result_id LIMIT {int(n)}")
+        p = dict(params)
+        if not first:
+            p["k_id"] = after_id
+            if not where.run_id:
+                p["k_run"] = after_run
+        try:
+            page = source.query(sql, p)
+        except QueryError as exc:
+            if "too large" in str(exc) and n > 1:
+                size = max(1, n // 4)
+                continue
+            raise
+        if not page.rows:
+            return
+        yield page
+        fetched += len(page.rows)
+        after_run, after_id = str(page.rows[-1][0]), str(page.rows[-1][1])
+        first = False
+        if len(page.rows) < n:
+            return
+
+
+def iter_result_json(source: RowSource, where: ResultFilter | None = None, *, page_size: int = 500,
+                     limit: int | None = None) -> Iterator[tuple[str, str]]:
+    """(run_id, result_json) of every matching row, streamed page by page."""
+    for page in iter_pages(source, "result_json", where, page_size=page_size, limit=limit):
+        for row in page.rows:
+            blob = row[2]
+            yield str(row[0]), blob.decode() if isinstance(blob, bytes | bytearray) else str(blob)
+
+
+def resolve_run(source: RowSource, run: str) -> str:
+    """A run id, or the latest run with that run name -> the run id (ValueError when none)."""
+    res = source.query(
+        "SELECT run_id FROM (SELECT run_id, requested_at AS at FROM runs FINAL WHERE run_id = {r:String} "
+        "OR run_name = {r:String} UNION ALL SELECT run_id, max(ingested_at) AS at FROM verification_results "
+        "FINAL WHERE run_id = {r:String} OR run_name = {r:String} GROUP BY run_id) ORDER BY (run_id = {r:String}) DESC, "
+        "at DESC LIMIT 1", {"r": run})
+    if not res.rows:
+        raise ValueError(f"no run with id or name {run!r} in the store")
+    return str(res.rows[0][0])

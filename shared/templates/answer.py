@@ -11,7 +11,7 @@ this module (`install_karenina_aliases`). Two template styles are supported:
   combined by a nested `class VerificationStrategy: verify_strategy = AnyOf(...)`.
 
 Nothing here runs in a service process on user code: the services only import the module for
-its names; templates are executed in `shared.sandbox` workers.
+its names; templates are executed in `shared.templates.sandbox` workers.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import re
 import string
 import sys
 import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -475,8 +476,6 @@ COMPOSITION_NAMES = ("AllOf", "AnyOf", "AtLeastN", "FieldCheck")
 
 def template_namespace() -> dict[str, Any]:
     """Globals a template is executed with: the names the reference pre-binds for templates."""
-    import typing
-
     ns: dict[str, Any] = {"BaseAnswer": BaseAnswer, "Field": Field, "VerifiedField": VerifiedField,
                           "List": list, "Dict": dict}
     ns.update({n: getattr(typing, n) for n in _TYPING_NAMES})
@@ -505,7 +504,7 @@ def install_karenina_aliases() -> None:
         "karenina.schemas.answer_class": {"BaseAnswer": BaseAnswer},
     }
     for mod_name, attrs in layout.items():
-        mod = types.ModuleType(mod_name, "veribus alias of the reference's module (shared.answer)")
+        mod = types.ModuleType(mod_name, "veribus alias of the reference's module (shared.templates.answer)")
         mod.__path__ = []  # a package, so submodule imports resolve through sys.modules
         mod.__dict__.update(attrs)
         sys.modules[mod_name] = mod

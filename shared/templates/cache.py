@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from shared.templates import TemplateInfo, validate_template
+from shared.templates.calls import TemplateInfo, validate_template
 
 
 class TemplateInfoCache:

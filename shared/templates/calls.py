@@ -1,6 +1,6 @@
 """Template and callable-trait functions the stage services call (spec/003 stages 1, 8, 11).
 
-Each async function sends its user-code part to the sandbox (`shared.sandbox`) and gets plain
+Each async function sends its user-code part to the sandbox (`shared.templates.sandbox`) and gets plain
 data back; the `worker_*` functions are what runs inside the sandbox workers (they import user
 code, so never call them in a service process). `compile_check` and `regex_trait_score` are
 pure and run in-process: the first only compiles (no execution), the second runs no user code.
@@ -20,9 +20,13 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal, get_args, get_origin
 
+import cloudpickle
 import msgspec
+from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 
-from shared.sandbox import Sandbox, get_sandbox
+from shared.templates.answer import INTERNAL_FIELDS, BaseAnswer, template_namespace
+from shared.templates.sandbox import Sandbox, get_sandbox
 
 # =========================================================================== results
 
@@ -201,8 +205,6 @@ def _cache_put(cache: OrderedDict[str, Any], key: str, code: Any, value: Any) ->
 def _compile_template(code: str, module_name: str) -> Any:
     """Execute the template as module `module_name` (registered in sys.modules, so pydantic can
     resolve postponed annotations) and return its answer class."""
-    from shared.answer import BaseAnswer, template_namespace
-
     try:
         compiled = compile(code, _FILENAME, "exec", dont_inherit=True)
     except SyntaxError as exc:
@@ -258,8 +260,6 @@ def _template_class(code: str, template_id: str | None) -> Any:
 
 def _placeholder(ann: Any, depth: int = 0) -> Any:
     """A value of type `ann` good enough to instantiate a template (to read its `correct`)."""
-    from pydantic import BaseModel
-
     origin, args = get_origin(ann), get_args(ann)
     if ann in (int, float, str, bool, bytes):
         return ann()
@@ -283,8 +283,6 @@ def _placeholder(ann: Any, depth: int = 0) -> Any:
 
 
 def _placeholder_instance(cls: Any) -> Any:
-    from shared.answer import INTERNAL_FIELDS
-
     values = {n: _placeholder(f.annotation) for n, f in cls.model_fields.items()
               if f.is_required() and n not in INTERNAL_FIELDS}
     try:
@@ -296,8 +294,6 @@ def _placeholder_instance(cls: Any) -> Any:
 
 
 def _jsonable(value: Any) -> Any:
-    from pydantic_core import to_jsonable_python
-
     return to_jsonable_python(value, fallback=repr)
 
 
@@ -371,9 +367,6 @@ def worker_verify(
     template_id: str | None = None,
 ) -> dict[str, Any]:
     """(sandbox) Stage 8; returns a VerifyOutcome as a dict."""
-    from pydantic import ValidationError
-
-    from shared.answer import INTERNAL_FIELDS
 
     try:
         cls = _template_class(code, template_id)
@@ -451,7 +444,6 @@ def _load_callable(code: str | bytes) -> Callable[[str], Any]:
             except (binascii.Error, ValueError):
                 raw = None
     if raw is not None and raw[:1] == b"\x80":  # pickle protocol >= 2: cloudpickle.dumps(fn)
-        import cloudpickle
 
         try:
             fn = cloudpickle.loads(raw)

@@ -1,525 +1,43 @@
 """The LLM port: every model call of every service goes through `LLMClient.complete`.
 
-It wraps litellm (any provider) and adds what the pipeline needs around it: structured output
-with robust JSON extraction and validation retries, retries with backoff on transient errors,
-a per-model concurrency limit, and a response cache so a redelivered or replayed stage does not
-pay twice. litellm is imported lazily (it takes seconds) with its network and `.env` side effects
-switched off, and with its per-call cost/logging work skipped when no litellm callback is set.
+It adds what the pipeline needs around a model call (`shared.runtime.llm.transport`):
+structured output with robust JSON extraction and validation retries (`reply`), retries with
+backoff on transient errors, a per-model concurrency limit, and a response cache (`cache`) so a
+redelivered or replayed stage does not pay twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import hashlib
-import json
 import logging
 import os
 import random
 import re
-import time
-from collections import OrderedDict
 from collections.abc import Callable
-from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import msgspec
-
-from shared.events import ModelSpec
-
-log = logging.getLogger("veribus.llm")
-
-USAGE_KEYS = ("input_tokens", "output_tokens", "total_tokens")
-DUMMY_KEY = "sk-none"
-MAX_OUTPUT_RETRIES = 2  # extra calls after a malformed / invalid structured reply
-MAX_RETRY_AFTER_S = 120.0
-
-_litellm: Any = None
-
-
-def _get_litellm() -> Any:
-    """Import litellm once, offline: no cost-map fetch, no `.env` loading, no debug chatter."""
-    global _litellm
-    if _litellm is None:
-        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-        os.environ.setdefault("LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS", "True")
-        os.environ.setdefault("LITELLM_LOCAL_BLOG_POSTS", "True")
-        os.environ.setdefault("LITELLM_MODE", "PRODUCTION")  # "DEV" (default) loads ./.env
-        import litellm
-
-        litellm.suppress_debug_info = True
-        litellm.turn_off_message_logging = True
-        logging.getLogger("LiteLLM").setLevel(logging.WARNING)
-        if os.environ.get("VERIBUS_LITELLM_LEAN", "1") != "0":
-            _install_lean_hooks(litellm)
-        _litellm = litellm
-    return _litellm
-
-
-def _install_lean_hooks(litellm: Any) -> None:
-    """Skip litellm's per-call cost calculation and success logging while no callback is set.
-
-    Measured: ~7.9 -> ~5.2 ms CPU per call against a local server. We compute usage ourselves
-    and price nothing here; with any litellm callback configured the originals run unchanged.
-    """
-    try:
-        from litellm.litellm_core_utils import litellm_logging as ll
-    except ImportError:  # pragma: no cover - other litellm layout
-        return
-    cls = getattr(ll, "Logging", None)
-    names = ("response_cost_calculator", "async_success_handler", "handle_sync_success_callbacks_for_async_calls")
-    if cls is None or getattr(cls, "_veribus_lean", False) or not all(hasattr(cls, n) for n in names):
-        return
-    orig_cost, orig_async, orig_sync = (getattr(cls, n) for n in names)
-
-    def has_callbacks() -> bool:
-        return bool(
-            getattr(litellm, "callbacks", None)
-            or getattr(litellm, "success_callback", None)
-            or getattr(litellm, "_async_success_callback", None)
-        )
-
-    def response_cost_calculator(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return orig_cost(self, *args, **kwargs) if has_callbacks() else None
-
-    async def async_success_handler(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if has_callbacks():
-            return await orig_async(self, *args, **kwargs)
-        return None
-
-    def handle_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return orig_sync(self, *args, **kwargs) if has_callbacks() else None
-
-    cls.response_cost_calculator = response_cost_calculator
-    cls.async_success_handler = async_success_handler
-    cls.handle_sync_success_callbacks_for_async_calls = handle_sync
-    cls._veribus_lean = True
-
-
-# ---------------------------------------------------------------- replies, errors, usage
-
-
-@dataclass
-class LLMReply:
-    text: str
-    usage: dict[str, Any]  # {"input_tokens", "output_tokens", "total_tokens", "model"}
-    parsed: Any | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    cached: bool = False
-    attempts: int = 1
-    raw_message: dict[str, Any] | None = None
-
-
-ERROR_KINDS = ("rate_limit", "server_error", "timeout", "connection", "bad_output", "auth", "bad_request")
-RETRYABLE = frozenset({"rate_limit", "server_error", "timeout", "connection"})
-
-
-class LLMError(Exception):
-    """A model call that failed for good. `kind` is one of `ERROR_KINDS`; the message names the
-    model, stage, HTTP status and attempt count, and never contains an API key."""
-
-    def __init__(self, kind: str, message: str, *, model: str = "", stage: str = "",
-                 status_code: int | None = None, attempts: int = 1, retry_after: float | None = None,
-                 usage: dict[str, Any] | None = None) -> None:
-        if kind not in ERROR_KINDS:
-            raise ValueError(f"unknown LLMError kind {kind!r}")
-        self.kind = kind
-        self.model = model
-        self.stage = stage
-        self.status_code = status_code
-        self.attempts = attempts
-        self.retry_after = retry_after
-        self.usage = usage or {}  # tokens spent before failing (bad_output replies)
-        super().__init__(message)
-
-    @property
-    def retryable(self) -> bool:
-        return self.kind in RETRYABLE
-
-
-def usage_entry(reply: LLMReply) -> dict[str, Any]:
-    """The reply's usage as a `usage_metadata` stage entry."""
-    out: dict[str, Any] = {k: int(reply.usage.get(k, 0) or 0) for k in USAGE_KEYS}
-    if reply.usage.get("model"):
-        out["model"] = reply.usage["model"]
-    return out
-
-
-def add_usage(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Sum token counts; keep `model` only when both sides agree (or one has none)."""
-    out: dict[str, Any] = {k: int(a.get(k, 0) or 0) + int(b.get(k, 0) or 0) for k in USAGE_KEYS}
-    models = {m for m in (a.get("model"), b.get("model")) if m}
-    if len(models) == 1:
-        out["model"] = models.pop()
-    return out
-
-
-# ---------------------------------------------------------------- JSON extraction
-
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_-]*)[ \t]*\r?\n?(.*?)```", re.S)
-_THINK = re.compile(r"<think(?:ing)?>.*?</think(?:ing)?>", re.S | re.I)
-_json_decode = msgspec.json.decode
-_raw_decoder = json.JSONDecoder()
-
-
-def extract_json(text: str) -> Any:
-    """The JSON value in a model reply: plain JSON, a ```json fenced block, or JSON in prose.
-
-    Raises ValueError (with a preview of the text) when there is none.
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"reply is {type(text).__name__}, not text")
-    s = text.strip()
-    if "<think" in s.lower():
-        s = _THINK.sub("", s).strip()
-    if s[:1] in ("{", "["):
-        try:
-            return _json_decode(s)
-        except msgspec.DecodeError:
-            pass
-    if "```" in s:
-        blocks = _FENCE.findall(s)
-        blocks.sort(key=lambda b: b[0].lower() != "json")  # ```json blocks first, stable otherwise
-        for _lang, body in blocks:
-            body = body.strip()
-            if body[:1] in ("{", "["):
-                try:
-                    return _json_decode(body)
-                except msgspec.DecodeError:
-                    found = _scan(body)
-                    if found is not _MISSING:
-                        return found
-    found = _scan(s)
-    if found is not _MISSING:
-        return found
-    preview = s if len(s) <= 200 else s[:200] + "..."
-    raise ValueError(f"no JSON object found in the reply: {preview!r}")
-
-
-_MISSING = object()
-
-
-def _scan(s: str, max_tries: int = 64) -> Any:
-    """First decodable object (else array) starting at a '{' (else '[') in `s`."""
-    for opener in ("{", "["):
-        pos = s.find(opener)
-        tries = 0
-        while pos >= 0 and tries < max_tries:
-            try:
-                obj, _end = _raw_decoder.raw_decode(s, pos)
-                return obj
-            except ValueError:
-                pos = s.find(opener, pos + 1)
-                tries += 1
-    return _MISSING
-
-
-# ---------------------------------------------------------------- cache
-
-
-class ResponseCache(Protocol):
-    async def get(self, key: str) -> dict[str, Any] | None: ...
-
-    async def put(self, key: str, value: dict[str, Any]) -> None: ...
-
-
-class MemoryCache:
-    """In-process LRU cache (tests, single-process runs)."""
-
-    def __init__(self, max_entries: int = 10_000) -> None:
-        self.max_entries = max_entries
-        self._data: OrderedDict[str, dict[str, Any]] = OrderedDict()
-
-    async def get(self, key: str) -> dict[str, Any] | None:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
-
-    async def put(self, key: str, value: dict[str, Any]) -> None:
-        self._data[key] = value
-        self._data.move_to_end(key)
-        while len(self._data) > self.max_entries:
-            self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class NatsKVCache:
-    """Cache shared by all service replicas, on a JetStream key-value bucket (entries expire)."""
-
-    def __init__(self, js: Any, bucket: str = "vb_llm_cache", ttl_s: float = 7 * 24 * 3600,
-                 max_value_bytes: int = 900_000) -> None:
-        self.js = js
-        self.bucket = bucket
-        self.ttl_s = ttl_s
-        self.max_value_bytes = max_value_bytes
-        self._kv: Any = None
-        self._lock = asyncio.Lock()
-
-    async def _bucket(self) -> Any:
-        if self._kv is None:
-            async with self._lock:
-                if self._kv is None:
-                    from nats.js.api import KeyValueConfig
-                    from nats.js.errors import BucketNotFoundError, NotFoundError
-
-                    try:
-                        self._kv = await self.js.key_value(self.bucket)
-                    except (BucketNotFoundError, NotFoundError):
-                        config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
-                                                description="veribus LLM response cache")
-                        try:
-                            self._kv = await self.js.create_key_value(config)
-                        except Exception:  # another replica created it meanwhile
-                            self._kv = await self.js.key_value(self.bucket)
-        return self._kv
-
-    async def get(self, key: str) -> dict[str, Any] | None:
-        from nats.js.errors import KeyNotFoundError
-
-        kv = await self._bucket()
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
-            return None
-        value = _json_decode(entry.value)
-        return value if isinstance(value, dict) else None
-
-    async def put(self, key: str, value: dict[str, Any]) -> None:
-        data = msgspec.json.encode(value)
-        if len(data) > self.max_value_bytes:
-            log.debug("llm cache: reply of %d bytes not cached (limit %d)", len(data), self.max_value_bytes)
-            return
-        kv = await self._bucket()
-        await kv.put(key, data)
-
-
-_key_encoder = msgspec.json.Encoder(order="sorted")
-
-
-CACHE_SCOPE: ContextVar[str | None] = ContextVar("veribus_llm_cache_scope", default=None)
-"""The scope of cached replies (the run id, set per handled event): a redelivery or replay of the
-same run reuses a reply; a new run of the same benchmark asks the model afresh."""
-
-
-def cache_key(model: ModelSpec, messages: list[dict[str, Any]], *, response_schema: dict[str, Any] | None = None,
-              schema_name: str = "response", tools: list[dict[str, Any]] | None = None,
-              replicate: int | None = None) -> str:
-    """sha256 over everything that changes the model's reply (never the API key)."""
-    material = {
-        "model": model.canonical_key,
-        "api_base": model.api_base,
-        "messages": messages,
-        "temperature": model.temperature,
-        "max_tokens": model.max_tokens,
-        "params": model.params,
-        "schema": response_schema,
-        "schema_name": schema_name if response_schema is not None else None,
-        "tools": tools,
-        "replicate": replicate,
-        "scope": CACHE_SCOPE.get(),
-    }
-    return hashlib.sha256(_key_encoder.encode(material)).hexdigest()
-
-
-# ---------------------------------------------------------------- client
-
-_SECRET_PATTERNS = re.compile(
-    r"(sk-[A-Za-z0-9_\-]{8,}|(?:api[_-]?key|x-api-key|authorization|bearer)[\"'=:\s]+[A-Za-z0-9_\-\.]{8,})", re.I
+from typing import Any
+
+from shared.core.events import ModelSpec
+from shared.runtime.llm import transport
+from shared.runtime.llm.cache import ResponseCache, cache_key
+from shared.runtime.llm.reply import (
+    DUMMY_KEY,
+    MAX_OUTPUT_RETRIES,
+    MAX_RETRY_AFTER_S,
+    RETRYABLE,
+    LLMError,
+    LLMReply,
+    add_usage,
+    extract_json,
+)
+from shared.runtime.llm.transport import (
+    _classify,
+    _mentions_response_format,
+    _retry_after,
+    _scrub,
+    transport_for,
 )
 
-
-def _scrub(text: str, secret: str | None) -> str:
-    if secret and secret != DUMMY_KEY and len(secret) >= 4:
-        text = text.replace(secret, "***")
-    return _SECRET_PATTERNS.sub("***", text)
-
-
-def _classify(exc: BaseException) -> tuple[str, int | None]:
-    """(kind, HTTP status) of a litellm/openai/asyncio exception."""
-    status = getattr(exc, "status_code", None)
-    if not isinstance(status, int):
-        status = None
-    if isinstance(exc, asyncio.TimeoutError | TimeoutError):
-        return "timeout", status
-    litellm = _litellm
-    if litellm is not None:
-        checks: list[tuple[str, str]] = [
-            ("Timeout", "timeout"),
-            ("RateLimitError", "rate_limit"),
-            ("AuthenticationError", "auth"),
-            ("PermissionDeniedError", "auth"),
-            ("ContextWindowExceededError", "bad_request"),
-            ("BadRequestError", "bad_request"),
-            ("NotFoundError", "bad_request"),
-            ("UnprocessableEntityError", "bad_request"),
-            ("InternalServerError", "server_error"),
-            ("ServiceUnavailableError", "server_error"),
-            ("BadGatewayError", "server_error"),
-            ("APIConnectionError", "connection"),
-        ]
-        for name, kind in checks:
-            cls = getattr(litellm, name, None)
-            if isinstance(cls, type) and isinstance(exc, cls):
-                return kind, status
-    if status is not None:
-        if status == 429:
-            return "rate_limit", status
-        if status in (401, 403):
-            return "auth", status
-        if status == 408:
-            return "timeout", status
-        if status >= 500:
-            return "server_error", status
-        if 400 <= status < 500:
-            return "bad_request", status
-    if isinstance(exc, ConnectionError | OSError) or type(exc).__module__.startswith(("aiohttp", "httpx")):
-        return "connection", status
-    return "bad_request", status  # anything else (a bug, a bad argument) would fail again: no retry
-
-
-def _retry_after(exc: BaseException) -> float | None:
-    """Seconds the server asked us to wait (`retry-after-ms` or `Retry-After`), if any."""
-    for headers in (getattr(exc, "litellm_response_headers", None),
-                    getattr(getattr(exc, "response", None), "headers", None)):
-        if not headers:
-            continue
-        try:
-            ms = headers.get("retry-after-ms")
-            if ms is not None:
-                return max(0.0, float(ms) / 1000)
-            ra = headers.get("retry-after")
-            if ra is not None:
-                try:
-                    return max(0.0, float(ra))
-                except ValueError:
-                    from email.utils import parsedate_to_datetime
-
-                    return max(0.0, parsedate_to_datetime(ra).timestamp() - time.time())
-        except (TypeError, ValueError, AttributeError):
-            continue
-    return None
-
-
-def _mentions_response_format(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "response_format" in text or "json_schema" in text or "structured output" in text
-
-
-TRANSPORTS = ("auto", "litellm", "direct")
-
-
-def transport_for(model: ModelSpec) -> str:
-    """Which HTTP path a call takes. `auto` (the default, `VERIBUS_LLM_TRANSPORT`): an
-    `openai/<name>` model at an explicit `api_base` is an OpenAI-compatible server (vLLM, Ollama,
-    the simulator), where litellm has nothing to translate and costs ~6 ms CPU per call, so the
-    request goes straight to `<api_base>/chat/completions`; every other model goes through litellm."""
-    choice = os.environ.get("VERIBUS_LLM_TRANSPORT", "auto").lower()
-    if choice not in TRANSPORTS:
-        raise ValueError(f"VERIBUS_LLM_TRANSPORT must be one of {TRANSPORTS}, got {choice!r}")
-    if choice == "litellm":
-        return "litellm"
-    direct_ok = bool(model.api_base) and model.model_name.startswith("openai/")
-    if choice == "direct" and not direct_ok:
-        return "litellm"
-    return "direct" if direct_ok else "litellm"
-
-
-class HTTPStatusError(Exception):
-    """A non-2xx reply of an OpenAI-compatible server (direct transport)."""
-
-    def __init__(self, status_code: int, body: str, headers: dict[str, str]) -> None:
-        self.status_code = status_code
-        self.response = type("Resp", (), {"headers": headers})()
-        super().__init__(f"HTTP {status_code}: {body[:500]}")
-
-
-class _Obj:
-    """Attribute access over a decoded JSON dict, so direct replies read like SDK objects."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self._d = d
-
-    def __getattr__(self, name: str) -> Any:
-        v = self._d.get(name)
-        if isinstance(v, dict):
-            return _Obj(v)
-        if isinstance(v, list):
-            return [_Obj(x) if isinstance(x, dict) else x for x in v]
-        return v
-
-
-class DirectTransport:
-    """POST /chat/completions on an OpenAI-compatible server over one pooled aiohttp session per
-    event loop (a session cannot outlive its loop: stale ones are closed when a new loop asks,
-    and at exit)."""
-
-    def __init__(self) -> None:
-        self._sessions: dict[int, tuple[asyncio.AbstractEventLoop, Any]] = {}
-        atexit.register(self._drop_stale)
-
-    def _drop_stale(self) -> None:
-        for key, (loop, sess) in list(self._sessions.items()):
-            if loop.is_closed():
-                conn = sess.connector
-                if conn is not None and not conn.closed:
-                    conn._close()  # sync: its loop is gone, so nothing can be awaited any more
-                del self._sessions[key]
-
-    def _session(self) -> Any:
-        import aiohttp
-
-        loop = asyncio.get_running_loop()
-        entry = self._sessions.get(id(loop))
-        if entry is None or entry[0] is not loop or entry[1].closed:
-            self._drop_stale()
-            sess = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
-            self._sessions[id(loop)] = (loop, sess)
-            return sess
-        return entry[1]
-
-    async def complete(self, model: ModelSpec, messages: list[dict[str, Any]], kwargs: dict[str, Any],
-                       api_key: str | None) -> Any:
-        import aiohttp
-
-        body: dict[str, Any] = {"model": model.model_name.split("/", 1)[1], "messages": messages}
-        for k, v in kwargs.items():
-            if k in ("model", "api_base", "api_key", "timeout", "max_retries", "num_retries", "_skip_mcp_handler"):
-                continue
-            body[k] = v
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        url = str(model.api_base).rstrip("/") + "/chat/completions"
-        timeout = aiohttp.ClientTimeout(total=model.timeout)
-        async with self._session().post(url, data=_key_encoder.encode(body), headers=headers,
-                                        timeout=timeout) as resp:
-            raw = await resp.read()
-            if resp.status >= 300:
-                raise HTTPStatusError(resp.status, raw.decode("utf-8", "replace"),
-                                      {k.lower(): v for k, v in resp.headers.items()})
-        return _Obj(msgspec.json.decode(raw))
-
-    async def close(self) -> None:
-        """Close this event loop's pooled session (call before the loop ends)."""
-        loop = asyncio.get_running_loop()
-        entry = self._sessions.pop(id(loop), None)
-        if entry is not None and not entry[1].closed:
-            await entry[1].close()
-
-
-_direct = DirectTransport()
-
-
-async def close_transports() -> None:
-    await _direct.close()
+log = logging.getLogger("veribus.llm")
 
 
 class LLMClient:
@@ -689,7 +207,7 @@ class LLMClient:
                     api_key: str | None, prior_attempts: int) -> tuple[Any, int]:
         """One reply, retrying transient failures; returns (response, attempts used)."""
         direct = transport_for(model) == "direct"
-        litellm = None if direct else _get_litellm()
+        litellm = None if direct else transport._get_litellm()
         sem = self.semaphore(model)
         attempt = 0
         dropped_format = False
@@ -700,7 +218,7 @@ class LLMClient:
                 async with sem:
                     async with asyncio.timeout(hard_timeout):
                         if direct:
-                            return await _direct.complete(model, messages, kwargs, api_key), attempt
+                            return await transport._direct.complete(model, messages, kwargs, api_key), attempt
                         return await litellm.acompletion(messages=messages, **kwargs), attempt
             except asyncio.CancelledError:
                 raise

@@ -5,12 +5,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
+from pydantic import ValidationError
+
+from infra.simulator.from_benchmark import simulator_script_for
+from shared.analysis import report
+from shared.cli import analysis as cli_analysis
+from shared.cli import lifecycle as cli_lifecycle
+from shared.control import runner, stack
+from shared.control.stack import stack_settings
+from shared.control.status import format_run_problems, run_problems
+from shared.core.benchmark.model import Benchmark
+from shared.core.benchmark.question import BenchmarkError
+from shared.core.config import VerificationConfig
+from shared.runtime.runcontrol import pop_budget, set_budget
+from shared.store.reads import format_json, format_table, run_query
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
@@ -25,7 +41,6 @@ PROVIDER_KEY_VARS = (
 
 
 def _settings():  # noqa: ANN202
-    from shared.stack import stack_settings
 
     return stack_settings()
 
@@ -45,8 +60,6 @@ def _parse_replicas(items: list[str] | None) -> dict[str, int]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared import stack
-
     settings = _settings()
     sim_args = _simulator_args(args)
     state = stack.up(settings, replicas=_parse_replicas(args.replicas), simulator=not args.no_simulator,
@@ -67,16 +80,12 @@ def _simulator_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from shared import stack
-
     stopped = stack.down(_settings())
     print("stack down: " + (", ".join(stopped) if stopped else "nothing was running"))
     return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from shared import stack
-
     settings = _settings()
     st = stack.status(settings)
     if not st["running"]:
@@ -87,30 +96,24 @@ def cmd_status(args: argparse.Namespace) -> int:
             extra = f" rss {p.get('rss_mb')} MB cpu {p.get('cpu_s')} s" if p["alive"] else ""
             print(f"  {p['name']:<16} pid {p['pid']:<8} {'up' if p['alive'] else 'DOWN'}{extra}")
     if args.run:
-        from shared.query import run_query
-
         sql = (
             "SELECT count() AS results, countIf(verify_result) AS passed, countIf(NOT completed_without_errors) "
             "AS errors FROM verification_results FINAL WHERE run_id = {run:String} OR run_name = {run:String}"
         )
         res = run_query(settings, sql, {"run": args.run})
         print(f"run {args.run}: " + ", ".join(f"{c}={v}" for c, v in zip(res.columns, res.rows[0], strict=False)))
-        from shared.lifecycle import format_run_problems, run_problems
 
         print(format_run_problems(run_problems(settings, args.run)))
     return EXIT_OK
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    from shared.query import format_json, format_table, run_query
-
     res = run_query(_settings(), args.sql)
     print(format_json(res) if args.format == "json" else format_table(res))
     return EXIT_OK
 
 
 def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa: ANN202
-    from shared.config import VerificationConfig
 
     data: dict[str, Any] = {}
     if args.config:
@@ -124,7 +127,6 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         if not isinstance(data, dict):
             raise ValueError(f"run config {path} must be a mapping of VerificationConfig fields")
         data.pop("gates", None)
-        from shared.lifecycle import pop_budget
 
         budget = pop_budget(data)
         if budget is not None and getattr(args, "max_tokens_budget", None) is None:
@@ -170,11 +172,6 @@ def _is_simulated(args: argparse.Namespace) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from shared import cli_analysis, report, runner, stack
-    from shared.benchmark import Benchmark, BenchmarkError, simulator_script_for
-    from shared.lifecycle import set_budget
 
     settings = _settings()
     bench_path = Path(args.benchmark)
@@ -240,9 +237,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespace, simulated: bool,
              trait_ranges: dict[str, tuple[float, float]]) -> tuple[list[Any], dict[str, Any], int, Any]:
     """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan)."""
-    from shared import cli_analysis, report, runner
-    from shared.lifecycle import set_budget
-
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     set_budget(plan.run_event, args.max_tokens_budget)
     label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
@@ -278,15 +272,13 @@ def _merge_scripts(base: dict, extra: dict) -> dict:
 
 
 def _post_script(simulator_url: str, script: dict) -> None:
-    import httpx
-
     base = simulator_url.removesuffix("/v1")
     resp = httpx.post(f"{base}/simulator/script", json=script, timeout=10)
     resp.raise_for_status()
 
 
 async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: ANN001, ANN202
-    from rich.progress import (
+    from rich.progress import (  # rich: only the interactive progress bar needs it
         BarColumn,
         MofNCompleteColumn,
         Progress,
@@ -295,7 +287,6 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
         TimeElapsedColumn,
     )
 
-    from shared import runner
 
     expected = set(plan.result_ids)
     if quiet:
@@ -310,8 +301,6 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
 
 def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> None:  # noqa: ANN001
     """Wait until the projector has written this run's rows, so queries right after see them."""
-    from shared.query import run_query
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -326,8 +315,6 @@ def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared import cli_analysis
-
     p = argparse.ArgumentParser(prog="veribus", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -378,43 +365,31 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_query)
 
     cli_analysis.register(sub)  # results, export, report, compare
-    from shared import cli_lifecycle
 
     cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
 
-    b = sub.add_parser("bench", help="measure throughput, CPU and memory per service")
-    b.add_argument("--questions", type=int, default=300)
-    b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0])
-    b.add_argument("--concurrency", type=int, default=32)
-    b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
-    b.add_argument("--backpressure", action="store_true",
-                   help="instead: queue --jobs jobs behind a slow model and report every service's RSS")
-    b.add_argument("--jobs", type=int, default=10_000, help="jobs for --backpressure")
-    b.add_argument("--hold-s", type=float, default=20.0, help="seconds to hold the queue for --backpressure")
-    b.add_argument("--analysis", action="store_true",
-                   help="instead: time summaries and a streamed export over a synthetic results table")
-    from bench.analysis import add_arguments as add_analysis_arguments
-
-    add_analysis_arguments(b)
+    b = sub.add_parser("bench", add_help=False,
+                       help="measure throughput, CPU and memory per service (`python -m bench`; "
+                            "`veribus bench --help` lists its options)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return p
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.backpressure:
-        from bench.backpressure import main as backpressure_main
+    """`veribus bench ...` = `python -m bench ...`: the benchmarks are a separate program (they
+    start their own stacks), so the library does not import them."""
+    return run_bench(list(args.bench_args))
 
-        return backpressure_main(args)
-    if args.analysis:
-        from bench.analysis import main as analysis_main
 
-        return analysis_main(args)
-    from bench.run import main as bench_main
-
-    return bench_main(args)
+def run_bench(bench_args: list[str]) -> int:
+    return subprocess.run([sys.executable, "-m", "bench", *bench_args], check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every option, --help included, belongs to `python -m bench`
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
