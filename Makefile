@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test test-fast install lint bench clean
 
 install: $(VENV)/.installed
 
@@ -17,8 +17,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/veribus run examples/example.yaml --mode template_and_rubric --run-name demo --output out/demo
 
+# every tier: tests/unit, tests/integration (real nats-server, real chdb), tests/e2e (full stacks)
 test: install
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# the fast tier: the unit tests and one small full-stack run (marker `smoke`)
+test-fast: install
+	$(BIN)/pytest -q -p no:cacheprovider -m "unit or smoke"
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,5 +1,10 @@
 """Shared fixtures: a real nats-server on a free port, and the reference material paths.
-Every process a fixture starts is stopped by its teardown, by PID."""
+Every process a fixture starts is stopped by its teardown, by PID.
+
+Tiers follow the folders: every test under `tests/unit` is marked `unit`, under
+`tests/integration` `integration`, under `tests/e2e` `e2e`. `make test-fast` runs
+`-m "unit or smoke"` (the unit tests and the one small stack test marked `smoke`); `make test`
+runs everything. Builders and helpers the test modules share live in `tests/support/`."""
 
 from __future__ import annotations
 
@@ -20,6 +25,17 @@ LLM_RESPONSES = REFERENCE / "llm_responses" / "claude-haiku-4-5"
 EXAMPLE = REPO / "examples" / "example.yaml"
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with the tier of its folder, so `-m unit` selects exactly tests/unit."""
+    for item in items:
+        parts = Path(str(item.path)).relative_to(REPO / "tests").parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
 
 
 @dataclass

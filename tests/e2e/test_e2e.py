@@ -54,6 +54,7 @@ def run_id_of(stdout: str) -> str:
     raise AssertionError(f"no run id in output:\n{stdout}")
 
 
+@pytest.mark.smoke
 def test_reference_checkpoint_end_to_end(running_stack, tmp_path: Path) -> None:
     settings, _ = running_stack
     out = tmp_path / "out"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shared.control import stack, wait
-from tests.integration.test_durability import (
+from tests.support.stack import (
     Stack,
     expected_verdicts,
     generated_benchmark,

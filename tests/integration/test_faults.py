@@ -21,7 +21,7 @@ from aiohttp import web
 from shared.control import stack, status
 from shared.core.models import VerificationResult
 from shared.runtime import runcontrol
-from tests.integration.test_durability import (
+from tests.support.stack import (
     Stack,
     generated_benchmark,
     plan_and_submit,

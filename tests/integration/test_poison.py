@@ -30,7 +30,7 @@ from shared.runtime import bus
 from shared.runtime.harness import StageService, stage_error
 from shared.templates.sandbox import get_sandbox
 from tests.conftest import REPO
-from tests.integration.test_durability import (
+from tests.support.stack import (
     Stack,
     generated_benchmark,
     results_of,

@@ -24,7 +24,7 @@ from shared.core.config import Settings
 from shared.runtime import bus
 from shared.store.reads import NoProjector, QueryError, QueryResult, query_via_nats
 from tests.conftest import REPO, NatsServer
-from tests.unit.test_flatten import USAGE, _stage_env, make_result
+from tests.support.rows import USAGE, make_result, stage_env
 
 
 def _sync(coro: Any) -> Any:
@@ -108,8 +108,8 @@ def result_events(run_id: str, i: int, verify: bool | None) -> list[events.Envel
     gen = ("generate_answer", "performed", t0, t0 + 1.5)
     parse = ("parse_template", "performed", t0 + 1.6, t0 + 1.9)
     envs = [
-        _stage_env(events.ANSWER_GENERATED, rid, [gen], usage={"answer_generation": {"input_tokens": 9, "output_tokens": 4}}),
-        _stage_env(events.TEMPLATE_PARSED, rid, [gen, parse]),
+        stage_env(events.ANSWER_GENERATED, rid, [gen], usage={"answer_generation": {"input_tokens": 9, "output_tokens": 4}}),
+        stage_env(events.TEMPLATE_PARSED, rid, [gen, parse]),
         events.make_envelope(events.RESULT_FINALIZED, run_id, rid,
                              events.ResultFinalized(result=r.model_dump(mode="json")), "finalization/test"),
     ]
@@ -217,7 +217,8 @@ async def test_resumes_from_its_durable_consumer_and_frees_the_folder(projector:
 
 
 async def test_cpu_per_event_and_throughput(projector: ProjectorProc, js: Any) -> None:
-    """Measures the projector process: CPU seconds per event and end-to-end events/s."""
+    """A thousand results' events all reach the tables; the projector's CPU per event and its
+    events/s are printed as measurements (no budget asserted on a shared machine)."""
     s = projector.settings
     n_results = 1000
     envs = [e for i in range(n_results) for e in result_events("runT", i, i % 4 != 0)]
@@ -233,5 +234,3 @@ async def test_cpu_per_event_and_throughput(projector: ProjectorProc, js: Any) -
           f"CPU {cpu:.2f}s = {per_event_ms:.3f} ms/event, {cpu / n_results * 1000:.2f} ms/result")
     assert int((await q(s, "SELECT count() FROM verification_results FINAL WHERE run_id = 'runT'")).rows[0][0]) \
         == n_results
-    # generous bound (2 shared cores, includes queries and background merges): a regression guard
-    assert per_event_ms < 2.0

@@ -26,7 +26,7 @@ from shared.core.config import ModelConfig, Settings, VerificationConfig
 from shared.runtime import bus
 from shared.store.reads import run_query
 from tests.conftest import REPO
-from tests.integration.test_durability import (
+from tests.support.stack import (
     Stack,
     generated_benchmark,
     plan_and_submit,

@@ -381,7 +381,7 @@ async def test_nats_kv_cache_shared_between_clients(sim: Sim, nats_url: str) -> 
         await nc.close()
 
 
-# ------------------------------------------------------------------ CPU budgets (generous bounds, real numbers)
+# ------------------------------------------------------------------ CPU measurements (printed, not asserted)
 
 
 async def test_llm_client_cpu_per_call(sim: Sim) -> None:
@@ -403,7 +403,6 @@ async def test_llm_client_cpu_per_call(sim: Sim) -> None:
     per_call_ms = (time.process_time() - t0) * 1000 / n
     print(f"\nLLMClient CPU per structured call through litellm: {per_call_ms:.2f} ms")
     assert all(r.parsed == {"result": 0} for r in replies)
-    assert per_call_ms < 15.0  # measured ~5 ms here; raw litellm ~8 ms
 
 
 async def test_simulator_cpu_per_request(sim: Sim) -> None:
@@ -432,4 +431,3 @@ async def test_simulator_cpu_per_request(sim: Sim) -> None:
     cpu_ms = ((after.user - before.user) + (after.system - before.system)) * 1000 / n
     print(f"\nsimulator: {cpu_ms:.3f} ms CPU per judge request ({1000 / cpu_ms:.0f} req/s per core; "
           f"{n / wall:.0f} req/s wall with the client on the same machine)")
-    assert cpu_ms < 1.0  # i.e. well over 1000 req/s on one core (measured ~0.25 ms)

@@ -23,7 +23,7 @@ from shared.store.engine import Store, open_store
 from shared.store.reads import QueryError, format_json, format_table, run_query
 from shared.store.rows import project_envelopes, result_to_row, row_to_result
 from shared.store.sql_guard import is_read_only_sql, read_only_refusal
-from tests.unit.test_flatten import RUBRIC, USAGE, _stage_env, make_result
+from tests.support.rows import RUBRIC, USAGE, make_result, stage_env
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +73,11 @@ def _stage_events(rid: str, t0: float) -> list[events.Envelope]:
     rubric = ("rubric_evaluation", "performed", t0 + 2.2, t0 + 3.2)
     verify = ("verify_template", "performed", t0 + 2.8, t0 + 2.81)
     return [
-        _stage_env(events.ANSWER_GENERATED, rid, [gen], usage={"answer_generation": {"input_tokens": 10, "output_tokens": 20}}),
-        _stage_env(events.GUARDS_CHECKED, rid, [gen, guard]),
-        _stage_env(events.TEMPLATE_PARSED, rid, [gen, guard, parse]),
-        _stage_env(events.RUBRIC_EVALUATED, rid, [gen, guard, rubric]),
-        _stage_env(events.TEMPLATE_VERIFIED, rid, [gen, guard, parse, verify]),
+        stage_env(events.ANSWER_GENERATED, rid, [gen], usage={"answer_generation": {"input_tokens": 10, "output_tokens": 20}}),
+        stage_env(events.GUARDS_CHECKED, rid, [gen, guard]),
+        stage_env(events.TEMPLATE_PARSED, rid, [gen, guard, parse]),
+        stage_env(events.RUBRIC_EVALUATED, rid, [gen, guard, rubric]),
+        stage_env(events.TEMPLATE_VERIFIED, rid, [gen, guard, parse, verify]),
     ]
 
 

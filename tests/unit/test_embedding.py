@@ -16,7 +16,7 @@ from shared.core.fold import fold_result
 from shared.core.ids import template_id_for
 from shared.runtime.llm.reply import LLMError
 from shared.templates.calls import validate_template
-from tests.unit.test_deep_judgment import Judge
+from tests.support.judge import Judge
 
 FUNCTION_TEMPLATE = '''
 from karenina.schemas.entities import BaseAnswer

@@ -15,7 +15,7 @@ from shared.analysis.files import iter_results_from_file
 from shared.analysis.resultset import VerificationResultSet
 from shared.core.models import VerificationResult
 from tests.conftest import REFERENCE
-from tests.unit.test_results import grid_results, spec_results
+from tests.support.results import grid_results, spec_results
 
 REF_DIR = REFERENCE / "export_format"
 REF_FULL = REF_DIR / "results_export_full.json"

@@ -24,7 +24,7 @@ from shared.analysis.gates import (
 )
 from shared.analysis.report import PassCriterion
 from shared.cli.analysis import add_run_options, apply_gates, validate_run_gates
-from tests.unit.test_results import grid_results, make, spec_results
+from tests.support.results import grid_results, make, spec_results
 
 GRID_PASSED, GRID_ATTEMPTED, GRID_TOTAL = 23, 35, 36
 

@@ -23,7 +23,7 @@ from shared.analysis.stats import (
     wilson_interval,
     z_value,
 )
-from tests.unit.test_results import grid_results
+from tests.support.results import grid_results
 
 
 def test_wilson_known_values() -> None:

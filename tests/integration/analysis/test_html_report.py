@@ -21,8 +21,8 @@ from shared.analysis.gates import evaluate_gates, parse_gate
 from shared.analysis.html_report import RunData, load_run_data, render_html, write_html
 from shared.store.engine import Store
 from shared.store.reads import StoreSource
-from tests.integration.test_analysis_store import RUN_A, analysis_folder, settings, store  # noqa: F401 - fixtures
-from tests.unit.test_results import grid_results
+from tests.support.analysis_store import RUN_A
+from tests.support.results import grid_results
 
 
 def _chromium() -> str | None:

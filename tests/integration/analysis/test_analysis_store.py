@@ -3,7 +3,7 @@ load back with `from_store`, stream out in pages in every export format, feed th
 and are also read through the projector over a real nats-server.
 
 chdb opens one folder per process: every test here uses one session folder (`analysis_folder`,
-shared with test_html_report.py), a store that is opened per module and closed at its end, and
+in `conftest.py`, shared with test_html_report.py), a store that is opened per module and closed at its end, and
 its own database.
 """
 
@@ -13,8 +13,7 @@ import asyncio
 import csv
 import json
 import threading
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,9 @@ import pytest
 from shared.analysis.export import export_from_source, export_results, export_run
 from shared.analysis.resultset import VerificationResultSet
 from shared.analysis.stats import wilson_interval
-from shared.core import events
 from shared.core.config import Settings
 from shared.core.models import VerificationResult
-from shared.store.engine import QueryResult, Store, open_store
+from shared.store.engine import QueryResult, Store
 from shared.store.reads import (
     NatsSource,
     QueryError,
@@ -37,80 +35,8 @@ from shared.store.reads import (
     resolve_run,
 )
 from shared.store.rows import result_to_row
-from tests.unit.test_results import grid_results, spec_results
-
-RUN_A, RUN_B = "20260101T000000-grid0001", "20260101T000000-spec0001"
-RUBRIC_WIRE = {"traits": [
-    {"type": "llm", "name": "clarity", "kind": "score", "min_score": 1, "max_score": 5, "description": "clear"},
-    {"type": "llm", "name": "safe", "kind": "boolean"},
-    {"type": "regex", "name": "cites", "pattern": "BCL"},
-]}
-_FOLDER: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def analysis_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The one chdb folder of this process for the analysis tests."""
-    if "home" not in _FOLDER:
-        _FOLDER["home"] = tmp_path_factory.mktemp("veribus-analysis")
-    return _FOLDER["home"]
-
-
-def _job(r: VerificationResult, run_id: str) -> events.Job:
-    m = r.metadata
-    return events.Job(
-        run_id=run_id, result_id=m.result_id, answer_id=m.result_id[:8], question_id=m.question_id,
-        question_text=m.question_text, answering=events.ModelSpec(model_name=m.answering.model_name),
-        parsing=events.ModelSpec(model_name=m.parsing.model_name), timestamp=m.timestamp,
-        evaluation_mode="template_and_rubric", rubric=RUBRIC_WIRE, replicate=m.replicate,
-    )
-
-
-def stage_events(results: list[VerificationResult], run_id: str, t0: float = 1_700_000_000.0) -> list[events.Envelope]:
-    """The stage events of each result as the services publish them (cumulative stage logs):
-    generation 2 s, parsing 0.5 s, verification 0.01 s, rubric 1 s."""
-    out = []
-    plan = [(events.ANSWER_GENERATED, "generate_answer", 2.0), (events.TEMPLATE_PARSED, "parse_template", 0.5),
-            (events.TEMPLATE_VERIFIED, "verify_template", 0.01), (events.RUBRIC_EVALUATED, "rubric_evaluation", 1.0)]
-    for i, r in enumerate(results):
-        t = t0 + i
-        stages: list[events.StageRecord] = []
-        for event_type, stage, dur in plan:
-            stages = [*stages, events.StageRecord(stage=stage, status="performed", started_at=t, ended_at=t + dur)]
-            t += dur
-            state = events.State(stages=stages, usage={"answer_generation": {"input_tokens": 100, "output_tokens": 50}})
-            out.append(events.make_envelope(event_type, run_id, r.metadata.result_id,
-                                            events.StageEvent(job=_job(r, run_id), state=state), "test/1"))
-    return out
-
-
-@pytest.fixture(scope="module")
-def settings(analysis_folder: Path) -> Settings:
-    return Settings(home=analysis_folder, clickhouse_database=f"a_{uuid.uuid4().hex[:12]}",
-                    nats_url="nats://127.0.0.1:1")  # nothing listens there: no projector
-
-
-@pytest.fixture(scope="module")
-def store(settings: Settings) -> Iterator[Store]:
-    """Two runs written through the store: the 36-result grid (with events and its run row) and
-    the 4 results of the spec's examples."""
-    st = open_store(settings)
-    try:
-        grid = grid_results()
-        st.insert_results([result_to_row(r, RUN_A, version=1) for r in grid])
-        st.insert_results([result_to_row(r, RUN_B, version=1) for r in spec_results()])
-        st.insert_runs([events.RunRequested(
-            run_id=RUN_A, timestamp="2025-06-15T10:00:00Z", job_count=36, answer_count=18, run_name="grid",
-            benchmark_name="grid-bench", evaluation_mode="template_and_rubric",
-            config={"answering_models": [{"model_name": "model-a", "temperature": 0.0},
-                                         {"model_name": "model-b", "temperature": 0.0}],
-                    "parsing_models": [{"model_name": "judge-1"}, {"model_name": "judge-2"}],
-                    "replicate_count": 3, "evaluation_mode": "template_and_rubric"})])
-        st.insert_events(stage_events(grid, RUN_A))
-        yield st
-    finally:
-        st.client.command(f"DROP DATABASE IF EXISTS {settings.clickhouse_database}")
-        st.close()
+from tests.support.analysis_store import RUN_A, RUN_B
+from tests.support.results import grid_results
 
 
 def _key(r: VerificationResult) -> str:

@@ -1,0 +1,238 @@
+"""The multi-process stack as the integration tests drive it: start and stop a real stack (nats-server,
+simulator, services, projector), generate benchmarks the simulator answers, submit runs and wait for
+their results and projections. Every process started here is stopped by `stop_stack`, by PID."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from shared.control import lifecycle, rebuild, runner, stack, streams, wait
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.core.models import VerificationResult
+from shared.runtime import bus, runcontrol
+from shared.store.reads import run_query
+
+TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
+from pydantic import Field
+
+class Answer(BaseAnswer):
+    value: int = Field(description="The number asked for")
+
+    def model_post_init(self, __context):
+        self.correct = {{"value": {n}}}
+
+    def verify(self) -> bool:
+        return self.value == self.correct["value"]
+'''
+
+RUBRIC = {
+    "llm_traits": [{"name": "Clarity", "kind": "boolean", "description": "The answer is clear."}],
+    "regex_traits": [{"name": "NoApology", "pattern": "(?i)sorry", "invert_result": True}],
+}
+
+
+def sync(coro: Any) -> Any:
+    """Run a coroutine from sync code, also when the caller's loop is running."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def generated_benchmark(path: Path, n: int, *, rubric: bool = True, wrong_every: int = 10,
+                        prefix: str = "Durable") -> tuple[Path, dict[str, Any]]:
+    """N questions with int templates (+ a global rubric); the simulator script answers one in
+    `wrong_every` wrongly (none when 0), so verify results are a known mix."""
+    questions, script = [], []
+    for i in range(n):
+        text = f"{prefix} question {i}: what is {i} plus {i}?"
+        questions.append({"id": f"q{i:04d}", "question": text, "answer": str(2 * i),
+                          "template": TEMPLATE.format(n=2 * i)})
+        value = 2 * i + 1 if wrong_every and i % wrong_every == 0 else 2 * i
+        script.append({"match": text, "answer": f"The sum is {value}.", "parsed": {"value": value},
+                       "judge": {"Clarity": True}})
+    doc: dict[str, Any] = {"name": f"{prefix.lower()}-{n}", "questions": questions}
+    if rubric:
+        doc["rubric"] = RUBRIC
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path, {"questions": script}
+
+
+def expected_verdicts(n: int, wrong_every: int = 10) -> dict[str, bool]:
+    return {f"q{i:04d}": not (wrong_every and i % wrong_every == 0) for i in range(n)}
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    state: stack.StackState
+    extra_env: dict[str, str]
+
+    @property
+    def sim_base(self) -> str:
+        assert self.state.simulator_url
+        return self.state.simulator_url.removesuffix("/v1")
+
+    def post_script(self, script: dict[str, Any]) -> None:
+        httpx.post(f"{self.sim_base}/simulator/script", json=script, timeout=10).raise_for_status()
+
+    def sim_stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.sim_base}/simulator/stats", timeout=10).json()
+
+    def reload(self) -> stack.StackState:
+        """The stack's state as saved (a lifecycle command may have restarted a process)."""
+        self.state = stack.StackState.load(Path(self.state.home)) or self.state
+        return self.state
+
+    def proc(self, name: str) -> stack.Proc:
+        return stack.proc_named(self.reload(), name)
+
+    def kill(self, name: str) -> int:
+        p = self.proc(name)
+        stack.kill_proc(p)
+        assert not p.alive()
+        return p.pid
+
+    def restart(self, name: str) -> stack.Proc:
+        return stack.restart_proc(self.reload(), name, extra_env=self.extra_env)
+
+    def ensure_all_alive(self) -> None:
+        for p in list(self.reload().procs):
+            if not p.alive():
+                self.restart(p.name)
+
+    def model(self, name: str, **kw: Any) -> ModelConfig:
+        return ModelConfig(model_name=f"openai/{name}", api_base=self.state.simulator_url, **kw)
+
+    def config(self, mode: str = "template_and_rubric", answer_kw: dict[str, Any] | None = None,
+               judge_kw: dict[str, Any] | None = None, **kw: Any) -> VerificationConfig:
+        return VerificationConfig(answering_models=[self.model("sim-answerer", **(answer_kw or {}))],
+                                  parsing_models=[self.model("sim-judge", **(judge_kw or {}))],
+                                  evaluation_mode=mode, **kw)
+
+
+def start_stack(home: Path, *, simulator_args: list[str] | None = None, extra_env: dict[str, str] | None = None,
+                replicas: dict[str, int] | None = None) -> Stack:
+    settings = Settings(home=home)
+    env = dict(extra_env or {})  # VERIBUS_LOG_LEVEL must stay INFO: readiness is read from the logs
+    # what the stack's processes read comes from their environment, not from `settings`
+    state = stack.up(settings, simulator_args=simulator_args, extra_env=env, replicas=replicas)
+    settings.nats_url = state.nats_url
+    settings.simulator_url = state.simulator_url
+    for key, field in (("VERIBUS_CONSUMER_ACK_WAIT_S", "consumer_ack_wait_s"),
+                       ("VERIBUS_CONSUMER_MAX_DELIVER", "consumer_max_deliver")):
+        if key in env:
+            setattr(settings, field, float(env[key]) if field.endswith("_s") else int(env[key]))
+    return Stack(settings, state, env)
+
+
+def stop_stack(st: Stack) -> None:
+    """`down`, then make sure every process the stack ever had is gone (by PID)."""
+    pids = [p.pid for p in st.reload().procs]
+    try:
+        stack.down(st.settings)
+    finally:
+        for pid in pids:
+            try:
+                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    os.kill(pid, signal.SIGKILL)
+            except (psutil.Error, ProcessLookupError):
+                pass
+
+
+def plan_and_submit(st: Stack, bench_path: Path, config: VerificationConfig, *,
+                    budget: int | None = None) -> runner.RunPlan:
+    plan = runner.plan_run(Benchmark.load(bench_path), config)
+    runcontrol.set_budget(plan.run_event, budget)
+    sync(runner.submit(st.settings, plan))
+    return plan
+
+
+def wait_results(st: Stack, run_id: str, n: int, timeout: float = 120.0) -> dict[str, int]:
+    done, timed_out = sync(wait.wait_for_results(st.settings, run_id, count=n, timeout=timeout, poll_s=0.25))
+    counts = sync(wait.finalized_counts(st.settings, run_id))
+    assert not timed_out, f"only {done}/{n} results of run {run_id} after {timeout}s"
+    return counts
+
+
+def results_of(st: Stack, run_id: str) -> dict[str, VerificationResult]:
+    return sync(lifecycle.run_results(st.settings, run_id))
+
+
+def verdicts(results: dict[str, VerificationResult]) -> dict[str, bool | None]:
+    return {r.metadata.question_id: (r.template.verify_result if r.template else None) for r in results.values()}
+
+
+def rows(st: Stack, sql: str, **params: Any) -> list[tuple]:
+    return run_query(st.settings, sql, params).rows
+
+
+def wait_projected(st: Stack, run_id: str, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    got = -1
+    while time.monotonic() < deadline:
+        try:
+            got = rows(st, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}", r=run_id)[0][0]
+            if got >= n:
+                return
+        except Exception:  # noqa: BLE001 - the projector may be restarting
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"projector has {got}/{n} rows of run {run_id} after {timeout}s")
+
+
+def wait_projector_idle(st: Stack, timeout: float = 60.0) -> None:
+    """Until the projector's durable consumer has nothing pending or unacknowledged."""
+
+    async def idle() -> bool:
+        nc = await bus.connect(st.settings)
+        try:
+            return await rebuild._consumer_caught_up(nc.jetstream(), streams.PROJECTOR_DURABLE)
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sync(idle()):
+            return
+        time.sleep(0.2)
+    raise AssertionError("projector did not catch up")
+
+
+def table_snapshot(st: Stack, run_id: str) -> dict[str, list[tuple]]:
+    """The run's rows as analysts see them (FINAL), ingestion time left out."""
+    return {
+        "events": rows(st, "SELECT event_id, event_type, result_id, occurred_at, status, error_message, "
+                           "cityHash64(payload) FROM events FINAL WHERE run_id = {r:String} ORDER BY event_id",
+                       r=run_id),
+        "results": rows(st, "SELECT result_id, version, verify_result, completed_without_errors, "
+                            "cityHash64(result_json) FROM verification_results FINAL WHERE run_id = {r:String} "
+                            "ORDER BY result_id", r=run_id),
+    }
+
+
+async def republish_all(settings: Settings, run_id: str) -> tuple[int, int]:
+    """Publish every stored message of the run again, byte for byte, with its Nats-Msg-Id."""
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        envs = await streams.read_events(js, f"vb.*.*.{run_id}.*")
+        dup = 0
+        for env in envs:
+            ack = await js.publish(env.subject, events.encode(env), stream=events.STREAM,
+                                   headers={"Nats-Msg-Id": env.event_id})
+            dup += int(ack.duplicate)
+        return len(envs), dup
+    finally:
+        await nc.close()
