@@ -7,7 +7,8 @@ import time
 from services.finalization.stage import try_finalize
 from shared.core import events
 from shared.core.fold import fold_result
-from shared.runtime.harness import StageService, stage_error
+from shared.core.stage import stage_error
+from shared.runtime.harness import StageService
 
 service = StageService("finalization")
 

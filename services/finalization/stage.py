@@ -19,7 +19,13 @@ Lookup = Callable[[str], Awaitable[events.StageEvent | None]]
 
 
 async def try_finalize(ev_type: str, ev: events.StageEvent, lookup: Lookup) -> VerificationResult | None:
-    """Fold the result when every expected branch has ended, else None (wait for the other)."""
+    """Fold the result when every expected branch has ended, else None (wait for the other).
+
+    Requires: the incoming branch's event (`template.verified` or `rubric.evaluated`) and the
+    job's evaluation mode (which branches it expects).
+    Produces: the VerificationResult of `shared.core.fold.fold_result`, or None.
+    Calls: `lookup(subject)` for the other branch's newest event (no model, no sandbox).
+    """
     job = ev.job
     template_state: events.State | None = None
     rubric_state: events.State | None = None

@@ -6,7 +6,8 @@ from typing import Any
 
 from services.generation.stage import STAGE, generate_answer
 from shared.core import events
-from shared.runtime.harness import StageService, stage_error
+from shared.core.stage import stage_error
+from shared.runtime.harness import StageService
 from shared.runtime.mcp import default_pool
 
 service = StageService("generation")

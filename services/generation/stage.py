@@ -13,7 +13,7 @@ from typing import Any
 from services.generation import agent
 from shared.core import prompts
 from shared.core.events import Job, State
-from shared.runtime.harness import record, stage_error
+from shared.core.stage import record, stage_error
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
 from shared.runtime.mcp import MCPConnectionError, MCPPool, default_pool
@@ -38,8 +38,16 @@ def _manual_answer(job: Job) -> tuple[str, list[dict[str, Any]]]:
 
 async def generate_answer(job: Job, llm: LLMClient, mcp: MCPPool | None = None) -> State:
     """Answer `job`'s question; errors are recorded on the state (fatal for the job), never raised.
+    Pure in the house's sense: (job, ports) -> a new state; nothing is published here.
 
-    `mcp`: the MCP connection pool for agent runs (default: the process-wide pool of this loop).
+    Requires: `job.question_text`, `job.answering` (model, `mcp_servers`, manual trace),
+    `job.few_shot_examples`, `job.options` (agent limits).
+    Produces: a new State with `template.raw_llm_response`, `trace_messages`,
+    `answering_mcp_servers`, `recursion_limit_reached`, `agent_metrics`;
+    `usage["answer_generation"]`; the `generate_answer` stage record; `error` on failure.
+    Calls: `llm.complete` once (plain model), or the MCP agent (`services.generation.agent`:
+    `llm` and the tools of `mcp`, default the process-wide pool of this loop); none for a
+    manual trace.
     """
     started = time.time()
     state = State(started_at=started)

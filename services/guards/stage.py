@@ -11,7 +11,7 @@ from typing import Any
 
 from shared.core import prompts
 from shared.core.events import Job, State
-from shared.runtime.harness import record
+from shared.core.stage import evaluation_text, record
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
 
@@ -35,14 +35,20 @@ def final_ai_message(trace: list[dict[str, Any]]) -> str:
     return str(content)
 
 
-def evaluation_text(state: State, use_full_trace: bool) -> str:
-    """The text later stages evaluate: the full response/trace, or the extracted final AI message."""
-    if use_full_trace or not state.signals.get("agent_trace"):
-        return state.template.get("raw_llm_response", "")
-    return state.signals.get("final_ai_message") or state.template.get("raw_llm_response", "")
-
 
 async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: dict[str, Any] | None) -> State:
+    """Stages 3-6 (RecursionLimitAutoFail, TraceValidationAutoFail, AbstentionCheck,
+    SufficiencyCheck) on the answer's state, updated in place and returned.
+
+    Requires: `state.template.raw_llm_response` (and `trace_messages`, `recursion_limit_reached`
+    for agent answers); `job.options` (`abstention_enabled`, `sufficiency_enabled`,
+    `use_full_trace_*`); `template_schema` for the sufficiency check.
+    Produces: signals `recursion_limit`, `agent_trace`, `final_ai_message`,
+    `trace_validation_failed`, `abstention`, `insufficient`; `template.abstention_*` and
+    `template.sufficiency_*`; `root.evaluation_input`, `root.used_full_trace`; four stage records.
+    Calls: `llm.complete` with the parsing model for the abstention and the sufficiency checks
+    (when enabled and not skipped); nothing else.
+    """
     opts = job.options
     tmpl = state.template
     sig = state.signals
@@ -54,7 +60,7 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
     # 3. RecursionLimitAutoFail
     t = time.time()
     if tmpl.get("recursion_limit_reached"):
-        sig["recursion_limit"] = True
+        sig.recursion_limit = True
         log.warning("result %s: recursion limit reached -> verify_result=False", job.result_id)
         record(state, "recursion_limit_autofail", "performed", t, "recursion limit reached")
     else:
@@ -64,13 +70,13 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
     t = time.time()
     trace = tmpl.get("trace_messages") or []
     is_agent = bool(job.answering.mcp_servers) and job.answering.interface != "manual"
-    sig["agent_trace"] = is_agent
+    sig.agent_trace = is_agent
     if is_agent:
         try:
-            sig["final_ai_message"] = final_ai_message(trace)
+            sig.final_ai_message = final_ai_message(trace)
             record(state, "trace_validation_autofail", "performed", t, "trace valid")
         except ValueError as exc:
-            sig["trace_validation_failed"] = True
+            sig.trace_validation_failed = True
             state.root["trace_extraction_error"] = str(exc)
             log.warning("result %s: trace validation failed: %s", job.result_id, exc)
             record(state, "trace_validation_autofail", "performed", t, f"trace invalid: {exc}")
@@ -88,7 +94,7 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
     t = time.time()
     if not opts.get("abstention_enabled"):
         record(state, "abstention_check", "skipped", t, "abstention_enabled is false")
-    elif sig.get("recursion_limit"):
+    elif sig.recursion_limit:
         record(state, "abstention_check", "skipped", t, "recursion limit reached")
     else:
         try:
@@ -102,7 +108,7 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
             tmpl["abstention_detected"] = detected
             tmpl["abstention_reasoning"] = str(reply.parsed.get("reasoning") or "")
             tmpl["abstention_override_applied"] = detected
-            sig["abstention"] = detected
+            sig.abstention = detected
             state.usage["abstention_check"] = usage_entry(reply)
             if detected:
                 log.warning("result %s: abstention detected -> verify_result=False", job.result_id)
@@ -117,7 +123,7 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
         record(state, "sufficiency_check", "skipped", t, "sufficiency_enabled is false")
     elif not template_mode:
         record(state, "sufficiency_check", "skipped", t, "rubric_only mode has no template")
-    elif sig.get("recursion_limit") or sig.get("trace_validation_failed") or sig.get("abstention"):
+    elif sig.recursion_limit or sig.trace_validation_failed or sig.abstention:
         record(state, "sufficiency_check", "skipped", t, "recursion limit, trace failure or abstention")
     elif not template_schema:
         record(state, "sufficiency_check", "failed", t, "template schema unavailable")
@@ -133,7 +139,7 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
             tmpl["sufficiency_detected"] = sufficient
             tmpl["sufficiency_reasoning"] = str(reply.parsed.get("reasoning") or "")
             tmpl["sufficiency_override_applied"] = not sufficient
-            sig["insufficient"] = not sufficient
+            sig.insufficient = not sufficient
             state.usage["sufficiency_check"] = usage_entry(reply)
             record(state, "sufficiency_check", "performed", t, "" if sufficient else "insufficient")
         except LLMError as exc:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.guards.stage import evaluation_text
 from services.parsing.deep_judgment import base_section, deep_judgment_parse
 from shared.core import prompts
 from shared.core.events import Job, State
-from shared.runtime.harness import record, stage_error
+from shared.core.stage import evaluation_text, record, stage_error
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
 from shared.runtime.search import SearchTool
@@ -31,13 +30,13 @@ def skip_reason(state: State) -> str | None:
     sig = state.signals
     if state.error:
         return "upstream error"
-    if sig.get("recursion_limit"):
+    if sig.recursion_limit:
         return "recursion limit reached"
-    if sig.get("trace_validation_failed"):
+    if sig.trace_validation_failed:
         return "trace validation failed"
-    if sig.get("abstention"):
+    if sig.abstention:
         return "abstention detected"
-    if sig.get("insufficient"):
+    if sig.insufficient:
         return "response insufficient"
     return None
 
@@ -60,7 +59,18 @@ def schema_validator(schema: dict[str, Any]):  # noqa: ANN201
 
 async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateInfo | None,
                          search_tool: SearchTool | None = None) -> State:
-    """Stage 7; `search_tool` replaces the registry lookup of `deep_judgment_search_tool` (tests, custom tools)."""
+    """Stage 7, ParseTemplate: the judge fills the template's fields from the answer.
+
+    Requires: `evaluation_text(state)` (the answer, or the agent's final message); the guards'
+    signals (a skip when any fired); `info` (the template's schema and field descriptions);
+    `job.parsing`, `job.options` (`deep_judgment_*`).
+    Produces: signal `parsed` (the judge's fields); `usage["parsing"]` (and the deep-judgment
+    usage); `deep_judgment` (excerpts, reasoning, hallucination risk) when enabled; the
+    `parse_template` stage record; `error` when the judge fails (fatal, as in karenina).
+    Calls: `llm.complete` (one structured call, or the deep-judgment rounds of
+    `services.parsing.deep_judgment`); `search_tool` (default: the registry lookup of
+    `deep_judgment_search_tool`) for search-enhanced deep judgment.
+    """
     t = time.time()
     deep = bool(job.options.get("deep_judgment_enabled"))
     if deep:
@@ -88,7 +98,7 @@ async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateI
         state.error = stage_error(STAGE, exc)
         record(state, STAGE, "failed", t, str(exc)[:300])
         return state
-    state.signals["parsed"] = reply.parsed
+    state.signals.parsed = reply.parsed
     state.usage["parsing"] = usage_entry(reply)
     record(state, STAGE, "performed", t)
     return state
@@ -103,7 +113,7 @@ async def _deep_parse(job: Job, state: State, llm: LLMClient, info: TemplateInfo
         state.error = stage_error(STAGE, out.error)
         record(state, STAGE, "failed", t, f"deep judgment: {out.error}"[:300])
         return state
-    state.signals["parsed"] = out.parsed
+    state.signals.parsed = out.parsed
     missing = out.section.get("attributes_without_excerpts") or []
     record(state, STAGE, "performed", t,
            f"deep judgment: no excerpts for {', '.join(missing)}" if missing else "deep judgment")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from services.rubric.stage import STAGE, evaluate_rubric
 from shared.core import events
-from shared.runtime.harness import StageService, stage_error
+from shared.core.stage import stage_error
+from shared.runtime.harness import StageService
 
 service = StageService("rubric")
 llm = service.llm_client()
@@ -12,7 +13,7 @@ llm = service.llm_client()
 
 def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
     # Rubric failure is non-fatal for the result (spec/003 stage 11): record it, keep the job.
-    ev.state.signals["rubric_error"] = str(stage_error(STAGE, exc).message)
+    ev.state.signals.rubric_error = str(stage_error(STAGE, exc).message)
     return [service.emit(events.RUBRIC_EVALUATED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
 
 

@@ -17,7 +17,7 @@ failing trait records its error in `trait_errors` and the other traits still sco
   `{"scores": {trait: value}}`; a one-trait call may answer `{"result": v}` / `{"score": v}`.
 
 Stage 12 (DeepJudgmentRubricAutoFail): deep judgment ran and some traits have no valid excerpt
-(and no abstention) -> `signals["dj_rubric_autofail"]`, which the fold turns into verify_result
+(and no abstention) -> `signals.dj_rubric_autofail`, which the fold turns into verify_result
 False. Both stages record their status in `state.stages`.
 """
 
@@ -28,12 +28,11 @@ import logging
 import time
 from typing import Any
 
-from services.guards.stage import evaluation_text
 from services.rubric.deep_judgment import evaluate_dj_traits, resolve_trait_configs
 from shared.core import prompts
 from shared.core.events import Job, State
 from shared.core.rubric import AnyTrait, Rubric
-from shared.runtime.harness import record
+from shared.core.stage import evaluation_text, record
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, add_usage, usage_entry
 from shared.runtime.search import SearchTool
@@ -217,7 +216,17 @@ async def _metric_trait(job: Job, text: str, trait: Any, llm: LLMClient, out: di
 
 
 async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: SearchTool | None = None) -> State:
-    """Stages 11-12; `search_tool` overrides the registry lookup of `deep_judgment_search_tool`."""
+    """Stages 11-12: RubricEvaluation and DeepJudgmentRubricAutoFail.
+
+    Requires: `job.rubric` (static and dynamic traits), `evaluation_text(state)`, signals
+    `trace_validation_failed` and `abstention`, `job.options` (`rubric_*`, deep judgment).
+    Produces: `rubric` (llm, regex, callable and metric trait scores, labels, dynamic trait
+    outcome), `deep_judgment_rubric`, `usage["rubric_evaluation"]`, signal
+    `dj_rubric_autofail` (the fold fails the result on it); two stage records.
+    Calls: `llm.complete` for LLM and metric traits and dynamic presence checks; the template
+    sandbox for callable traits; `search_tool` (default: the registry lookup of
+    `deep_judgment_search_tool`) for deep-judged traits.
+    """
     t = time.time()
     if state.error:
         record(state, STAGE, "skipped", t, "upstream error")
@@ -230,7 +239,7 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
         record(state, AUTOFAIL_STAGE, "skipped", t, "no rubric traits")
         return state
     use_full = bool(job.options.get("use_full_trace_for_rubric", True))
-    if state.signals.get("trace_validation_failed") and not use_full:
+    if state.signals.trace_validation_failed and not use_full:
         why = "trace validation failed and use_full_trace_for_rubric is false"
         record(state, STAGE, "skipped", t, why)
         record(state, AUTOFAIL_STAGE, "skipped", t, why)
@@ -403,14 +412,14 @@ def deep_judgment_rubric_autofail(job: Job, state: State) -> None:
     dj = state.deep_judgment_rubric
     if not dj or not dj.get("deep_judgment_rubric_performed"):
         record(state, AUTOFAIL_STAGE, "skipped", t, "deep judgment rubric not performed")
-    elif state.signals.get("abstention"):
+    elif state.signals.abstention:
         record(state, AUTOFAIL_STAGE, "skipped", t, "abstention detected")
     elif not dj.get("traits_without_valid_excerpts"):
         record(state, AUTOFAIL_STAGE, "skipped", t, "no traits missing excerpts")
     else:
         missing = list(dj["traits_without_valid_excerpts"])
         meta = dj.get("trait_metadata") or {}
-        state.signals["dj_rubric_autofail"] = True
+        state.signals.dj_rubric_autofail = True
         log.warning("result %s: deep judgment rubric auto-fail: no valid excerpts for %s -> verify_result=False",
                     job.result_id, ", ".join(f"{n} ({meta.get(n, {}).get('excerpt_retry_count', 0)} retries)"
                                              for n in missing))

@@ -30,7 +30,7 @@ from services.verification.embedding import (
 )
 from shared.core import prompts
 from shared.core.events import Job, State
-from shared.runtime.harness import record, stage_error
+from shared.core.stage import record, stage_error
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
 from shared.templates.calls import run_verify
@@ -66,14 +66,14 @@ def _apply_guard_overrides(state: State) -> str | None:
     sig = state.signals
     tmpl = state.template
     for flag, why in (
-        ("recursion_limit", "recursion limit reached"),
-        ("abstention", "abstention detected"),
-        ("trace_validation_failed", "trace validation failed"),
-        ("insufficient", "response insufficient"),
+        (sig.recursion_limit, "recursion limit reached"),
+        (sig.abstention, "abstention detected"),
+        (sig.trace_validation_failed, "trace validation failed"),
+        (sig.insufficient, "response insufficient"),
     ):
-        if sig.get(flag):
+        if flag:
             tmpl["verify_result"] = False
-            sig["field_verification_result"] = False
+            sig.field_verification_result = False
             return why
     return None
 
@@ -86,15 +86,24 @@ def _skip_all(state: State, t: float, why: str) -> State:
 
 async def verify_template(job: Job, state: State, llm: LLMClient | None = None,
                           embedder: Embedder | None = None) -> State:
-    """Stages 8-10. `llm` is the judge for the embedding check (a process default when None);
-    `embedder` replaces the configured embedding model (tests)."""
+    """Stages 8-10: VerifyTemplate, EmbeddingCheck, DeepJudgmentAutoFail.
+
+    Requires: signal `parsed`, `job.template_code` (run in the sandbox), the guards' signals
+    (any fired: verify_result is False and verification is skipped), `job.options`.
+    Produces: `template.verify_result`, `verify_granular_result`, `field_results`, regex
+    results, `template.embedding_*`; signal `field_verification_result`; three stage records;
+    `error` when the template cannot run.
+    Calls: the template sandbox (`run_verify`); for the embedding check the embedding model
+    (`embedder`, default the configured one) and `llm` as the equivalence judge (a process
+    default when None).
+    """
     t = time.time()
     if state.error:
         return _skip_all(state, t, "upstream error")
     why = _apply_guard_overrides(state)
     if why:
         return _skip_all(state, t, why)
-    parsed: dict[str, Any] | None = state.signals.get("parsed")
+    parsed: dict[str, Any] | None = state.signals.parsed
     if parsed is None or not job.template_code:
         return _skip_all(state, t, "nothing parsed")
     outcome = await run_verify(
@@ -110,7 +119,7 @@ async def verify_template(job: Job, state: State, llm: LLMClient | None = None,
     for name in _OUTCOME_FIELDS:
         state.template[name] = getattr(outcome, name, None)
     field_ok = getattr(outcome, "field_verification_result", None)
-    state.signals["field_verification_result"] = bool(outcome.verify_result if field_ok is None else field_ok)
+    state.signals.field_verification_result = bool(outcome.verify_result if field_ok is None else field_ok)
     record(state, STAGE, "performed", t)
     await embedding_check(job, state, llm, embedder)
     deep_judgment_autofail(job, state)
@@ -132,7 +141,7 @@ async def embedding_check(job: Job, state: State, llm: LLMClient | None = None,
     if not cfg.enabled:
         record(state, EMBEDDING_STAGE, "skipped", t, "embedding check disabled")
         return
-    if state.signals.get("field_verification_result"):
+    if state.signals.field_verification_result:
         record(state, EMBEDDING_STAGE, "skipped", t, "field verification passed")
         return
     expected, got = tmpl.get("parsed_gt_response"), tmpl.get("parsed_llm_response")
@@ -172,7 +181,7 @@ async def embedding_check(job: Job, state: State, llm: LLMClient | None = None,
         return
     regex_ok = _regex_ok(tmpl)
     tmpl["embedding_override_applied"] = True
-    state.signals["field_verification_result"] = True
+    state.signals.field_verification_result = True
     tmpl["verify_result"] = regex_ok
     log.warning("result %s: embedding check override: field verification failed but the answer is semantically "
                 "equivalent (similarity %.3f) -> field pass, verify_result=%s", job.result_id, score, regex_ok)
@@ -199,14 +208,14 @@ def deep_judgment_autofail(job: Job, state: State) -> None:
         record(state, DJ_AUTOFAIL_STAGE, "skipped", t, "deep judgment disabled")
     elif not dj or not dj.get("deep_judgment_performed"):
         record(state, DJ_AUTOFAIL_STAGE, "skipped", t, "deep judgment not performed")
-    elif state.signals.get("abstention"):
+    elif state.signals.abstention:
         record(state, DJ_AUTOFAIL_STAGE, "skipped", t, "abstention detected")
     elif not dj.get("attributes_without_excerpts"):
         record(state, DJ_AUTOFAIL_STAGE, "skipped", t, "no attributes missing excerpts")
     else:
         missing = list(dj["attributes_without_excerpts"])
         state.template["verify_result"] = False
-        state.signals["field_verification_result"] = False
+        state.signals.field_verification_result = False
         log.warning("result %s: deep judgment auto-fail: no excerpts for %s after %d retr%s -> verify_result=False",
                     job.result_id, ", ".join(missing), dj.get("deep_judgment_excerpt_retry_count", 0),
                     "y" if dj.get("deep_judgment_excerpt_retry_count", 0) == 1 else "ies")

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from shared.core.ids import event_id_for
+from shared.core.signals import Signals
 
 T = TypeVar("T")
 
@@ -124,7 +125,7 @@ class State(msgspec.Struct, omit_defaults=True):
     deep_judgment_rubric: dict[str, Any] | None = None
     root: dict[str, Any] = {}
     usage: dict[str, dict[str, Any]] = {}
-    signals: dict[str, Any] = {}  # internal flags between stages (not result fields)
+    signals: Signals = msgspec.field(default_factory=Signals)  # flags between stages (shared.core.signals)
     error: StageError | None = None
     stages: list[StageRecord] = []
     started_at: float = 0.0

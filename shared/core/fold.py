@@ -106,7 +106,7 @@ def fold_result(job: Job, template_state: State | None, rubric_state: State | No
     deep_judgment = None
     if needs_template(job):
         tfields = dict(base.template)
-        if rubric_state is not None and rubric_state.signals.get("dj_rubric_autofail"):
+        if rubric_state is not None and rubric_state.signals.dj_rubric_autofail:
             tfields["verify_result"] = False
         tfields["usage_metadata"] = usage
         template = VerificationResultTemplate(**tfields)
@@ -116,7 +116,7 @@ def fold_result(job: Job, template_state: State | None, rubric_state: State | No
     rubric = None
     deep_judgment_rubric = None
     if needs_rubric(job) and rubric_state is not None:
-        if rubric_state.rubric is not None and not rubric_state.signals.get("rubric_error"):
+        if rubric_state.rubric is not None and not rubric_state.signals.rubric_error:
             rubric = VerificationResultRubric(**rubric_state.rubric)
         if rubric_state.deep_judgment_rubric is not None:
             deep_judgment_rubric = VerificationResultDeepJudgmentRubric(**rubric_state.deep_judgment_rubric)

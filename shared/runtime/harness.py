@@ -21,10 +21,9 @@ import hashlib
 import logging
 import os
 import socket
-import time
-import traceback
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from faststream import AckPolicy, FastStream
@@ -36,6 +35,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.core import events
 from shared.core.config import Settings
+from shared.core.stage import stage_error
 from shared.runtime import bus
 from shared.runtime.llm.cache import CACHE_SCOPE, NatsKVCache
 from shared.runtime.llm.client import LLMClient
@@ -53,8 +53,19 @@ Handler = Callable[[events.Envelope, Any], Awaitable[list[events.Envelope]]]
 GiveUp = Callable[[events.Envelope, Any, BaseException], list[events.Envelope]]
 
 
+@dataclass(frozen=True)
+class Subscription:
+    """A handler as `StageService.handles` registered it: what `deliver` runs for one event type."""
+
+    event_type: str
+    fn: Handler
+    payload_type: type
+    give_up: GiveUp | None
+    max_deliver: int
+
+
 async def _raw_body(msg: NatsMessage) -> bytes:
-    """Hand handlers the raw bytes: envelopes are decoded once, by msgspec, in `_dispatch`."""
+    """Hand handlers the raw bytes: envelopes are decoded once, by msgspec, in `StageService.deliver`."""
     return msg.body
 
 
@@ -98,6 +109,7 @@ class StageService:
         self.app = FastStream(self.broker, on_startup=[self._startup], after_startup=[self._after_startup],
                               on_shutdown=[close_transports, self._close_control])
         self._js: JetStreamContext | None = None
+        self.subscriptions: dict[str, Subscription] = {}
         self._stream = JStream(name=events.STREAM, declare=False)
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
         self.control = RunControl(lambda: self.js)
@@ -132,8 +144,13 @@ class StageService:
     async def _close_control(self) -> None:
         await self.control.close()
 
+    def bind(self, js: JetStreamContext) -> None:
+        """Publish and read through `js`: the broker's JetStream context at start-up (or an
+        in-memory one when a test drives `deliver` without a server)."""
+        self._js = js
+
     async def _after_startup(self) -> None:
-        self._js = self.broker.connection.jetstream()
+        self.bind(self.broker.connection.jetstream())
         for hook in self.startup_hooks:
             await hook()
         log.info("%s ready", self.name)
@@ -188,6 +205,8 @@ class StageService:
         )
 
         def decorator(fn: Handler) -> Handler:
+            self.subscriptions[event_type] = Subscription(event_type, fn, payload_type, give_up, max_deliver)
+
             @self.broker.subscriber(
                 events.subscription(event_type),
                 stream=self._stream,
@@ -200,21 +219,19 @@ class StageService:
             )
             async def _on_message(body: bytes) -> None:
                 msg: NatsMessage = self.broker.context.get_local("message")
-                await self._dispatch(fn, payload_type, give_up, body, msg, max_deliver)
+                await self.deliver(event_type, body, msg)
 
             return fn
 
         return decorator
 
-    async def _dispatch(
-        self,
-        fn: Handler,
-        payload_type: type,
-        give_up: GiveUp | None,
-        body: bytes,
-        msg: NatsMessage,
-        max_deliver: int,
-    ) -> None:
+    async def deliver(self, event_type: str, body: bytes, msg: NatsMessage) -> None:
+        """Handle one delivered message of `event_type` exactly as the subscription does: decode
+        (dead-letter what never decodes), gate stopped runs, call the handler, publish its events
+        with the attempt key, ack; on failure nack with backoff, and on the last delivery record
+        the give-up. Every outcome is acked or nacked here."""
+        sub = self.subscriptions[event_type]
+        fn, payload_type, give_up, max_deliver = sub.fn, sub.payload_type, sub.give_up, sub.max_deliver
         raw = msg.raw_message
         delivered = raw.metadata.num_delivered if raw.metadata else 1
         try:
@@ -300,22 +317,6 @@ class StageService:
         await bus.publish(self.js, env)
         log.error("%s: dead-lettered %s after %d deliveries: %s", self.name, subject, delivered, dl.error)
 
-
-def stage_error(stage: str, exc: BaseException, attempt: int = 1) -> events.StageError:
-    return events.StageError(
-        stage=stage,
-        type=type(exc).__name__,
-        message=str(exc)[:2000] or type(exc).__name__,
-        traceback="".join(traceback.format_exception(exc))[-4000:],
-        attempt=attempt,
-    )
-
-
-def record(state: events.State, stage: str, status: str, started: float, reason: str = "") -> None:
-    """Append this stage's outcome to the state's stage log (for timing and skip analysis)."""
-    state.stages.append(
-        events.StageRecord(stage=stage, status=status, reason=reason, started_at=started, ended_at=time.time())  # type: ignore[arg-type]
-    )
 
 
 def run(service: StageService) -> None:

@@ -162,8 +162,8 @@ async def test_agent_over_stdio_and_http(simulator: str, http_mcp: str, pool: MC
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
     st = await check_guards(j, st, LLMClient(), None)
-    assert st.signals["final_ai_message"] == "The capital of Kenya is Nairobi, and 2+3 = 5."
-    assert "trace_validation_failed" not in st.signals and "recursion_limit" not in st.signals
+    assert st.signals.final_ai_message == "The capital of Kenya is Nairobi, and 2+3 = 5."
+    assert st.signals.trace_validation_failed is False and st.signals.recursion_limit is False
     assert st.root["evaluation_input"] == "The capital of Kenya is Nairobi, and 2+3 = 5."
 
     # the stdio server is a child of this process while pooled, and gone once the pool closes
@@ -189,7 +189,7 @@ async def test_max_turns_over_http(simulator: str, http_mcp: str, pool: MCPPool)
     assert _sim(simulator, "GET", "/simulator/stats")["tool_call"] == 3
 
     st = await check_guards(j, st, LLMClient(), None)
-    assert st.signals["recursion_limit"] is True and st.signals["trace_validation_failed"] is True
+    assert st.signals.recursion_limit is True and st.signals.trace_validation_failed is True
     assert st.root["trace_extraction_error"] == (
         "trace ends with an AI message that requests tool calls, not an answer")
 

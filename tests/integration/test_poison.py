@@ -26,8 +26,9 @@ from services.verification.stage import STAGE, verify_template
 from shared.control import runner, status, streams
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
+from shared.core.stage import stage_error
 from shared.runtime import bus
-from shared.runtime.harness import StageService, stage_error
+from shared.runtime.harness import StageService
 from shared.templates.sandbox import get_sandbox
 from tests.conftest import REPO
 from tests.support.stack import (

@@ -108,8 +108,8 @@ async def test_tool_call_then_answer(pool: MCPPool) -> None:
 
     # the guards validate the trace and hand the final answer to later stages
     st = await check_guards(job(), st, llm, None)  # type: ignore[arg-type]
-    assert st.signals["final_ai_message"] == "The sum is 5."
-    assert "trace_validation_failed" not in st.signals
+    assert st.signals.final_ai_message == "The sum is 5."
+    assert st.signals.trace_validation_failed is False
     assert [r.status for r in st.stages if r.stage == "trace_validation_autofail"] == ["performed"]
 
 
@@ -130,8 +130,8 @@ async def test_max_turns_sets_recursion_limit_and_fails_trace_validation(pool: M
     assert t["raw_llm_response"].endswith("Args: {'a': 1, 'b': 1}")
 
     st = await check_guards(j, st, llm, None)  # type: ignore[arg-type]
-    assert st.signals["recursion_limit"] is True
-    assert st.signals["trace_validation_failed"] is True
+    assert st.signals.recursion_limit is True
+    assert st.signals.trace_validation_failed is True
     assert "requests tool calls" in st.root["trace_extraction_error"]
 
 
@@ -249,7 +249,7 @@ async def test_manual_message_trace_is_kept_and_not_validated() -> None:
     # a trace ending in a tool message would fail validation; manual traces are trusted
     assert [(r.status, r.reason) for r in st.stages if r.stage == "trace_validation_autofail"] == [
         ("skipped", "not an MCP agent trace")]
-    assert "trace_validation_failed" not in st.signals
+    assert st.signals.trace_validation_failed is False
     assert st.root["evaluation_input"] == "It is 5."
 
 

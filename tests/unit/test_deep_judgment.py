@@ -24,6 +24,7 @@ from shared.core.fold import fold_result
 from shared.core.ids import template_id_for
 from shared.core.models import VerificationResultDeepJudgment, VerificationResultDeepJudgmentRubric
 from shared.core.rubric import LLMRubricTrait, RegexTrait, Rubric
+from shared.core.signals import Signals
 from shared.runtime import search
 from shared.runtime.llm.reply import LLMError
 from shared.templates.calls import validate_template
@@ -170,7 +171,7 @@ def test_attribute_without_excerpts_after_retries_autofails() -> None:
     assert len(judge.stage_calls("deep_judgment_excerpts")) == 3 and dj["deep_judgment_excerpt_retry_count"] == 2
     assert dj["attributes_without_excerpts"] == ["fahrenheit"] and dj["extracted_excerpts"]["fahrenheit"] == []
     # the template's own check passes, the auto-fail overrides it
-    assert st.template["verify_result"] is False and st.signals["field_verification_result"] is False
+    assert st.template["verify_result"] is False and st.signals.field_verification_result is False
     assert status(st, "deep_judgment_autofail") == ("performed", "no excerpts for fahrenheit")
     assert status(st, "parse_template") == ("performed", "deep judgment: no excerpts for fahrenheit")
     assert fold_result(j, st, None, 2.0).template.verify_result is False
@@ -199,7 +200,7 @@ def test_deep_judgment_off_costs_no_call_and_autofail_is_skipped() -> None:
 
 def test_deep_judgment_skipped_on_abstention_keeps_enabled_flag() -> None:
     judge = Judge({})
-    st = events.State(template={"raw_llm_response": "No."}, signals={"abstention": True})
+    st = events.State(template={"raw_llm_response": "No."}, signals=Signals(abstention=True))
     st = asyncio.run(parse_and_verify(make_job(DJ_ON), judge, st))
     assert judge.calls == [] and set(st.deep_judgment) == set(VerificationResultDeepJudgment.model_fields)
     assert st.deep_judgment["deep_judgment_enabled"] and not st.deep_judgment["deep_judgment_performed"]
@@ -323,7 +324,7 @@ def rubric_judge(excerpts: Any = None, **extra: Any) -> Judge:
 
 
 def eval_rubric(j: events.Job, judge: Judge, signals: dict[str, Any] | None = None, **kw: Any) -> events.State:
-    st = events.State(template={"raw_llm_response": RUBRIC_TEXT}, signals=dict(signals or {}))
+    st = events.State(template={"raw_llm_response": RUBRIC_TEXT}, signals=Signals(**(signals or {})))
     return asyncio.run(evaluate_rubric(j, st, judge, **kw))  # type: ignore[arg-type]
 
 
@@ -410,7 +411,7 @@ def test_rubric_trait_without_valid_excerpts_autofails_the_result() -> None:
     assert "safe" not in st.rubric["llm_trait_scores"] and "no valid excerpt" in st.rubric["trait_errors"]["safe"]
     safe_calls = [c for c in judge.stage_calls("deep_judgment_rubric_excerpts") if trait_of(c["messages"]) == "safe"]
     assert "drink lava" in safe_calls[1]["messages"][-1]["content"]  # feedback names the failed quote
-    assert st.signals["dj_rubric_autofail"] is True
+    assert st.signals.dj_rubric_autofail is True
     assert status(st, "deep_judgment_rubric_autofail") == ("performed", "no valid excerpts for safe")
     template_state = events.State(template={"raw_llm_response": RUBRIC_TEXT, "verify_result": True})
     assert fold_result(j, template_state, st, 3.0).template.verify_result is False
@@ -425,7 +426,7 @@ def test_rubric_autofail_skipped_on_abstention_and_when_disabled() -> None:
     st = eval_rubric(j, rubric_judge(excerpts), {"abstention": True})
     assert st.deep_judgment_rubric["traits_without_valid_excerpts"] == ["clarity"]
     assert status(st, "deep_judgment_rubric_autofail") == ("skipped", "abstention detected")
-    assert "dj_rubric_autofail" not in st.signals
+    assert st.signals.dj_rubric_autofail is False
     off = make_job({}, Rubric(llm_traits=TRAITS), "template_and_rubric")
     judge = rubric_judge()
     st = eval_rubric(off, judge)
@@ -437,7 +438,7 @@ def test_rubric_judge_outage_is_a_trait_error_not_an_autofail() -> None:
     j = make_job({"deep_judgment_rubric_mode": "enable_all"}, Rubric(llm_traits=TRAITS[1:]), "rubric_only")
     st = eval_rubric(j, rubric_judge(LLMError("server_error", "503 after 5 attempts")))
     assert "503" in st.rubric["trait_errors"]["safe"] and st.deep_judgment_rubric["traits_without_valid_excerpts"] == []
-    assert "dj_rubric_autofail" not in st.signals
+    assert st.signals.dj_rubric_autofail is False
 
 
 def test_rubric_deep_judgment_search_rates_excerpts_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from services.verification.stage import verify_template
 from shared.core import events
 from shared.core.fold import fold_result
 from shared.core.ids import template_id_for
+from shared.core.signals import Signals
 from shared.runtime.llm.reply import LLMError
 from shared.templates.calls import validate_template
 from tests.support.judge import Judge
@@ -76,7 +77,7 @@ def run(j: events.Job, parsed: dict[str, Any], judge: Judge, embedder: Any = Non
     async def go() -> events.State:
         info = await validate_template(j.template_code or "", j.question_id)
         assert info.ok, info.error
-        st = events.State(template={"raw_llm_response": RESPONSE}, signals={"parsed": parsed, **(signals or {})})
+        st = events.State(template={"raw_llm_response": RESPONSE}, signals=Signals(parsed=parsed, **(signals or {})))
         return await verify_template(j, st, judge, embedder)  # type: ignore[arg-type]
 
     return asyncio.run(go())
@@ -139,7 +140,7 @@ def test_equivalent_answer_overrides_field_failure() -> None:
     st = run(make_job(ON), PARAPHRASE, judge, FixedEmbedder(0.93))
     t = st.template
     assert t["embedding_override_applied"] is True and t["verify_result"] is True
-    assert st.signals["field_verification_result"] is True and st.usage["embedding_check"]["total_tokens"] == 15
+    assert st.signals.field_verification_result is True and st.usage["embedding_check"]["total_tokens"] == 15
     prompt = judge.calls[0]["messages"][-1]["content"]
     assert QUESTION in prompt and "BCL2; inhibits apoptosis" in prompt and "BCL2; inhibition of apoptosis" in prompt
     assert status(st, "embedding_check") == ("performed", "override: equivalent (similarity 0.930)")
@@ -172,7 +173,7 @@ def test_deep_judgment_autofail_runs_after_an_embedding_override() -> None:
 
     async def go() -> events.State:
         j = make_job({**ON, "deep_judgment_enabled": True})
-        st = events.State(template={"raw_llm_response": RESPONSE}, signals={"parsed": PARAPHRASE}, deep_judgment=dj)
+        st = events.State(template={"raw_llm_response": RESPONSE}, signals=Signals(parsed=PARAPHRASE), deep_judgment=dj)
         return await verify_template(j, st, Judge({"embedding_check": EQUIVALENT}), FixedEmbedder(0.95))  # type: ignore[arg-type]
 
     st = asyncio.run(go())

@@ -9,6 +9,7 @@ from shared.core import events
 from shared.core.fold import fold_result
 from shared.core.ids import compute_result_id
 from shared.core.models import VerificationResultMetadata
+from shared.core.signals import Signals
 
 
 def make_job(mode: str = "template_only", **kw) -> events.Job:
@@ -64,7 +65,7 @@ def test_rubric_only_has_no_template_and_dj_rubric_autofail_overrides() -> None:
     assert r.template is None and r.rubric.regex_trait_scores == {"cites": True}
     job2 = make_job("template_and_rubric")
     ts = events.State(template={"verify_result": True})
-    rs2 = events.State(rubric={"rubric_evaluation_performed": True}, signals={"dj_rubric_autofail": True})
+    rs2 = events.State(rubric={"rubric_evaluation_performed": True}, signals=Signals(dj_rubric_autofail=True))
     assert fold_result(job2, ts, rs2, 1.0).template.verify_result is False
 
 

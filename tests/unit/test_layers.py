@@ -126,3 +126,17 @@ def test_no_import_circles_in_shared_and_services() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+STAGE_FILES = [p for p in _files("services") if p.name not in ("app.py", "__main__.py", "__init__.py")]
+
+
+@pytest.mark.parametrize("path", STAGE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_stage_modules_import_nothing_from_the_harness_or_another_service(path: Path) -> None:
+    """A stage is `(job, state, ports) -> new state`: it needs neither the FastStream harness nor
+    another service's stage (what stages share lives in `shared.core.stage`)."""
+    own = path.relative_to(ROOT).parts[1]
+    wrong = [f"line {line}: {name}" for line, name in _imports(path)
+             if name.startswith(("shared.runtime.harness", "faststream", "nats"))
+             or (name.startswith("services.") and name.split(".")[1] != own)]
+    assert not wrong, f"{path.relative_to(ROOT)} is not a pure stage module:\n" + "\n".join(wrong)

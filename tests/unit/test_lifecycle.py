@@ -18,8 +18,9 @@ from shared.control.runner import RunInputError
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.ids import compute_result_id
+from shared.core.stage import stage_error
 from shared.runtime import runcontrol
-from shared.runtime.harness import StageService, stage_error
+from shared.runtime.harness import StageService
 from tests.conftest import EXAMPLE
 
 # ------------------------------------------------------------------------------ fakes
@@ -279,45 +280,50 @@ class FakeMessage:
         self.nacked = delay
 
 
-def _service(js: FakeJS) -> tuple[StageService, list[str]]:
-    svc = StageService("generation")
-    svc._js = js  # type: ignore[assignment]
-    calls: list[str] = []
-    return svc, calls
+def _service(js: FakeJS, name: str = "generation") -> StageService:
+    """A fresh harness bound to the in-memory JetStream; tests register handlers on it with
+    `handles` and drive them with `deliver`, as the subscription does."""
+    svc = StageService(name)
+    svc.bind(js)  # type: ignore[arg-type]
+    return svc
 
 
-def _give_up(svc: StageService):  # noqa: ANN202
-    def give_up(env: events.Envelope, req: events.AnswerRequested, exc: BaseException) -> list[events.Envelope]:
-        state = events.State(error=stage_error("generate_answer", exc))
-        return [svc.emit(events.ANSWER_GENERATED, j, events.StageEvent(j, state, "failed", str(exc))) for j in req.jobs]
-    return give_up
+def _generation_give_up() -> Any:
+    """The generation service's give-up, as its app registered it (not a copy)."""
+    from services.generation import app as generation
+
+    return generation.service.subscriptions[events.ANSWER_REQUESTED].give_up
 
 
 async def test_harness_gates_answer_requests_of_a_cancelled_run() -> None:
+    """Through the generation service as registered: a cancelled run's answer request is not
+    handled (no model is asked: the model here has no endpoint); its jobs end with the stop."""
+    from services.generation import app as generation
+
     js = FakeJS()
-    js.put_event(_run_requested())
-    js.put_event(_control(cancelled=True, reason="stop"))
-    svc, calls = _service(js)
-
-    async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
-        calls.append(env.event_id)
-        return []
-
-    req = events.AnswerRequested(jobs=[_job("r1"), _job("r2")])
-    env = events.make_envelope(events.ANSWER_REQUESTED, "run1", "a1", req, "cli")
+    js.put_event(_run_requested("run-gated"))
+    js.put_event(_control("run-gated", cancelled=True, reason="stop"))
+    service = generation.service
+    service.bind(js)  # type: ignore[arg-type]
+    req = events.AnswerRequested(jobs=[_job("r1", "run-gated"), _job("r2", "run-gated")])
+    env = events.make_envelope(events.ANSWER_REQUESTED, "run-gated", "a1", req, "cli")
     msg = FakeMessage(env.subject)
-    await svc._dispatch(handler, events.AnswerRequested, _give_up(svc), events.encode(env), msg, 3)  # type: ignore[arg-type]
-    assert calls == [] and msg.acked
+    await service.deliver(events.ANSWER_REQUESTED, events.encode(env), msg)  # type: ignore[arg-type]
+    assert msg.acked and msg.nacked is None
     assert [e.event_type for e in js.published] == [events.ANSWER_GENERATED] * 2
-    ev = events.payload_as(js.published[0], events.StageEvent)
-    assert ev.status == "failed" and ev.state.error is not None and ev.state.error.type == "RunCancelled"
+    assert [e.result_id for e in js.published] == ["r1", "r2"]
+    for out in js.published:
+        ev = events.payload_as(out, events.StageEvent)
+        assert ev.status == "failed" and ev.state.error is not None and ev.state.error.type == "RunCancelled"
+        assert "stop" in ev.state.error.message
 
 
 async def test_harness_propagates_attempt_key_and_accounts_tokens() -> None:
     js = FakeJS()
     js.put_event(_run_requested(budget=10_000))
-    svc, calls = _service(js)
+    svc = _service(js, "parsing")
 
+    @svc.handles(events.GUARDS_CHECKED, events.StageEvent)
     async def handler(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
         ev.state.usage["parsing"] = {"input_tokens": 90, "output_tokens": 10, "total_tokens": 100}  # in place
         return [svc.emit(events.TEMPLATE_PARSED, ev.job, events.StageEvent(ev.job, ev.state))]
@@ -326,40 +332,54 @@ async def test_harness_propagates_attempt_key_and_accounts_tokens() -> None:
     env = events.make_envelope(events.GUARDS_CHECKED, "run1", "r1", ev, "guards")
     env.event_id += ":resume-x1"
     msg = FakeMessage(env.subject)
-    await svc._dispatch(handler, events.StageEvent, None, events.encode(env), msg, 3)  # type: ignore[arg-type]
+    await svc.deliver(events.GUARDS_CHECKED, events.encode(env), msg)  # type: ignore[arg-type]
     assert msg.acked and js.published[0].event_id == "r1:template.parsed:resume-x1"
-    assert svc.control._pending == {"run1": 100}
+    assert await svc.control.usage("run1") == 100, "the parsing call's 100 tokens, not the answer's 25 again"
     await svc.control.close()
-    assert await svc.control._read_counter("run1") == 100
+    other_process = runcontrol.RunControl(lambda: js, usage_ttl_s=0.0)
+    assert await other_process.usage("run1") == 100, "flushed to the shared counter on close"
 
 
 async def test_harness_retries_then_records_the_give_up() -> None:
     js = FakeJS()
-    svc, _ = _service(js)
+    svc = _service(js)
+    last_delivery = svc.settings.consumer_max_deliver
 
+    @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested, give_up=_generation_give_up())
     async def broken(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
         raise KeyError("bug")
 
     env = events.make_envelope(events.ANSWER_REQUESTED, "run1", "a1", events.AnswerRequested(jobs=[_job()]), "cli")
     first = FakeMessage(env.subject, delivered=1)
-    await svc._dispatch(broken, events.AnswerRequested, _give_up(svc), events.encode(env), first, 3)  # type: ignore[arg-type]
+    await svc.deliver(events.ANSWER_REQUESTED, events.encode(env), first)  # type: ignore[arg-type]
     assert first.nacked == 0.5 and not first.acked and js.published == []
-    last = FakeMessage(env.subject, delivered=3)
-    await svc._dispatch(broken, events.AnswerRequested, _give_up(svc), events.encode(env), last, 3)  # type: ignore[arg-type]
+    last = FakeMessage(env.subject, delivered=last_delivery)
+    await svc.deliver(events.ANSWER_REQUESTED, events.encode(env), last)  # type: ignore[arg-type]
     assert last.acked
     assert [e.event_type for e in js.published] == [events.STAGE_FAILED, events.ANSWER_GENERATED]
     assert events.payload_as(js.published[0], events.StageFailed).error.type == "KeyError"
+    gave_up = events.payload_as(js.published[1], events.StageEvent)
+    assert gave_up.status == "failed" and gave_up.state.error is not None
+    assert (gave_up.state.error.stage, gave_up.state.error.type) == ("generate_answer", "KeyError")
 
 
 async def test_dead_letter_ids_are_the_same_in_every_process() -> None:
     js = FakeJS()
-    svc, _ = _service(js)
     subject = events.subject(events.ANSWER_REQUESTED, "run1", "zz")
-    for _ in range(2):
-        msg = FakeMessage(subject, delivered=3)
-        await svc._dispatch(None, events.AnswerRequested, None, b"\x00nope", msg, 3)  # type: ignore[arg-type]
+    handled: list[str] = []
+    for _ in range(2):  # two processes of the same service
+        svc = _service(js)
+
+        @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested)
+        async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+            handled.append(env.event_id)
+            return []
+
+        msg = FakeMessage(subject, delivered=svc.settings.consumer_max_deliver)
+        await svc.deliver(events.ANSWER_REQUESTED, b"\x00nope", msg)  # type: ignore[arg-type]
         assert msg.acked
     a, b = js.published
+    assert handled == []
     assert a.event_type == events.DEAD_LETTER and a.event_id == b.event_id
     assert a.event_id.startswith("zz:dead.letter:generation:")
 

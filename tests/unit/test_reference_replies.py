@@ -152,7 +152,7 @@ def test_template_parsing_replies(path: Path, fake: FakeLitellm) -> None:
         return await verify_template(j, st)
 
     st = asyncio.run(run())
-    assert st.error is None and st.signals["parsed"] == expected  # fenced JSON, extra "id": null kept as sent
+    assert st.error is None and st.signals.parsed == expected  # fenced JSON, extra "id": null kept as sent
     assert st.template["parsed_llm_response"] == {k: v for k, v in expected.items() if k != "id"}
     assert st.template["verify_result"] is True
     assert st.usage["parsing"] == {"input_tokens": 100, "output_tokens": 20, "total_tokens": 120,

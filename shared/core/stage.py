@@ -1,0 +1,39 @@
+"""What every stage function shares, with no bus and no harness: the stage log (`record`), the
+error a stage reports (`stage_error`) and the text later stages evaluate (`evaluation_text`).
+
+A stage is pure in the house's sense: `(job, state, ports) -> new state`, where the ports are
+the model client, the sandbox and the search tool it is handed; it reads and writes nothing
+else, so it runs the same in a service, a regrade or a unit test.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+from shared.core.events import StageError, StageRecord, State
+
+
+def stage_error(stage: str, exc: BaseException, attempt: int = 1) -> StageError:
+    """The error a stage reports for `exc` (message and traceback bounded for the wire)."""
+    return StageError(
+        stage=stage,
+        type=type(exc).__name__,
+        message=str(exc)[:2000] or type(exc).__name__,
+        traceback="".join(traceback.format_exception(exc))[-4000:],
+        attempt=attempt,
+    )
+
+
+def record(state: State, stage: str, status: str, started: float, reason: str = "") -> None:
+    """Append this stage's outcome to the state's stage log (for timing and skip analysis)."""
+    state.stages.append(
+        StageRecord(stage=stage, status=status, reason=reason, started_at=started, ended_at=time.time())  # type: ignore[arg-type]
+    )
+
+
+def evaluation_text(state: State, use_full_trace: bool) -> str:
+    """The text later stages evaluate: the full response/trace, or the extracted final AI message."""
+    if use_full_trace or not state.signals.agent_trace:
+        return state.template.get("raw_llm_response", "")
+    return state.signals.final_ai_message or state.template.get("raw_llm_response", "")
