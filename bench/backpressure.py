@@ -21,37 +21,13 @@ from typing import Any
 
 import httpx
 import psutil
-import yaml
 
+from bench.workload import generated_benchmark
 from shared.control import lifecycle, runner, stack, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
 from shared.runtime import bus
-
-TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
-from pydantic import Field
-
-class Answer(BaseAnswer):
-    value: int = Field(description="The number asked for")
-
-    def model_post_init(self, __context):
-        self.correct = {{"value": {n}}}
-
-    def verify(self) -> bool:
-        return self.value == self.correct["value"]
-'''
-
-
-def write_benchmark(n: int, path: Path) -> dict[str, Any]:
-    """N int-template questions; returns the simulator script (every answer right)."""
-    questions, script = [], []
-    for i in range(n):
-        text = f"Backpressure question {i}: what is {i} plus {i}?"
-        questions.append({"id": f"bp-{i}", "question": text, "answer": str(2 * i), "template": TEMPLATE.format(n=2 * i)})
-        script.append({"match": text, "answer": f"The sum is {2 * i}.", "parsed": {"value": 2 * i}})
-    path.write_text(yaml.safe_dump({"name": f"backpressure-{n}", "questions": questions}, sort_keys=False))
-    return {"questions": script}
 
 
 class RssSampler(threading.Thread):
@@ -95,8 +71,7 @@ class RssSampler(threading.Thread):
 
 async def consumer_figures(settings: Settings) -> dict[str, dict[str, int]]:
     """pending / unacknowledged / max_ack_pending of every durable consumer of the stream."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         out = {}
         for name in (*streams.STAGE_DURABLES, streams.PROJECTOR_DURABLE):
@@ -107,8 +82,6 @@ async def consumer_figures(settings: Settings) -> dict[str, dict[str, int]]:
             out[name] = {"pending": int(ci.num_pending or 0), "ack_pending": int(ci.num_ack_pending or 0),
                          "max_ack_pending": int(ci.config.max_ack_pending or 0)}
         return out
-    finally:
-        await nc.close()
 
 
 def run_backpressure(
@@ -127,7 +100,7 @@ def run_backpressure(
     with tempfile.TemporaryDirectory(prefix="veribus-backpressure-") as tmp:
         base = Path(home) if home is not None else Path(tmp)
         settings = Settings(home=base / "home")
-        script = write_benchmark(jobs, base / "bench.yaml")
+        _, script = generated_benchmark(base / "bench.yaml", jobs, wrong_every=0, prefix="Backpressure", ids="bp-{i}")
         state = stack.up(settings, simulator_args=["--latency-ms", str(latency_ms)], extra_env=extra_env)
         settings.nats_url = state.nats_url
         try:

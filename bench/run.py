@@ -16,39 +16,11 @@ from typing import Any
 
 import httpx
 import psutil
-import yaml
 
+from bench.workload import generated_benchmark
 from shared.control import runner, stack
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
-
-TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
-from pydantic import Field
-
-class Answer(BaseAnswer):
-    value: int = Field(description="The number asked for")
-
-    def model_post_init(self, __context):
-        self.correct = {{"value": {n}}}
-
-    def verify(self) -> bool:
-        return self.value == self.correct["value"]
-'''
-
-
-def generated_benchmark(n: int, path: Path) -> tuple[Path, dict[str, Any]]:
-    """N questions with int templates; the simulator script answers 90% right."""
-    questions = []
-    script = []
-    for i in range(n):
-        text = f"Bench question {i}: what is {i} plus {i}?"
-        questions.append({"id": f"bench-{i}", "question": text, "answer": str(2 * i),
-                          "template": TEMPLATE.format(n=2 * i)})
-        value = 2 * i if i % 10 else 2 * i + 1
-        script.append({"match": text, "answer": f"The sum is {value}.", "parsed": {"value": value}})
-
-    path.write_text(yaml.safe_dump({"name": f"bench-{n}", "questions": questions}, sort_keys=False))
-    return path, {"questions": script}
 
 
 class Sampler(threading.Thread):
@@ -85,7 +57,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
     with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
         home = Path(tmp)
         settings = Settings(home=home / "home")
-        bench_file, script = generated_benchmark(n, home / "bench.yaml")
+        bench_file, script = generated_benchmark(home / "bench.yaml", n, prefix="Bench", ids="bench-{i}")
         benchmark = Benchmark.load(bench_file)
         state = stack.up(settings, replicas=replicas, simulator_args=["--latency-ms", str(latency_ms)])
         settings.nats_url = state.nats_url

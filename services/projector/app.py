@@ -24,8 +24,7 @@ from nats.js.api import AckPolicy as JsAckPolicy
 
 from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT, STREAM
-from shared.runtime.bus import connect as bus_connect
-from shared.runtime.bus import connect_options, ensure_stream
+from shared.runtime.bus import connect_options, prepare_stream
 from shared.runtime.harness import broker_auth_kwargs
 from shared.store.engine import preload_chdb
 from shared.store.projection import DEFAULT_MAX_REPLY, Projector
@@ -85,11 +84,7 @@ def create_app(
     @app.on_startup
     async def _open() -> None:
         projector.open()  # blocking on purpose: before any message is consumed, in the main thread
-        nc = await bus_connect(settings, name="veribus-projector-admin")
-        try:
-            await ensure_stream(nc.jetstream())
-        finally:
-            await nc.close()
+        await prepare_stream(settings, name="veribus-projector-admin")
 
     @app.after_startup
     async def _limits() -> None:

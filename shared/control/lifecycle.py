@@ -44,16 +44,13 @@ class CancelOutcome:
 
 async def cancel(settings: Settings, run_id: str, reason: str = "") -> CancelOutcome:
     """Publish `run.cancelled`: answers not yet generated finalize as cancelled results."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
         run = await run_event(js, run_id)
         await publish_control(js, run_id, RunControlPayload(cancelled=True, reason=reason, at=time.time()))
         done = len(await finalized_ids(js, run_id))
         return CancelOutcome(run_id, run.job_count, done)
-    finally:
-        await nc.close()
 
 
 async def publish_control(js: JetStreamContext, run_id: str, payload: RunControlPayload) -> None:
@@ -96,16 +93,13 @@ async def plan_resume(
     settings: Settings, run_id: str, *, include_stopped: bool = True, benchmark: Benchmark | None = None,
 ) -> ResumePlan:
     """What `resume` would publish: each answer request reduced to its jobs without a result."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
         run = await run_event(js, run_id)
         requested = await read_events(js, events.subject(events.ANSWER_REQUESTED, run_id, "*"))
         finals = await read_events(js, events.subject(events.RESULT_FINALIZED, run_id, "*"))
         queued = await queued_for_services(js)
-    finally:
-        await nc.close()
     last_final: dict[str, events.Envelope] = {}
     for env in finals:
         last_final[env.result_id] = env
@@ -159,8 +153,7 @@ async def resume(
             f"{total} message(s) are still queued for the services ({detail}); they will finish those jobs "
             "(start the stack if it is down). Resume once they are done, or pass --force.")
     plan.attempt_key = RESUME_PREFIX + uuid.uuid4().hex[:8]
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         if plan.stopped or budget_tokens is not None:
             await publish_control(js, run_id, RunControlPayload(
@@ -171,8 +164,6 @@ async def resume(
             env.event_id = event_id_for(req.jobs[0].answer_id, events.ANSWER_REQUESTED, plan.attempt_key)
             envs.append(env)
         await bus.publish_many(js, envs)
-    finally:
-        await nc.close()
     return plan
 
 
@@ -270,14 +261,11 @@ async def plan_regrade(
     run_name: str | None = None,
 ) -> RegradePlan:
     """Read the parent run's stored answers from the stream and plan the regrade."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
         parent = await run_event(js, parent_run_id)
         envs = await read_events(js, events.subject(events.ANSWER_GENERATED, parent_run_id, "*"))
-    finally:
-        await nc.close()
     latest: dict[str, events.StageEvent] = {}
     for env in envs:  # a resumed job may have several: the newest is the one its result used
         try:
@@ -291,8 +279,7 @@ async def plan_regrade(
 
 async def submit_regrade(settings: Settings, plan: RegradePlan) -> int:
     """Publish the new run and its answer.generated events (the guards stage takes it from there)."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
@@ -300,17 +287,12 @@ async def submit_regrade(settings: Settings, plan: RegradePlan) -> int:
         envs = [events.make_envelope(events.ANSWER_GENERATED, plan.run_id, ev.job.result_id, ev, PRODUCER)
                 for ev in plan.generated]
         return await bus.publish_many(js, envs)
-    finally:
-        await nc.close()
 
 
 async def run_results(settings: Settings, run_id: str) -> dict[str, VerificationResult]:
     """The run's finalized results from the stream (the newest per result id)."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         envs = await read_events(nc.jetstream(), events.subject(events.RESULT_FINALIZED, run_id, "*"))
-    finally:
-        await nc.close()
     out: dict[str, VerificationResult] = {}
     for env in envs:
         out[env.result_id] = VerificationResult.model_validate(events.payload_as(env, events.ResultFinalized).result)

@@ -69,28 +69,22 @@ async def _consumer_caught_up(js: JetStreamContext, durable: str) -> bool:
 
 
 async def _stream_messages(settings: Settings) -> int:
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         info = await nc.jetstream().stream_info(events.STREAM)
         return int(info.state.messages)
-    finally:
-        await nc.close()
 
 
 async def _delete_consumer(settings: Settings, durable: str) -> bool:
-    nc = await bus.connect(settings)
-    try:
-        await nc.jetstream().delete_consumer(events.STREAM, durable)
-        return True
-    except NotFoundError:
-        return False
-    finally:
-        await nc.close()
+    async with bus.session(settings) as nc:
+        try:
+            await nc.jetstream().delete_consumer(events.STREAM, durable)
+            return True
+        except NotFoundError:
+            return False
 
 
 async def _wait_caught_up(settings: Settings, durable: str, timeout: float) -> None:
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -98,8 +92,6 @@ async def _wait_caught_up(settings: Settings, durable: str, timeout: float) -> N
                 return
             await asyncio.sleep(0.2)
         raise LifecycleError(f"the projector did not catch up with the stream within {timeout:.0f} s")
-    finally:
-        await nc.close()
 
 
 def _recreate_tables(settings: Settings) -> None:
@@ -115,8 +107,7 @@ async def _project_in_process(settings: Settings, batch: int = 2000) -> None:
     """Fold the whole stream into the tables from this process (no projector running)."""
     projector = Projector(settings)
     projector.open()
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         psub = await js.pull_subscribe(
             "vb.>", durable=None, stream=events.STREAM,
@@ -131,8 +122,6 @@ async def _project_in_process(settings: Settings, batch: int = 2000) -> None:
             projector.insert(projector.project_batch(msgs))
             remaining = msgs[-1].metadata.num_pending if msgs[-1].metadata else remaining - len(msgs)
         await psub.unsubscribe()
-    finally:
-        await nc.close()
         projector.close()
 
 

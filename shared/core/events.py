@@ -33,11 +33,6 @@ STAGE_FAILED = "stage.failed"
 DEAD_LETTER = "dead.letter"
 RUN_CANCELLED = "run.cancelled"
 
-EVENT_TYPES = [
-    RUN_REQUESTED, ANSWER_REQUESTED, ANSWER_GENERATED, GUARDS_CHECKED, TEMPLATE_PARSED,
-    TEMPLATE_VERIFIED, RUBRIC_EVALUATED, RESULT_FINALIZED, STAGE_FAILED, DEAD_LETTER, RUN_CANCELLED,
-]
-
 RUN_KEY = "_"  # the result_id token of run-level events
 
 
@@ -235,6 +230,3 @@ def payload_as(env: Envelope, kind: type[T]) -> T:
         dec = _payload_decoders[kind] = msgspec.json.Decoder(kind)
     return dec.decode(env.payload)
 
-
-def to_builtins(obj: Any) -> Any:
-    return msgspec.to_builtins(obj)

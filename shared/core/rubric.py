@@ -26,7 +26,6 @@ TraitKind = Literal["boolean", "score", "literal"]
 MetricName = Literal["precision", "recall", "specificity", "accuracy", "f1"]
 
 METRICS_TP_ONLY = frozenset({"precision", "recall", "f1"})
-METRICS_FULL_MATRIX = frozenset({"precision", "recall", "specificity", "accuracy", "f1"})
 MAX_LITERAL_CLASSES = 20
 
 _B64_RE = re.compile(r"[A-Za-z0-9+/]+={0,2}")

@@ -8,7 +8,8 @@ import asyncio
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlparse
 
@@ -88,6 +89,26 @@ async def connect(settings: Settings, **extra: Any) -> NATS:
     opts = connect_options(settings)
     opts.update(extra)
     return await nats.connect(**opts)
+
+
+@asynccontextmanager
+async def session(settings: Settings, *, ensure: bool = False, **extra: Any) -> AsyncIterator[NATS]:
+    """One connection for one piece of work, closed however the block ends (the connect /
+    `finally: close` every command needs, written once). `ensure`: create or update the stream
+    first, for a command that may be the first to touch a fresh server."""
+    nc = await connect(settings, **extra)
+    try:
+        if ensure:
+            await ensure_stream(nc.jetstream())
+        yield nc
+    finally:
+        await nc.close()
+
+
+async def prepare_stream(settings: Settings, **extra: Any) -> None:
+    """Create or update the stream over a short admin connection (a service at start-up)."""
+    async with session(settings, ensure=True, **extra):
+        pass
 
 
 async def ensure_stream(js: JetStreamContext) -> None:

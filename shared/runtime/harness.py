@@ -135,11 +135,7 @@ class StageService:
         return self._js
 
     async def _startup(self) -> None:
-        nc = await bus.connect(self.settings, name=f"veribus-{self.name}-admin")
-        try:
-            await bus.ensure_stream(nc.jetstream())
-        finally:
-            await nc.close()
+        await bus.prepare_stream(self.settings, name=f"veribus-{self.name}-admin")
 
     async def _close_control(self) -> None:
         await self.control.close()

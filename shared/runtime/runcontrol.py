@@ -335,11 +335,8 @@ async def usage_bucket(js: JetStreamContext) -> Any:
 
 async def run_usage(settings: Settings, run_id: str) -> int:
     """Tokens the run's services have reported spending so far (the budget counter)."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         return await RunControl(lambda: nc.jetstream())._read_counter(run_id)
-    finally:
-        await nc.close()
 
 
 def set_budget(run_event: events.RunRequested, budget_tokens: int | None) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.workload import expected_verdicts
 from shared.control import stack, wait
 from tests.support.stack import (
     Stack,
-    expected_verdicts,
     generated_benchmark,
     plan_and_submit,
     results_of,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.workload import expected_verdicts, int_template
 from shared.control import lifecycle, rebuild, runner, stack, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
@@ -25,9 +26,7 @@ from shared.core.config import Settings
 from shared.runtime import bus
 from tests.conftest import REPO
 from tests.support.stack import (
-    TEMPLATE,
     Stack,
-    expected_verdicts,
     generated_benchmark,
     plan_and_submit,
     republish_all,
@@ -273,7 +272,7 @@ def test_regrade_uses_stored_answers(dstack: Stack, finished_run, tmp_path: Path
     doc = yaml.safe_load(path.read_text())
     for i, q in enumerate(doc["questions"]):  # the new checkpoint accepts the "wrong" answers too
         if i % 10 == 0:
-            q["template"] = TEMPLATE.format(n=2 * i + 1)
+            q["template"] = int_template(2 * i + 1)
     new_path = tmp_path / "bench-v2.yaml"
     new_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     calls_before = dstack.sim_stats()["by_model"]

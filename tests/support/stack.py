@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import psutil
-import yaml
 
+from bench import workload
 from shared.control import lifecycle, rebuild, runner, stack, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
@@ -24,24 +24,6 @@ from shared.core.config import ModelConfig, Settings, VerificationConfig
 from shared.core.models import VerificationResult
 from shared.runtime import bus, runcontrol
 from shared.store.reads import run_query
-
-TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
-from pydantic import Field
-
-class Answer(BaseAnswer):
-    value: int = Field(description="The number asked for")
-
-    def model_post_init(self, __context):
-        self.correct = {{"value": {n}}}
-
-    def verify(self) -> bool:
-        return self.value == self.correct["value"]
-'''
-
-RUBRIC = {
-    "llm_traits": [{"name": "Clarity", "kind": "boolean", "description": "The answer is clear."}],
-    "regex_traits": [{"name": "NoApology", "pattern": "(?i)sorry", "invert_result": True}],
-}
 
 
 def sync(coro: Any) -> Any:
@@ -52,25 +34,8 @@ def sync(coro: Any) -> Any:
 
 def generated_benchmark(path: Path, n: int, *, rubric: bool = True, wrong_every: int = 10,
                         prefix: str = "Durable") -> tuple[Path, dict[str, Any]]:
-    """N questions with int templates (+ a global rubric); the simulator script answers one in
-    `wrong_every` wrongly (none when 0), so verify results are a known mix."""
-    questions, script = [], []
-    for i in range(n):
-        text = f"{prefix} question {i}: what is {i} plus {i}?"
-        questions.append({"id": f"q{i:04d}", "question": text, "answer": str(2 * i),
-                          "template": TEMPLATE.format(n=2 * i)})
-        value = 2 * i + 1 if wrong_every and i % wrong_every == 0 else 2 * i
-        script.append({"match": text, "answer": f"The sum is {value}.", "parsed": {"value": value},
-                       "judge": {"Clarity": True}})
-    doc: dict[str, Any] = {"name": f"{prefix.lower()}-{n}", "questions": questions}
-    if rubric:
-        doc["rubric"] = RUBRIC
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path, {"questions": script}
-
-
-def expected_verdicts(n: int, wrong_every: int = 10) -> dict[str, bool]:
-    return {f"q{i:04d}": not (wrong_every and i % wrong_every == 0) for i in range(n)}
+    """The benchmarks' generated workload (`bench.workload`), with a global rubric by default."""
+    return workload.generated_benchmark(path, n, rubric=rubric, wrong_every=wrong_every, prefix=prefix)
 
 
 @dataclass

@@ -49,10 +49,6 @@ class LLMError(Exception):
         self.usage = usage or {}  # tokens spent before failing (bad_output replies)
         super().__init__(message)
 
-    @property
-    def retryable(self) -> bool:
-        return self.kind in RETRYABLE
-
 
 def usage_entry(reply: LLMReply) -> dict[str, Any]:
     """The reply's usage as a `usage_metadata` stage entry."""
