@@ -1,37 +1,109 @@
--- Analyst views. Every read goes through FINAL so redelivered or replayed rows never double
--- count. Views are CREATE OR REPLACE: migrate() re-applies them, so a changed definition lands.
--- pass_rate = passed / results with a verdict (verify_result not NULL); results without a
+-- Analyst views, one set. Every read goes through FINAL so redelivered or replayed rows never
+-- double count. Views are CREATE OR REPLACE: migrate() re-applies them, so a changed definition
+-- lands. pass_rate = passed / results with a verdict (verify_result not NULL); results without a
 -- verdict (errors, rubric_only) are counted in `no_verdict` and `errors`, not in the rate.
+-- Every pass rate of the analysis views comes with its Wilson 95% score interval:
+-- z = 1.959964, z^2 = 3.8414588, z^2/2 = 1.9207294, z^2/4 = 0.9603647.
+-- The first generation's names (v_pass_rate_by_model, v_pass_rate_by_question, v_run_summary,
+-- v_trait_scores), documented in the README, are kept at the end as views over these.
 
-CREATE OR REPLACE VIEW {db}.v_pass_rate_by_model AS
+-- One row per run: totals, attempted (completed without errors), verdicts, pass rate + interval.
+CREATE OR REPLACE VIEW {db}.v_run_results AS
+SELECT
+    run_id,
+    any(run_name)                                 AS run_name,
+    count()                                       AS results,
+    countIf(completed_without_errors)             AS attempted,
+    countIf(NOT completed_without_errors)         AS errors,
+    countIf(verify_result IS NOT NULL)            AS verified,
+    countIf(verify_result = true)                 AS passed,
+    countIf(verify_result = false)                AS failed,
+    countIf(verify_result IS NULL)                AS no_verdict,
+    passed / nullIf(verified, 0)                  AS pass_rate,
+    (pass_rate + 1.9207294 / verified
+        - 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
+        / (1 + 3.8414588 / verified)              AS wilson_low,
+    (pass_rate + 1.9207294 / verified
+        + 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
+        / (1 + 3.8414588 / verified)              AS wilson_high,
+    uniqExact(question_id)                        AS questions,
+    uniqExact(answering_model)                    AS answering_models,
+    uniqExact(parsing_model)                      AS parsing_models,
+    max(ifNull(replicate, 1))                     AS replicates,
+    avg(execution_time)                           AS avg_execution_time,
+    quantile(0.95)(execution_time)                AS p95_execution_time,
+    sum(input_tokens)                             AS input_tokens,
+    sum(output_tokens)                            AS output_tokens,
+    max(ingested_at)                              AS last_ingested_at
+FROM {db}.verification_results FINAL
+GROUP BY run_id;
+
+-- One row per run x answering model x judge, with Wilson bounds.
+CREATE OR REPLACE VIEW {db}.v_model_pass_rate AS
 SELECT
     run_id,
     answering_model,
     parsing_model,
     count()                                       AS results,
+    countIf(completed_without_errors)             AS attempted,
+    countIf(NOT completed_without_errors)         AS errors,
     countIf(verify_result IS NOT NULL)            AS verified,
     countIf(verify_result = true)                 AS passed,
     countIf(verify_result = false)                AS failed,
     countIf(verify_result IS NULL)                AS no_verdict,
-    countIf(NOT completed_without_errors)         AS errors,
-    passed / nullIf(verified, 0)                  AS pass_rate
+    passed / nullIf(verified, 0)                  AS pass_rate,
+    (pass_rate + 1.9207294 / verified
+        - 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
+        / (1 + 3.8414588 / verified)              AS wilson_low,
+    (pass_rate + 1.9207294 / verified
+        + 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
+        / (1 + 3.8414588 / verified)              AS wilson_high,
+    avg(execution_time)                           AS avg_execution_time,
+    sum(input_tokens)                             AS input_tokens,
+    sum(output_tokens)                            AS output_tokens
 FROM {db}.verification_results FINAL
 GROUP BY run_id, answering_model, parsing_model;
 
-CREATE OR REPLACE VIEW {db}.v_pass_rate_by_question AS
+-- One row per run x question: pass rate over every model, judge and replicate, with Wilson
+-- bounds; `flaky` when some verdicts pass and some fail.
+CREATE OR REPLACE VIEW {db}.v_question_pass_rate AS
 SELECT
     run_id,
     question_id,
     any(question_text)                            AS question_text,
     count()                                       AS results,
+    countIf(NOT completed_without_errors)         AS errors,
     countIf(verify_result IS NOT NULL)            AS verified,
     countIf(verify_result = true)                 AS passed,
     countIf(verify_result = false)                AS failed,
     countIf(verify_result IS NULL)                AS no_verdict,
-    countIf(NOT completed_without_errors)         AS errors,
-    passed / nullIf(verified, 0)                  AS pass_rate
+    passed / nullIf(verified, 0)                  AS pass_rate,
+    (pass_rate + 1.9207294 / verified
+        - 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
+        / (1 + 3.8414588 / verified)              AS wilson_low,
+    (pass_rate + 1.9207294 / verified
+        + 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
+        / (1 + 3.8414588 / verified)              AS wilson_high,
+    uniqExact(answering_model)                    AS answering_models,
+    passed > 0 AND passed < verified              AS flaky
 FROM {db}.verification_results FINAL
 GROUP BY run_id, question_id;
+
+-- One row per run x answering model x judge x question: the replicates' verdicts (n, passed),
+-- the input of pass@k = 1 - C(n - passed, k) / C(n, k).
+CREATE OR REPLACE VIEW {db}.v_replicate_outcomes AS
+SELECT
+    run_id,
+    answering_model,
+    parsing_model,
+    question_id,
+    countIf(verify_result IS NOT NULL)            AS n,
+    countIf(verify_result = true)                 AS passed,
+    passed / nullIf(n, 0)                         AS pass_rate,
+    passed > 0 AND passed < n                     AS flaky,
+    1 - abs(2 * pass_rate - 1)                    AS flakiness
+FROM {db}.verification_results FINAL
+GROUP BY run_id, answering_model, parsing_model, question_id;
 
 CREATE OR REPLACE VIEW {db}.v_pass_rate_by_replicate AS
 SELECT
@@ -46,49 +118,73 @@ SELECT
 FROM {db}.verification_results FINAL
 GROUP BY run_id, answering_model, replicate;
 
-CREATE OR REPLACE VIEW {db}.v_run_summary AS
+-- One row per run x answering model x judge x trait (metric traits per metric, as
+-- `trait.metric`): n, mean, spread, quantiles, and the share of true for boolean-valued traits.
+CREATE OR REPLACE VIEW {db}.v_trait_stats AS
 SELECT
-    if(r.run_id != '', r.run_id, u.run_id)        AS run_id,
-    u.run_name                                    AS run_name,
-    u.benchmark_name                              AS benchmark_name,
-    u.evaluation_mode                             AS evaluation_mode,
-    u.requested_at                                AS requested_at,
-    u.job_count                                   AS job_count,
-    r.total                                       AS total,
-    r.passed                                      AS passed,
-    r.failed                                      AS failed,
-    r.no_verdict                                  AS no_verdict,
-    r.errors                                      AS errors,
-    r.passed / nullIf(r.passed + r.failed, 0)     AS pass_rate,
-    r.avg_execution_time                          AS avg_execution_time,
-    r.input_tokens                                AS input_tokens,
-    r.output_tokens                               AS output_tokens,
-    r.last_ingested_at                            AS last_ingested_at
-FROM
-(
-    SELECT
-        run_id,
-        count()                                   AS total,
-        countIf(verify_result = true)             AS passed,
-        countIf(verify_result = false)            AS failed,
-        countIf(verify_result IS NULL)            AS no_verdict,
-        countIf(NOT completed_without_errors)     AS errors,
-        avg(execution_time)                       AS avg_execution_time,
-        sum(input_tokens)                         AS input_tokens,
-        sum(output_tokens)                        AS output_tokens,
-        max(ingested_at)                          AS last_ingested_at
-    FROM {db}.verification_results FINAL
-    GROUP BY run_id
-) AS r
-FULL OUTER JOIN
-(
-    SELECT run_id, run_name, benchmark_name, evaluation_mode, requested_at, job_count
-    FROM {db}.runs FINAL
-) AS u ON r.run_id = u.run_id;
+    run_id,
+    answering_model,
+    parsing_model,
+    trait.1                                       AS trait_type,
+    trait.2                                       AS trait_name,
+    count()                                       AS n,
+    avg(trait.3)                                  AS mean_score,
+    stddevSamp(trait.3)                           AS std_score,
+    min(trait.3)                                  AS min_score,
+    quantile(0.5)(trait.3)                        AS median_score,
+    max(trait.3)                                  AS max_score,
+    countIf(trait.3 = 1) / count()                AS share_one
+FROM {db}.verification_results FINAL
+ARRAY JOIN arrayConcat(
+    arrayMap((k, v) -> ('llm', k, v), mapKeys(llm_trait_scores), mapValues(llm_trait_scores)),
+    arrayMap((k, v) -> ('regex', k, v), mapKeys(regex_trait_scores), mapValues(regex_trait_scores)),
+    arrayMap((k, v) -> ('callable', k, v), mapKeys(callable_trait_scores), mapValues(callable_trait_scores)),
+    arrayFlatten(arrayMap((k, m) -> arrayMap((mk, mv) -> ('metric', concat(k, '.', mk), mv), mapKeys(m), mapValues(m)),
+        mapKeys(metric_trait_scores), mapValues(metric_trait_scores)))
+) AS trait
+GROUP BY run_id, answering_model, parsing_model, trait_type, trait_name;
 
--- Stage records are cumulative in the stage events of one result (each event carries the
--- state so far), so each record (result_id, stage, started_at) is counted once and attributed
--- to the first event that carried it (the event its service published).
+-- One row per stage record. Stage records are cumulative in the stage events of one result
+-- (each event carries the state so far), so each record (result_id, stage, started_at) is
+-- counted once and attributed to the first event that carried it (the event its service
+-- published).
+CREATE OR REPLACE VIEW {db}.v_stage_records AS
+SELECT
+    run_id,
+    result_id,
+    rec_stage                                         AS stage,
+    rec_started                                       AS started_at,
+    argMin(event_type, occurred_at)                   AS event_type,
+    argMin(rec_status, occurred_at)                   AS status,
+    greatest(argMin(rec_ended, occurred_at) - rec_started, 0) * 1000 AS duration_ms
+FROM {db}.events FINAL
+ARRAY JOIN
+    stage_names    AS rec_stage,
+    stage_statuses AS rec_status,
+    stage_started  AS rec_started,
+    stage_ended    AS rec_ended
+GROUP BY run_id, result_id, rec_stage, rec_started;
+
+-- Stage latency per run x stage.
+CREATE OR REPLACE VIEW {db}.v_stage_latency_by_stage AS
+SELECT
+    run_id,
+    stage,
+    count()                                       AS n,
+    countIf(status = 'performed')                 AS performed,
+    countIf(status = 'skipped')                   AS skipped,
+    countIf(status = 'failed')                    AS failed,
+    avg(duration_ms)                              AS mean_ms,
+    quantile(0.5)(duration_ms)                    AS p50_ms,
+    quantile(0.9)(duration_ms)                    AS p90_ms,
+    quantile(0.95)(duration_ms)                   AS p95_ms,
+    quantile(0.99)(duration_ms)                   AS p99_ms,
+    max(duration_ms)                              AS max_ms,
+    sum(duration_ms)                              AS total_ms
+FROM {db}.v_stage_records
+GROUP BY run_id, stage;
+
+-- Stage latency per run x event type x stage x status.
 CREATE OR REPLACE VIEW {db}.v_stage_latency AS
 SELECT
     run_id,
@@ -100,24 +196,7 @@ SELECT
     quantile(0.95)(duration_ms)                   AS p95_ms,
     max(duration_ms)                              AS max_ms,
     sum(duration_ms)                              AS total_ms
-FROM
-(
-    SELECT
-        run_id,
-        result_id,
-        rec_stage                                         AS stage,
-        rec_started,
-        argMin(event_type, occurred_at)                   AS event_type,
-        argMin(rec_status, occurred_at)                   AS status,
-        greatest(argMin(rec_ended, occurred_at) - rec_started, 0) * 1000 AS duration_ms
-    FROM {db}.events FINAL
-    ARRAY JOIN
-        stage_names    AS rec_stage,
-        stage_statuses AS rec_status,
-        stage_started  AS rec_started,
-        stage_ended    AS rec_ended
-    GROUP BY run_id, result_id, rec_stage, rec_started
-)
+FROM {db}.v_stage_records
 GROUP BY run_id, event_type, stage, status;
 
 CREATE OR REPLACE VIEW {db}.v_event_counts AS
@@ -150,21 +229,42 @@ ARRAY JOIN
     usage_output_tokens  AS outp
 GROUP BY run_id, model, stage;
 
-CREATE OR REPLACE VIEW {db}.v_trait_scores AS
+-- The first generation's names, over the views above (same columns as before).
+CREATE OR REPLACE VIEW {db}.v_pass_rate_by_model AS
+SELECT run_id, answering_model, parsing_model, results, verified, passed, failed, no_verdict, errors, pass_rate
+FROM {db}.v_model_pass_rate;
+
+CREATE OR REPLACE VIEW {db}.v_pass_rate_by_question AS
+SELECT run_id, question_id, question_text, results, verified, passed, failed, no_verdict, errors, pass_rate
+FROM {db}.v_question_pass_rate;
+
+-- Also lists a run that has no result yet (from `runs`).
+CREATE OR REPLACE VIEW {db}.v_run_summary AS
 SELECT
-    run_id,
-    answering_model,
-    parsing_model,
-    trait.1                                       AS trait_type,
-    trait.2                                       AS trait_name,
-    count()                                       AS n,
-    avg(trait.3)                                  AS mean_score,
-    min(trait.3)                                  AS min_score,
-    max(trait.3)                                  AS max_score
-FROM {db}.verification_results FINAL
-ARRAY JOIN arrayConcat(
-    arrayMap((k, v) -> ('llm', k, v), mapKeys(llm_trait_scores), mapValues(llm_trait_scores)),
-    arrayMap((k, v) -> ('regex', k, v), mapKeys(regex_trait_scores), mapValues(regex_trait_scores)),
-    arrayMap((k, v) -> ('callable', k, v), mapKeys(callable_trait_scores), mapValues(callable_trait_scores))
-) AS trait
-GROUP BY run_id, answering_model, parsing_model, trait_type, trait_name;
+    if(r.run_id != '', r.run_id, u.run_id)        AS run_id,
+    u.run_name                                    AS run_name,
+    u.benchmark_name                              AS benchmark_name,
+    u.evaluation_mode                             AS evaluation_mode,
+    u.requested_at                                AS requested_at,
+    u.job_count                                   AS job_count,
+    r.results                                     AS total,
+    r.passed                                      AS passed,
+    r.failed                                      AS failed,
+    r.no_verdict                                  AS no_verdict,
+    r.errors                                      AS errors,
+    r.passed / nullIf(r.passed + r.failed, 0)     AS pass_rate,
+    r.avg_execution_time                          AS avg_execution_time,
+    r.input_tokens                                AS input_tokens,
+    r.output_tokens                               AS output_tokens,
+    r.last_ingested_at                            AS last_ingested_at
+FROM {db}.v_run_results AS r
+FULL OUTER JOIN
+(
+    SELECT run_id, run_name, benchmark_name, evaluation_mode, requested_at, job_count
+    FROM {db}.runs FINAL
+) AS u ON r.run_id = u.run_id;
+
+CREATE OR REPLACE VIEW {db}.v_trait_scores AS
+SELECT run_id, answering_model, parsing_model, trait_type, trait_name, n, mean_score, min_score, max_score
+FROM {db}.v_trait_stats
+WHERE trait_type != 'metric';
