@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.core import prompts
+from shared.core.config import Settings
 from shared.core.events import Job
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import add_usage, usage_entry
@@ -37,8 +37,8 @@ from shared.runtime.mcp import MCPPool, MCPTool, ToolOutcome
 
 # What the model reads of one tool result, and what the trace (and so the event) keeps of it:
 # events travel over NATS (1 MB default max payload) and land in ClickHouse rows.
-MAX_TOOL_RESULT_CHARS = int(os.environ.get("VERIBUS_MCP_MAX_RESULT_CHARS", "100000"))
-MAX_TRACE_TOOL_CHARS = int(os.environ.get("VERIBUS_MCP_MAX_TRACE_CHARS", "16000"))
+MAX_TOOL_RESULT_CHARS = Settings.from_env().mcp_max_result_chars
+MAX_TRACE_TOOL_CHARS = Settings.from_env().mcp_max_trace_chars
 
 # A tool result "looks like" a failure (reference: suspect_failed_tool_calls). One alternation,
 # compiled once, case-insensitive, on word boundaries so "terror"/"errorless" do not match.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from faststream import AckPolicy, FastStream
@@ -105,8 +104,7 @@ def main() -> None:
     settings = Settings.from_env()
     if not settings.clickhouse_url:
         preload_chdb()
-    batch = int(os.environ.get("VERIBUS_PROJECTOR_BATCH", DEFAULT_BATCH_SIZE))
-    timeout = float(os.environ.get("VERIBUS_PROJECTOR_BATCH_TIMEOUT", DEFAULT_BATCH_TIMEOUT))
+    batch, timeout = settings.projector_batch, settings.projector_batch_timeout
     # FastStream logs every batch / query ("Received", "Processed") at `log_level`: keep them at DEBUG
     app, _ = create_app(settings, batch_size=batch, batch_timeout=timeout, log_level=logging.DEBUG)
     asyncio.run(app.run())

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from shared.core.config import Settings
+
 log = logging.getLogger("veribus.embedding")
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
@@ -150,7 +152,7 @@ def _load_model(name: str) -> Any:
             f"embedding check needs sentence-transformers and torch ({exc}); install the 'embedding' extra"
         ) from exc
     try:
-        torch.set_num_threads(max(1, int(os.environ.get("VERIBUS_EMBEDDING_THREADS", "1"))))
+        torch.set_num_threads(Settings.from_env().embedding_threads)
     except (ValueError, RuntimeError):
         pass
     if name.strip().lower() in _BUNDLED_NAMES:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.core.events import ModelSpec
 
@@ -150,6 +150,28 @@ class Settings(BaseModel):
     consumer_ack_wait_s: float = 120.0
     consumer_max_deliver: int = 5
     llm_cache: bool = True
+    llm_transport: Literal["auto", "litellm", "direct"] = "auto"
+    litellm_lean: bool = True  # skip litellm's per-call logging hooks (see shared.runtime.llm.transport)
+    log_level: str = "INFO"
+    # concurrent handlers per service process (VERIBUS_<SERVICE>_WORKERS)
+    generation_workers: int = Field(default=64, ge=1)
+    guards_workers: int = Field(default=64, ge=1)
+    parsing_workers: int = Field(default=64, ge=1)
+    verification_workers: int = Field(default=64, ge=1)
+    rubric_workers: int = Field(default=64, ge=1)
+    finalization_workers: int = Field(default=64, ge=1)
+    sandbox_workers: int = Field(default=2, ge=1)
+    sandbox_timeout_s: float = Field(default=10.0, gt=0)
+    sandbox_memory_mb: int = Field(default=512, ge=64)
+    sandbox_netns: bool = True  # a private network namespace for sandbox workers where allowed
+    mcp_connect_timeout_s: float = Field(default=30.0, gt=0)
+    mcp_tool_timeout_s: float = Field(default=60.0, gt=0)
+    mcp_max_result_chars: int = Field(default=100_000, ge=1)  # of a tool result, what the model reads
+    mcp_max_trace_chars: int = Field(default=16_000, ge=1)  # of a tool result, what the trace keeps
+    embedding_threads: int = Field(default=1, ge=1)
+    projector_batch: int = Field(default=1000, ge=1)
+    projector_batch_timeout: float = Field(default=0.5, gt=0)
+    search_corpus: Path | None = None  # the built-in "local" search tool's corpus
 
     @property
     def chdb_path(self) -> Path:
@@ -157,9 +179,15 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls) -> Settings:
+        """Settings from the `VERIBUS_<FIELD>` variables; a bad value is refused naming the variable."""
         data: dict[str, Any] = {}
         for name in cls.model_fields:
             val = os.environ.get(f"VERIBUS_{name.upper()}")
             if val is not None and val != "":
                 data[name] = val
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            wrong = "; ".join(f"VERIBUS_{str(e['loc'][0]).upper()}={data.get(str(e['loc'][0]))!r}: {e['msg']}"
+                              for e in exc.errors())
+            raise ValueError(wrong) from None

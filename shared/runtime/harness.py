@@ -189,7 +189,7 @@ class StageService:
         give_up: GiveUp | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register `fn(envelope, payload) -> [envelopes to publish]` for one event type."""
-        workers = max_workers or int(os.environ.get(f"VERIBUS_{self.name.upper()}_WORKERS", "64"))
+        workers = max_workers or int(getattr(self.settings, f"{self.name}_workers", 64))
         max_deliver = self.settings.consumer_max_deliver
         config = ConsumerConfig(
             durable_name=durable or self.name,
@@ -318,7 +318,7 @@ class StageService:
 def run(service: StageService) -> None:
     """Entry point of `python -m services.<name>`."""
     logging.basicConfig(
-        level=os.environ.get("VERIBUS_LOG_LEVEL", "INFO"),
+        level=service.settings.log_level.upper(),
         format=f"%(asctime)s {service.name} %(levelname)s %(message)s",
     )
     logging.getLogger("faststream").setLevel(logging.WARNING)

@@ -35,10 +35,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.core.config import Settings
+
 log = logging.getLogger("veribus.mcp")
 
-DEFAULT_CONNECT_TIMEOUT_S = float(os.environ.get("VERIBUS_MCP_CONNECT_TIMEOUT_S", "30"))
-DEFAULT_CALL_TIMEOUT_S = float(os.environ.get("VERIBUS_MCP_TOOL_TIMEOUT_S", "60"))
+DEFAULT_CONNECT_TIMEOUT_S = Settings.from_env().mcp_connect_timeout_s
+DEFAULT_CALL_TIMEOUT_S = Settings.from_env().mcp_tool_timeout_s
 CLOSE_TIMEOUT_S = 10.0
 MAX_TOOL_PAGES = 100
 TOOL_NAME_MAX = 64  # OpenAI function names: ^[a-zA-Z0-9_-]{1,64}$

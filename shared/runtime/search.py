@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 from rapidfuzz import fuzz, process, utils
 
 from shared.core import prompts
+from shared.core.config import Settings
 from shared.core.events import ModelSpec
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, LLMReply
@@ -180,10 +180,10 @@ class LocalCorpusSearch:
     def _root(self) -> Path:
         if self.path is not None:
             return self.path
-        env = os.environ.get(CORPUS_ENV)
-        if not env:
+        corpus = Settings.from_env().search_corpus
+        if corpus is None:
             raise SearchToolError(f"local search tool: set {CORPUS_ENV} to a corpus directory or file")
-        return Path(env)
+        return corpus
 
     def snippets(self) -> list[str]:
         root = self._root()

@@ -111,7 +111,8 @@ def _isolate() -> str:
     os.environ["TMPDIR"] = scratch
     tempfile.tempdir = scratch
     sys.dont_write_bytecode = True
-    if os.environ.get("VERIBUS_SANDBOX_NETNS", "1") != "0":
+    # Settings.sandbox_netns; read from the environment here: the worker imports as little as it can
+    if os.environ.get("VERIBUS_SANDBOX_NETNS", "1").strip().lower() not in ("0", "false", "no", "off"):
         try:
             ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET; refused when unprivileged
         except Exception:  # noqa: BLE001 - best effort: the audit hook still refuses sockets

@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from shared.core.config import Settings
 from shared.templates.jail import _HDR, BUILTINS, PRELOAD
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository root, for the worker's sys.path
@@ -479,10 +480,11 @@ def get_sandbox() -> Sandbox:
     VERIBUS_SANDBOX_TIMEOUT_S and VERIBUS_SANDBOX_MEMORY_MB (defaults 2, 10.0, 512)."""
     global _default
     if _default is None or _default._closed:
+        settings = Settings.from_env()
         _default = Sandbox(
-            workers=int(os.environ.get("VERIBUS_SANDBOX_WORKERS", "2")),
-            timeout_s=float(os.environ.get("VERIBUS_SANDBOX_TIMEOUT_S", "10.0")),
-            memory_mb=int(os.environ.get("VERIBUS_SANDBOX_MEMORY_MB", "512")),
+            workers=settings.sandbox_workers,
+            timeout_s=settings.sandbox_timeout_s,
+            memory_mb=settings.sandbox_memory_mb,
         )
     return _default
 

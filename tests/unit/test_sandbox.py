@@ -82,10 +82,8 @@ async def test_infinite_loop_is_killed_and_pool_recovers(sandbox: Sandbox) -> No
 
 
 async def test_per_call_timeout_override(sandbox: Sandbox) -> None:
-    t = time.monotonic()
     reply = await sandbox.call("exec", code="import time\ntime.sleep(5)", timeout_s=0.3)
     assert reply["kind"] == "timeout" and "exceeded 0.3 s wall time" in reply["error"]
-    assert time.monotonic() - t < 1.0
     await _serves(sandbox)
 
 
@@ -95,11 +93,10 @@ async def test_per_call_timeout_override(sandbox: Sandbox) -> None:
     ids=["huge-string", "growing-list", "huge-bytearray"],
 )
 async def test_memory_limit(sandbox: Sandbox, code: str) -> None:
-    t = time.monotonic()
-    reply = await sandbox.call("exec", code=code)
+    # a wall-time limit far away: on a loaded machine the cap, not the clock, must be what stops it
+    reply = await sandbox.call("exec", code=code, timeout_s=120.0)
     assert reply["ok"] is False and reply["kind"] == "memory"
     assert reply["error"] == f"memory limit {MEMORY_MB} MB exceeded"
-    assert time.monotonic() - t < TIMEOUT_S  # the cap stops it long before the wall clock
     await _serves(sandbox)
 
 
@@ -194,11 +191,9 @@ async def test_cpu_limit_backstop() -> None:
     """RLIMIT_CPU kills a busy worker even when the wall-time limit is generous."""
     sb = Sandbox(workers=1, timeout_s=10.0, memory_mb=MEMORY_MB, cpu_s=1)
     try:
-        t = time.monotonic()
         reply = await sb.call("exec", code="while True:\n    pass\n")
         assert reply["ok"] is False and reply["kind"] == "cpu"
         assert reply["error"] == "code exceeded the CPU time limit (1 s)"
-        assert time.monotonic() - t < 5.0
         assert (await sb.call("exec", code="result = 1"))["value"] == 1
     finally:
         await sb.close()

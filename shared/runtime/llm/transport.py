@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from shared.core.config import Settings
 from shared.core.events import ModelSpec
 from shared.runtime.llm.reply import DUMMY_KEY
 
@@ -38,7 +39,7 @@ def _get_litellm() -> Any:
         litellm.suppress_debug_info = True
         litellm.turn_off_message_logging = True
         logging.getLogger("LiteLLM").setLevel(logging.WARNING)
-        if os.environ.get("VERIBUS_LITELLM_LEAN", "1") != "0":
+        if Settings.from_env().litellm_lean:
             _install_lean_hooks(litellm)
         _litellm = litellm
     return _litellm
@@ -173,9 +174,7 @@ def transport_for(model: ModelSpec) -> str:
     `openai/<name>` model at an explicit `api_base` is an OpenAI-compatible server (vLLM, Ollama,
     the simulator), where litellm has nothing to translate and costs ~6 ms CPU per call, so the
     request goes straight to `<api_base>/chat/completions`; every other model goes through litellm."""
-    choice = os.environ.get("VERIBUS_LLM_TRANSPORT", "auto").lower()
-    if choice not in TRANSPORTS:
-        raise ValueError(f"VERIBUS_LLM_TRANSPORT must be one of {TRANSPORTS}, got {choice!r}")
+    choice = Settings.from_env().llm_transport  # refused with the variable's name when not one of TRANSPORTS
     if choice == "litellm":
         return "litellm"
     direct_ok = bool(model.api_base) and model.model_name.startswith("openai/")
