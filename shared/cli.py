@@ -109,6 +109,12 @@ def cmd_query(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from shared.view import serve
+
+    return serve(_settings(), host=args.host, port=args.port, open_browser=args.open)
+
+
 def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa: ANN202
     from shared.config import VerificationConfig
 
@@ -378,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_query)
 
     cli_analysis.register(sub)  # results, export, report, compare
+    v = sub.add_parser("view", help="browse runs, results and comparisons in a local web app")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    v.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
+    v.add_argument("--open", action="store_true", help="open the page in a web browser")
+    v.set_defaults(fn=cmd_view)
     from shared import cli_lifecycle
 
     cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
