@@ -144,9 +144,10 @@ async def compare_handler(request: web.Request) -> web.Response:
             form["run_b"] = run_b if form["run_b"] else ""
             models = sorted(set((await queries.run_header(src, run_a))["models"])
                             | (set((await queries.run_header(src, run_b))["models"]) if run_b != run_a else set()))
-            if run_a == run_b and not (form["a"] and form["b"]):
+            one_run = not form["run_b"]
+            if one_run and not (form["a"] and form["b"]):
                 problem = "two models of one run: choose model A and model B (or choose a second run)"
-            elif run_a == run_b and form["a"] == form["b"]:
+            elif one_run and form["a"] == form["b"]:
                 problem = "model A and model B are the same model of the same run: nothing to compare"
             else:
                 result = await queries.compare(src, queries.Side(run_a, form["a"]), queries.Side(run_b, form["b"]), f)
