@@ -262,14 +262,14 @@ def svg_question_heatmap(questions: Sequence[tuple[str, str]], models: Sequence[
                          cells: Mapping[tuple[str, str], tuple[int, int]], title: str) -> str:
     """Question x answering model grid coloured by pass rate: one row per question, labelled
     with the question's text (its id in the tooltip), one column per model."""
-    label_w, top, row_h, col_w = 430, 40 + 12 * min(6, max((len(m) for m in models), default=0) // 8), 18, 86
+    label_w, top, row_h, col_w = 430, 40, 18, 120
     w = label_w + col_w * max(1, len(models)) + 20
     h = top + row_h * len(questions) + 44
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" aria-label="{_esc(title)}">',
            f'<text x="8" y="20" class="t">{_esc(title)}</text>']
     for j, m in enumerate(models):
         x = label_w + j * col_w + col_w / 2
-        out.append(f'<text x="{x}" y="{top - 6}" class="ax" text-anchor="middle">{_esc(_short(m, 16))}'
+        out.append(f'<text x="{x}" y="{top - 6}" class="ax" text-anchor="middle">{_esc(_short(m.split(":", 1)[-1], 20))}'
                    f'<title>{_esc(m)}</title></text>')
     for i, (qid, text) in enumerate(questions):
         y = top + i * row_h

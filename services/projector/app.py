@@ -25,10 +25,12 @@ from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, DeliverPolicy, JStream, NatsBroker, PullSub
 from nats.js.api import AckPolicy as JsAckPolicy
 
+from shared import observability
 from shared.bus import connect as bus_connect
 from shared.bus import connect_options, ensure_stream
 from shared.config import Settings
 from shared.events import QUERY_SUBJECT, STREAM, decode
+from shared.observability import METRICS
 from shared.service import broker_auth_kwargs
 from shared.store import (
     PROJECTION_FAILED,
@@ -218,7 +220,9 @@ def create_app(
         decoder=lambda msg: msg.raw_message,  # raw nats Msgs: no JSON decode by FastStream
     )
     async def on_events(msgs: list[Any]) -> None:
-        ack, nak = await projector.handle_batch(msgs)
+        with METRICS.handling("projector", "vb.>", 1) as m:
+            ack, nak = await projector.handle_batch(msgs)
+            m["outcome"] = "failed" if nak else "handled"
         for m in ack:
             await m.ack()
         for m in nak:
@@ -239,10 +243,20 @@ def create_app(
         finally:
             await nc.close()
 
+    observer: list[Any] = []
+
     @app.after_startup
     async def _limits() -> None:
         conn = getattr(broker, "_connection", None)
         projector.max_reply_bytes = int(getattr(conn, "max_payload", 0) or DEFAULT_MAX_REPLY) - 1024
+        observer.append(await observability.start("projector", observability.broker_not_ready(broker, lambda: True),
+                                                  lambda: broker._connection.jetstream(), [DURABLE]))
+
+    @app.on_shutdown
+    async def _stop_observer() -> None:
+        for runner in observer:
+            if runner is not None:
+                await runner.cleanup()
 
     @app.after_shutdown
     async def _close() -> None:
@@ -254,7 +268,7 @@ def create_app(
 
 def main() -> None:
     """Entry point of `python -m services.projector` (settings from VERIBUS_* env vars)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    observability.configure_logging("projector")
     settings = Settings.from_env()
     if not settings.clickhouse_url:
         preload_chdb()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -189,10 +190,18 @@ def _kpis(h: Mapping[str, Any]) -> str:
                                           for k, v in items) + "</div>"
 
 
+_SVG_SIZE = re.compile(r'^<svg xmlns="http://www.w3.org/2000/svg" width="([\d.]+)" height="([\d.]+)"')
+
+
+def _fit(svg: str) -> str:
+    """An SVG that scales down to its box (a viewBox from its width and height)."""
+    return _SVG_SIZE.sub(lambda m: f'{m.group(0)} viewBox="0 0 {m.group(1)} {m.group(2)}"', svg, count=1)
+
+
 def _rates_section(rows: Sequence[Mapping[str, Any]], what: str, run_id: str, f: Filters, key: str) -> str:
     if not rows:
         return "<p class='muted'>No results match.</p>"
-    chart = svg_rate_bars([(r["name"], r["rate"]) for r in rows], f"Pass rate per {what} with Wilson 95% intervals") \
+    chart = _fit(svg_rate_bars([(r["name"], r["rate"]) for r in rows], f"Pass rate per {what} with Wilson 95% intervals")) \
         if any(r["rate"].n for r in rows) else "<p class='muted'>No template verdicts.</p>"
     table = _table([what, "results", "errors", "verdicts", "passed", "pass rate", "95% CI"],
                    [(_a(run_url(run_id, f.with_(**{key: r["name"]})), r["name"]), r["results"], r["errors"],
@@ -361,8 +370,10 @@ def run_page(h: Mapping[str, Any], f: Filters, *, models: Sequence[Mapping[str, 
     body = [
         f"<h1>{_e(title)}{sim}</h1>", meta, _filter_form(run_url(run_id), f, h), note,
         "<div id='live'>", _kpis(h),
-        "<h2 id='rates'>Pass rate per answering model</h2>", _rates_section(models, "answering model", run_id, f, "model"),
-        "<h2 id='judges'>Pass rate per judge</h2>", _rates_section(judges, "judge", run_id, f, "judge"),
+        "<div class='cols'><section><h2 id='rates'>Pass rate per answering model</h2>",
+        _rates_section(models, "answering model", run_id, f, "model"),
+        "</section><section><h2 id='judges'>Pass rate per judge</h2>", _rates_section(judges, "judge", run_id, f, "judge"),
+        "</section></div>",
         "<h2 id='heat'>Questions × models</h2>", _heatmap_section(heat, run_id, f, hpage),
         "<h2 id='errs'>Errors by stage and type</h2>", _errors_section(err, run_id, f),
         "<h2 id='rubric'>Rubric traits</h2>", _traits_section(traits),

@@ -148,9 +148,11 @@ def _rows(st: ViewStack, sql: str, **params: object) -> list[tuple]:
 
 
 def _shot(pg: object, name: str) -> None:
+    """A full-page screenshot, and one of the first screen (what the README shows)."""
     path = ARTIFACTS / f"{name}.png"
     pg.screenshot(path=str(path), full_page=True)  # type: ignore[attr-defined]
     assert path.stat().st_size > 20_000
+    pg.screenshot(path=str(ARTIFACTS / f"{name}-screen.png"))  # type: ignore[attr-defined]
 
 
 def test_runs_run_sample_compare(page: object, view_stack: ViewStack) -> None:
