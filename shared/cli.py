@@ -50,7 +50,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings()
     sim_args = _simulator_args(args)
     state = stack.up(settings, replicas=_parse_replicas(args.replicas), simulator=not args.no_simulator,
-                     simulator_args=sim_args)
+                     simulator_args=sim_args,
+                     extra_env={"VERIBUS_LOG_FORMAT": args.log_format} if args.log_format else None)
     print(f"stack up: nats {state.nats_url}" + (f", simulator {state.simulator_url}" if state.simulator_url else ""))
     for p in state.procs:
         print(f"  {p.name:<16} pid {p.pid}")
@@ -85,6 +86,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"stack: running (nats {st['nats_url']}, home {st['home']})")
         for p in st["procs"]:
             extra = f" rss {p.get('rss_mb')} MB cpu {p.get('cpu_s')} s" if p["alive"] else ""
+            if p.get("metrics_port"):
+                extra += f" metrics http://127.0.0.1:{p['metrics_port']}/metrics"
             print(f"  {p['name']:<16} pid {p['pid']:<8} {'up' if p['alive'] else 'DOWN'}{extra}")
     if args.run:
         from shared.query import run_query
@@ -342,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-simulator", action="store_true", help="do not start the LLM simulator")
     up.add_argument("--sim-latency-ms", type=float, help="simulator latency per call")
     up.add_argument("--sim-error-rate", type=float, help="simulator injected error rate")
+    up.add_argument("--log-format", choices=["text", "json"], help="service log lines: text (default) or JSON")
     up.set_defaults(fn=cmd_up)
 
     down = sub.add_parser("down", help="stop the local stack")
