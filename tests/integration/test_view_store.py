@@ -216,3 +216,22 @@ async def test_a_foreign_host_header_is_refused(seeded: Store) -> None:
         assert resp.status == 421 and "evil.example" in await resp.text()
         resp = await c.get("/", headers={"Host": "localhost:1"})
         assert resp.status == 200
+
+
+async def test_runs_page_lists_searches_and_serves_json(client: TestClient) -> None:
+    page = await _get(client, "/")
+    for run in (RUN_A, RUN_EVIL, RUN_BIG):
+        assert run in page
+    assert "grid-bench" in page and "model-a, model-b" in page  # benchmark and models from the run's config
+    found = await _get(client, "/?q=evil0001")
+    assert RUN_EVIL in found and RUN_A not in found and RUN_BIG not in found
+    assert "No runs in the store." in await _get(client, "/?q=no-such-run-anywhere")
+    resp = await client.get("/api/runs")
+    data = await resp.json()
+    by_id = {r["run_id"]: r for r in data["runs"]}
+    grid = grid_results()
+    verdicts = [r for r in grid if r.template.verify_result is not None]
+    assert by_id[RUN_A]["done"] == len(grid) and by_id[RUN_A]["jobs"] == 36
+    assert by_id[RUN_A]["verdicts"] == len(verdicts)
+    assert by_id[RUN_A]["pass_rate"] == sum(1 for r in verdicts if r.template.verify_result) / len(verdicts)
+    assert by_id[RUN_A]["state"] == "finished" and by_id[RUN_BIG]["state"] == "finished"
