@@ -7,6 +7,7 @@ Uses the analysis tests' chdb folder and grid run (one chdb folder per process).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -15,11 +16,15 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from shared.config import Settings
 from shared.models import VerificationResult
+from shared.query import QueryError
 from shared.stats import Proportion, compare_models
 from shared.store import QueryResult, Store, result_to_row
 from shared.view import build_app
 from shared.view.queries import PAGE_SIZE
+from shared.view.source import ViewSource
+from tests.conftest import NatsServer
 from tests.integration.test_analysis_store import RUN_A, analysis_folder, settings, store  # noqa: F401 - fixtures
 from tests.unit.test_results import grid_results, make
 
@@ -235,3 +240,29 @@ async def test_runs_page_lists_searches_and_serves_json(client: TestClient) -> N
     assert by_id[RUN_A]["verdicts"] == len(verdicts)
     assert by_id[RUN_A]["pass_rate"] == sum(1 for r in verdicts if r.template.verify_result) / len(verdicts)
     assert by_id[RUN_A]["state"] == "finished" and by_id[RUN_BIG]["state"] == "finished"
+
+
+async def test_without_a_stack_the_viewer_reads_the_folder_and_lets_it_go(settings: Settings, seeded: Store,  # noqa: F811
+                                                                          nats_server: NatsServer) -> None:
+    """No projector (first no NATS at all, then a NATS server with nobody on the query subject):
+    the viewer opens the chdb folder itself, refuses writes, and closes the folder when idle so a
+    stack started later can take it."""
+    for url in (settings.nats_url, nats_server.url):
+        src = ViewSource(settings.model_copy(update={"nats_url": url}))
+        try:
+            res = await src.query("SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}",
+                                  {"r": RUN_A})
+            assert res.rows[0][0] == len(grid_results())
+            assert src._store is not None
+            with pytest.raises(QueryError, match="refused"):
+                await src.query("INSERT INTO runs (run_id) VALUES ('x')")
+            deadline = asyncio.get_running_loop().time() + 60
+            while src._store is not None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.5)
+            assert src._store is None, "the chdb folder was not released after the idle time"
+            assert (await src.query("SELECT 1")).rows == [(1,)]  # reopened on demand
+            bus = await src.bus_status()
+            assert bus is None or bus["consumers"] == []  # no stream yet on a bare server
+        finally:
+            await src.close()
+        assert src._store is None
