@@ -59,8 +59,10 @@ def run_url(run_id: str, f: Filters | None = None, anchor: str = "", **extra: An
     return f"/run/{quote(run_id, safe='')}" + (f"?{qs}" if qs else "") + (f"#{anchor}" if anchor else "")
 
 
-def sample_url(run_id: str, result_id: str) -> str:
-    return f"/run/{quote(run_id, safe='')}/sample/{quote(result_id, safe='')}"
+def sample_url(run_id: str, result_id: str, f: Filters | None = None) -> str:
+    """A sample; with filters, its previous / next links walk the filtered results list."""
+    qs = f.query_string() if f is not None else ""
+    return f"/run/{quote(run_id, safe='')}/sample/{quote(result_id, safe='')}" + (f"?{qs}" if qs else "")
 
 
 def compare_url(**params: Any) -> str:
@@ -332,7 +334,7 @@ def _latency_section(lat: Sequence[Mapping[str, Any]], tokens: Sequence[Mapping[
 
 
 def _samples_section(s: Mapping[str, Any], run_id: str, f: Filters, page_no: int) -> str:
-    rows = [(_a(sample_url(run_id, r["result_id"]), _short(r["question_text"] or r["question_id"], 70), "sample-link"),
+    rows = [(_a(sample_url(run_id, r["result_id"], f), _short(r["question_text"] or r["question_id"], 70), "sample-link"),
              r["answering_model"], r["parsing_model"], r["replicate"],
              _verdict(r["verify_result"], r["completed_without_errors"]),
              Raw(f"<span class='sub'>{_e(_short(r['error'] or r['response'], 110))}</span>"),
@@ -476,7 +478,7 @@ def _timeline(stages: Sequence[Mapping[str, Any]]) -> str:
     return f"<div class='timeline' id='timeline'>{''.join(bars)}</div>"
 
 
-def sample_page(run_id: str, s: Mapping[str, Any]) -> str:
+def sample_page(run_id: str, s: Mapping[str, Any], f: Filters | None = None) -> str:
     res = s["result"]
     m = res.get("metadata") or {}
     t = res.get("template") or {}
@@ -493,8 +495,16 @@ def sample_page(run_id: str, s: Mapping[str, Any]) -> str:
     usage_rows = [(k, v.get("model", "") if isinstance(v, dict) else "", v.get("input_tokens") if isinstance(v, dict) else "",
                    v.get("output_tokens") if isinstance(v, dict) else "") for k, v in usage.items()]
     siblings = " ".join(str(_a(sample_url(run_id, r), f"#{i + 1}")) for i, r in enumerate(s["siblings"]))
+    f = f or Filters()
+    walk = []
+    if s.get("prev"):
+        walk.append(str(_a(sample_url(run_id, s["prev"], f), "← previous", "prev")))
+    if s.get("next"):
+        walk.append(str(_a(sample_url(run_id, s["next"], f), "next →", "next")))
+    scope = " (filtered)" if f.active() else ""
     body = [
-        f"<p class='crumbs'>{_a('/', 'Runs')} › {_a(run_url(run_id), run_id)} › sample</p>",
+        f"<p class='crumbs'>{_a('/', 'Runs')} › {_a(run_url(run_id, f, anchor='samples'), run_id)} › sample"
+        f"{' · ' + ' '.join(walk) + f' <span class=muted>in the results list{scope}</span>' if walk else ''}</p>",
         f"<h1 id='question'>{_e(title)}{sim} {verdict}</h1>", err,
         _kv([("question id", m.get("question_id")), ("result id", m.get("result_id")), ("answering model", am),
              ("judge", pm), ("replicate", m.get("replicate")), ("mode", m.get("evaluation_mode")),

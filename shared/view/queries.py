@@ -302,7 +302,7 @@ async def samples(src: AsyncSource, run_id: str, f: Filters, page: int = 0,
     p = {"r": run_id, **params}
     res = await src.query(
         f"SELECT {SAMPLE_COLUMNS} FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond} "
-        f"ORDER BY question_id, answering_model, parsing_model, replicate, result_id "
+        f"ORDER BY question_id, answering_model, parsing_model, ifNull(replicate, 0), result_id "
         f"LIMIT {int(page_size)} OFFSET {int(page) * int(page_size)}", p)
     total = (await src.query(f"SELECT count() FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond}",
                              p)).rows[0][0]
@@ -312,6 +312,25 @@ async def samples(src: AsyncSource, run_id: str, f: Filters, page: int = 0,
 # --------------------------------------------------------------------------------------------
 # One sample
 # --------------------------------------------------------------------------------------------
+
+
+SAMPLE_ORDER = "(question_id, answering_model, parsing_model, ifNull(replicate, 0), result_id)"
+
+
+async def neighbours(src: AsyncSource, run_id: str, result_id: str, f: Filters) -> tuple[str | None, str | None]:
+    """The results before and after this one in the run page's (filtered) results order."""
+    cond, params = f.sql()
+    p = {"r": run_id, "id": result_id, **params}
+    me = (f"(SELECT {SAMPLE_ORDER} FROM verification_results FINAL WHERE run_id = {{r:String}} "
+          f"AND result_id = {{id:String}} LIMIT 1)")
+    out: list[str | None] = []
+    for op, direction in (("<", "DESC"), (">", "ASC")):
+        res = await src.query(
+            f"SELECT result_id FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond} "
+            f"AND {SAMPLE_ORDER} {op} {me} ORDER BY question_id {direction}, answering_model {direction}, "
+            f"parsing_model {direction}, ifNull(replicate, 0) {direction}, result_id {direction} LIMIT 1", p)
+        out.append(str(res.rows[0][0]) if res.rows else None)
+    return out[0], out[1]
 
 
 async def sample(src: AsyncSource, run_id: str, result_id: str) -> dict[str, Any] | None:

@@ -115,12 +115,14 @@ async def run_handler(request: web.Request) -> web.Response:
 
 async def sample_handler(request: web.Request) -> web.Response:
     src = request.app[SOURCE]
+    f = Filters.from_query(request.query)
     run_id = await _run_id(src, request.match_info["run_id"])
     result_id = request.match_info["result_id"]
     s = await queries.sample(src, run_id, result_id)
     if s is None:
         raise web.HTTPNotFound(text=f"run {run_id} has no result {result_id!r}")
-    return _html(pages.sample_page(run_id, s))
+    s["prev"], s["next"] = await queries.neighbours(src, run_id, result_id, f)
+    return _html(pages.sample_page(run_id, s, f))
 
 
 async def compare_handler(request: web.Request) -> web.Response:

@@ -266,3 +266,19 @@ async def test_without_a_stack_the_viewer_reads_the_folder_and_lets_it_go(settin
         finally:
             await src.close()
         assert src._store is None
+
+
+async def test_previous_and_next_walk_the_filtered_results_in_order(client: TestClient) -> None:
+    page = await _get(client, f"/run/{RUN_A}?model=model-a&status=passed")
+    listed = re.findall(r'/sample/([0-9a-f]+)\?model=model-a&amp;status=passed" class="sample-link"', page)
+    assert len(listed) == _count(page) > 2
+    walked, url = [], f"/run/{RUN_A}/sample/{listed[0]}?model=model-a&status=passed"
+    while url:
+        sample = await _get(client, url)
+        walked.append(url.split("/sample/")[1].split("?")[0])
+        nxt = re.search(r'<a href="([^"]+)" class="next">', sample)
+        url = nxt.group(1).replace("&amp;", "&") if nxt else ""
+        assert len(walked) <= len(listed)
+    assert walked == listed
+    last = await _get(client, f"/run/{RUN_A}/sample/{listed[-1]}?model=model-a&status=passed")
+    assert 'class="next"' not in last and f'/sample/{listed[-2]}?model=model-a&amp;status=passed" class="prev"' in last
