@@ -219,7 +219,7 @@ def test_runs_run_sample_compare(page: object, view_stack: ViewStack) -> None:
     # ---- sample ----
     with pg.expect_navigation():
         pg.locator("#samples-table a.sample-link").first.click()
-    rid = pg.url.rsplit("/", 1)[-1]
+    rid = pg.url.split("?")[0].rsplit("/", 1)[-1]
     (qtext, response, verdict, gt), = _rows(
         st, "SELECT question_text, raw_llm_response, verify_result, JSONExtractString(result_json, 'metadata', "
             "'raw_answer') FROM verification_results FINAL WHERE run_id = {r:String} AND result_id = {id:String}",
@@ -233,7 +233,12 @@ def test_runs_run_sample_compare(page: object, view_stack: ViewStack) -> None:
     timeline = pg.inner_text("#timeline")
     assert "generate_answer" in timeline and "parse_template" in timeline and "rubric_evaluation" in timeline
     assert "result.finalized" in pg.inner_text("#events")
+    assert pg.locator("a.next").count() == 1  # the other Galilean result, in the filtered list
     _shot(pg, "3-sample")
+    with pg.expect_navigation():
+        pg.click("a.next")
+    assert "q=Galilean" in pg.url and pg.locator("a.prev").count() == 1 and pg.locator("a.next").count() == 0
+    assert "Galilean" in pg.inner_text("#question")
 
     # an errored sample, reached from the run's errors section
     pg.goto(f"{st.url}run/{changed}")
