@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.stack import free_port
+from shared.control.stack import free_port
 from tests.conftest import REPO, NatsServer
 
 

@@ -16,14 +16,15 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from shared.config import Settings
-from shared.models import VerificationResult
-from shared.query import QueryError
-from shared.stats import Proportion, compare_models
-from shared.store import QueryResult, Store, result_to_row
-from shared.view import build_app
-from shared.view.queries import PAGE_SIZE
-from shared.view.source import ViewSource
+from shared.analysis.stats import Proportion, compare_models
+from shared.cli.view import build_app
+from shared.cli.view.queries import PAGE_SIZE
+from shared.cli.view.source import ViewSource
+from shared.core.config import Settings
+from shared.core.models import VerificationResult
+from shared.store.engine import QueryResult, Store
+from shared.store.reads import QueryError
+from shared.store.rows import result_to_row
 from tests.conftest import NatsServer
 from tests.integration.test_analysis_store import RUN_A, analysis_folder, settings, store  # noqa: F401 - fixtures
 from tests.unit.test_results import grid_results, make

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from shared.html_report import RunData, error_groups, render_html
+from shared.analysis.html_report import RunData, error_groups, render_html
 from tests.unit.test_results import grid_results, make
 
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from shared.observability import JsonFormatter, Metrics, configure_logging, metrics_port
+from shared.runtime.observability import JsonFormatter, Metrics, configure_logging, metrics_port
 
 
 def test_histogram_is_cumulative_and_labels_are_escaped() -> None:

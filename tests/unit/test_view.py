@@ -8,10 +8,10 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from shared.stats import Proportion
-from shared.view import pages
-from shared.view.filters import FilterError, Filters
-from shared.view.queries import run_state
+from shared.analysis.stats import Proportion
+from shared.cli.view import pages
+from shared.cli.view.filters import FilterError, Filters
+from shared.cli.view.queries import run_state
 from tests.unit.test_results import make
 
 
