@@ -425,8 +425,6 @@ def section_appendix(results: Sequence[VerificationResult]) -> str:
 
 
 def _json(v: Any) -> str:
-    import json
-
     return json.dumps(v, ensure_ascii=False, default=str)
 
 

@@ -117,7 +117,7 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from shared.cli.view import serve
+    from shared.cli.view import serve  # aiohttp: only `veribus view` serves HTTP
 
     return serve(_settings(), host=args.host, port=args.port, open_browser=args.open)
 

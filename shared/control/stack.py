@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,9 +121,6 @@ def running_stack(settings: Settings) -> StackState | None:
 
 def readyz(port: int, timeout: float = 1.0) -> bool:
     """GET /readyz on a service's metrics port: True on 200."""
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=timeout) as resp:  # noqa: S310
             return resp.status == 200

@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from shared.core.events import STREAM
+
 log = logging.getLogger("veribus.observability")
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -153,7 +155,7 @@ def metrics_port(service: str) -> int | None:
 async def serve(service: str, port: int, ready: ReadyCheck, lag: LagProbe | None = None,
                 host: str | None = None) -> tuple[Any, int]:
     """Start the endpoints on the running loop; returns (runner, bound port)."""
-    from aiohttp import web
+    from aiohttp import web  # aiohttp: only a process with a metrics port serves HTTP
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -198,8 +200,6 @@ async def start(name: str, not_ready: ReadyCheck, js: Callable[[], Any], durable
         return None
 
     async def lag() -> list[tuple[str, int, int]]:
-        from shared.core.events import STREAM
-
         out = []
         for durable in durables:
             info = await js().consumer_info(STREAM, durable)

@@ -19,6 +19,9 @@ import time
 from typing import Any
 
 import msgspec
+import nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT, STREAM
@@ -73,8 +76,6 @@ class ViewSource:
             return self._nc
         if not server_reachable(self.settings.nats_url):
             return None
-        import nats
-
         opts = connect_options(self.settings)
         opts.update(name="veribus-view", connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=1)
         try:
@@ -84,9 +85,6 @@ class ViewSource:
         return self._nc
 
     async def _via_nats(self, nc: Any, sql: str, params: dict[str, Any] | None) -> QueryResult | None:
-        from nats.errors import NoRespondersError
-        from nats.errors import TimeoutError as NatsTimeout
-
         body = _enc.encode({"sql": sql, "params": params or None})
         try:
             msg = await nc.request(QUERY_SUBJECT, body, timeout=self.timeout)
