@@ -92,6 +92,9 @@ class ViewSource:
             return None  # a bus without a projector: the folder is free
         except (TimeoutError, NatsTimeout) as exc:
             raise QueryError(f"the projector did not answer within {self.timeout:g} s") from exc
+        except Exception as exc:  # the connection dropped: reconnect on the next query
+            self._nc = None
+            raise QueryError(f"NATS request to the projector failed: {type(exc).__name__}: {exc}") from exc
         reply = _dec.decode(msg.data)
         if reply.error is not None:
             raise QueryError(reply.error)
