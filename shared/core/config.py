@@ -153,6 +153,17 @@ class Settings(BaseModel):
     llm_transport: Literal["auto", "litellm", "direct"] = "auto"
     litellm_lean: bool = True  # skip litellm's per-call logging hooks (see shared.runtime.llm.transport)
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = "text"
+    # /healthz /readyz /metrics of a service process (VERIBUS_<SERVICE>_METRICS_PORT wins)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    generation_metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    guards_metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    parsing_metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    verification_metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    rubric_metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    finalization_metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    projector_metrics_port: int | None = Field(default=None, ge=0, le=65535)
     # concurrent handlers per service process (VERIBUS_<SERVICE>_WORKERS)
     generation_workers: int = Field(default=64, ge=1)
     guards_workers: int = Field(default=64, ge=1)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 from collections import defaultdict
@@ -29,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from shared.core.config import Settings
 from shared.core.events import STREAM
 
 log = logging.getLogger("veribus.observability")
@@ -144,12 +144,10 @@ LagProbe = Callable[[], Awaitable[list[tuple[str, int, int]]]]  # (consumer, pen
 
 
 def metrics_port(service: str) -> int | None:
-    raw = os.environ.get(f"VERIBUS_{service.upper()}_METRICS_PORT") or os.environ.get("VERIBUS_METRICS_PORT")
-    if raw is None or raw == "":
-        return None
-    if not raw.isdigit() or int(raw) > 65535:
-        raise ValueError(f"VERIBUS_METRICS_PORT: {raw!r} is not a port number (0-65535)")
-    return int(raw)
+    """The service's own port setting, else the shared one (a bad value is refused by name)."""
+    settings = Settings.from_env()
+    own = getattr(settings, f"{service}_metrics_port", None)
+    return own if own is not None else settings.metrics_port
 
 
 async def serve(service: str, port: int, ready: ReadyCheck, lag: LagProbe | None = None,
@@ -185,7 +183,7 @@ async def serve(service: str, port: int, ready: ReadyCheck, lag: LagProbe | None
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host or os.environ.get("VERIBUS_METRICS_HOST", "127.0.0.1"), port)
+    site = web.TCPSite(runner, host or Settings.from_env().metrics_host, port)
     await site.start()
     bound = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     log.info("%s: /healthz /readyz /metrics on port %d", service, bound)
@@ -252,7 +250,8 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(service: str, fmt: str | None = None, level: str | None = None) -> None:
     """`VERIBUS_LOG_FORMAT` = text (default) or json."""
-    fmt = (fmt or os.environ.get("VERIBUS_LOG_FORMAT") or "text").lower()
+    settings = Settings.from_env() if fmt is None or level is None else None
+    fmt = (fmt or (settings.log_format if settings else "text")).lower()
     if fmt not in ("text", "json"):
         raise ValueError(f"VERIBUS_LOG_FORMAT: {fmt!r} is not 'text' or 'json'")
     handler = logging.StreamHandler()
@@ -262,4 +261,4 @@ def configure_logging(service: str, fmt: str | None = None, level: str | None = 
         handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level or os.environ.get("VERIBUS_LOG_LEVEL", "INFO"))
+    root.setLevel((level or (settings.log_level if settings else "INFO")).upper())

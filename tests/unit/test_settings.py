@@ -47,6 +47,8 @@ def test_every_settings_field_is_in_the_readme_table() -> None:
         var = f"VERIBUS_{field.upper()}"
         if field.endswith("_workers") and field.removesuffix("_workers") in SERVICES:
             return "`VERIBUS_<SERVICE>_WORKERS`" in table
+        if field.endswith("_metrics_port") and field.removesuffix("_metrics_port") in SERVICES:
+            return "`VERIBUS_<SERVICE>_METRICS_PORT`" in table
         return f"`{var}`" in table
 
     missing = [f"VERIBUS_{f.upper()}" for f in Settings.model_fields if not documented(f)]
