@@ -129,8 +129,7 @@ def public_config(config: VerificationConfig) -> dict:
 
 async def submit(settings: Settings, plan: RunPlan) -> int:
     """Publish the run and its answer requests; returns how many requests were new."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
         producer = "cli/0.1.0"
@@ -139,8 +138,6 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
         envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, r.jobs[0].answer_id, r, producer)
                 for r in plan.requests]
         return await bus.publish_many(js, envs)
-    finally:
-        await nc.close()
 
 
 @dataclass
@@ -164,11 +161,9 @@ async def collect(
     results: dict[str, VerificationResult] = {}
     dead: list[events.DeadLetter] = []
     dead_ids: set[str] = set()
-    nc = await bus.connect(settings)
     done = asyncio.Event()
-    try:
+    async with bus.session(settings, ensure=True) as nc:
         js = nc.jetstream()
-        await bus.ensure_stream(js)
 
         async def on_msg(msg) -> None:  # noqa: ANN001
             env = events.decode(msg.data)
@@ -199,6 +194,4 @@ async def collect(
             timed_out = True
         for s in subs:
             await s.unsubscribe()
-    finally:
-        await nc.close()
     return RunOutcome(results, dead, time.monotonic() - start, timed_out)

@@ -25,8 +25,7 @@ async def wait_for_results(
     ids = set(result_ids or ())
     base = baseline or {}
     want = len(ids) if ids else int(count or 0)
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         deadline = time.monotonic() + timeout
         done = 0
@@ -49,15 +48,10 @@ async def wait_for_results(
             if time.monotonic() > deadline:
                 return done, True
             await asyncio.sleep(poll_s)
-    finally:
-        await nc.close()
 
 
 async def finalized_counts(settings: Settings, run_id: str) -> dict[str, int]:
     """result_id -> number of result.finalized messages in the stream (1 when exactly once)."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         counts = await subject_counts(nc.jetstream(), events.subject(events.RESULT_FINALIZED, run_id, "*"))
-    finally:
-        await nc.close()
     return {s.rsplit(".", 1)[-1]: n for s, n in counts.items()}
