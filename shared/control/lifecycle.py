@@ -27,7 +27,7 @@ from shared.core.config import Settings, VerificationConfig
 from shared.core.ids import answer_id_for, compute_result_id, event_id_for, template_id_for
 from shared.core.models import VerificationResult
 from shared.runtime import bus
-from shared.runtime.runcontrol import STOP_ERROR_TYPES, RunControlPayload
+from shared.runtime.runcontrol import STOP_ERROR_TYPES
 from shared.templates.calls import compile_check
 
 PRODUCER = "cli/0.1.0"
@@ -48,12 +48,12 @@ async def cancel(settings: Settings, run_id: str, reason: str = "") -> CancelOut
         js = nc.jetstream()
         await bus.ensure_stream(js)
         run = await run_event(js, run_id)
-        await publish_control(js, run_id, RunControlPayload(cancelled=True, reason=reason, at=time.time()))
+        await publish_control(js, run_id, events.RunControlChange(cancelled=True, reason=reason, at=time.time()))
         done = len(await finalized_ids(js, run_id))
         return CancelOutcome(run_id, run.job_count, done)
 
 
-async def publish_control(js: JetStreamContext, run_id: str, payload: RunControlPayload) -> None:
+async def publish_control(js: JetStreamContext, run_id: str, payload: events.RunControlChange) -> None:
     env = events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, payload, PRODUCER)
     env.event_id = event_id_for(run_id, events.RUN_CANCELLED, uuid.uuid4().hex[:12])  # never deduplicated
     await bus.publish(js, env)
@@ -156,7 +156,7 @@ async def resume(
     async with bus.session(settings) as nc:
         js = nc.jetstream()
         if plan.stopped or budget_tokens is not None:
-            await publish_control(js, run_id, RunControlPayload(
+            await publish_control(js, run_id, events.RunControlChange(
                 cancelled=False, reason="resumed", budget_tokens=budget_tokens, at=time.time()))
         envs = []
         for req in plan.requests:

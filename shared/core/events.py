@@ -154,6 +154,25 @@ class RunRequested(msgspec.Struct, omit_defaults=True):
     parent_run_id: str | None = None
 
 
+class RunControlChange(msgspec.Struct, omit_defaults=True):
+    """Payload of `run.cancelled` (`vb.run.cancelled.<run>._`), the run-control event: the newest
+    message on that subject is in force. `cancelled=True` cancels the run; `cancelled=False`
+    (published by `resume`) lifts an earlier cancel; `budget_tokens` replaces the token budget of
+    the run's config. The subject keeps its first name so stored events read back unchanged."""
+
+    cancelled: bool = True
+    reason: str = ""
+    budget_tokens: int | None = None
+    at: float = 0.0
+
+    @property
+    def action(self) -> Literal["cancel", "resume", "budget"]:
+        """What the change does, for people and reports."""
+        if self.cancelled:
+            return "cancel"
+        return "budget" if self.budget_tokens is not None and self.reason != "resumed" else "resume"
+
+
 class StageFailed(msgspec.Struct, omit_defaults=True):
     error: StageError
     event_type: str = ""  # the event whose handling failed

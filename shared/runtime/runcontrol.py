@@ -36,18 +36,6 @@ log = logging.getLogger("veribus.lifecycle")
 USAGE_BUCKET = "vb_run_usage"
 
 
-class RunControlPayload(msgspec.Struct, omit_defaults=True):
-    """Payload of `vb.run.cancelled.<run>._`: the newest message on that subject is in force.
-
-    `cancelled=False` (published by `resume`) lifts an earlier cancel; `budget_tokens` replaces
-    the budget of the run's config."""
-
-    cancelled: bool = True
-    reason: str = ""
-    budget_tokens: int | None = None
-    at: float = 0.0
-
-
 class RunStopped(Exception):
     """The run's remaining answers are not dispatched; the job finalizes with this error."""
 
@@ -80,7 +68,7 @@ class _UsageProbe(msgspec.Struct):
 
 
 _usage_probe = msgspec.json.Decoder(_UsageProbe)
-_control_dec = msgspec.json.Decoder(RunControlPayload)
+_control_dec = msgspec.json.Decoder(events.RunControlChange)
 _TOKEN_EVENTS = frozenset({events.ANSWER_GENERATED, events.GUARDS_CHECKED, events.TEMPLATE_PARSED,
                            events.TEMPLATE_VERIFIED, events.RUBRIC_EVALUATED})
 
@@ -135,7 +123,7 @@ def _kv_key(run_id: str) -> str:
 class _RunInfo:
     loaded: bool = False
     config_budget: int | None = None
-    control: RunControlPayload | None = None
+    control: events.RunControlChange | None = None
     checked_at: float = -1e9  # monotonic
     checked_wall: float = 0.0  # time.time() of the same read
     usage_seen: int = 0

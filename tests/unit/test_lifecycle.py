@@ -124,7 +124,7 @@ def _run_requested(run_id: str = "run1", budget: int | None = None) -> events.En
 
 
 def _control(run_id: str = "run1", **kw: Any) -> events.Envelope:
-    return events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, runcontrol.RunControlPayload(**kw),
+    return events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, events.RunControlChange(**kw),
                                 "test")
 
 
@@ -459,3 +459,17 @@ def test_event_loop_not_leaked() -> None:
         return {k: int(v.value) for k, v in js.kv.data.items()}
 
     assert asyncio.run(main()) == {"run1": 5}
+
+
+def test_run_control_changes_are_typed_and_old_ones_decode() -> None:
+    """`run.cancelled` carries cancel, resume and budget changes as one typed payload; a payload
+    written before the type moved to the catalogue (plain JSON) decodes into it."""
+    old = events.make_envelope(events.RUN_CANCELLED, "run1", events.RUN_KEY,
+                               {"cancelled": False, "reason": "resumed", "budget_tokens": 500, "at": 1.5}, "cli/0.1.0")
+    change = events.payload_as(events.decode(events.encode(old)), events.RunControlChange)
+    assert (change.cancelled, change.budget_tokens, change.at, change.action) == (False, 500, 1.5, "resume")
+    assert events.RunControlChange(reason="operator").action == "cancel"
+    assert events.RunControlChange(cancelled=False, budget_tokens=9).action == "budget"
+    with pytest.raises(msgspec.ValidationError, match="budget_tokens"):
+        events.payload_as(events.make_envelope(events.RUN_CANCELLED, "run1", events.RUN_KEY,
+                                               {"budget_tokens": "lots"}, "x"), events.RunControlChange)
