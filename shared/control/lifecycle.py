@@ -160,9 +160,8 @@ async def resume(
                 cancelled=False, reason="resumed", budget_tokens=budget_tokens, at=time.time()))
         envs = []
         for req in plan.requests:
-            env = events.make_envelope(events.ANSWER_REQUESTED, run_id, req.jobs[0].answer_id, req, PRODUCER)
-            env.event_id = event_id_for(req.jobs[0].answer_id, events.ANSWER_REQUESTED, plan.attempt_key)
-            envs.append(env)
+            envs.append(events.make_envelope(events.ANSWER_REQUESTED, run_id, req.jobs[0].answer_id, req, PRODUCER,
+                                             attempt_key=plan.attempt_key))
         await bus.publish_many(js, envs)
     return plan
 

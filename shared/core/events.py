@@ -199,7 +199,10 @@ class Envelope(msgspec.Struct, omit_defaults=True):
     producer: str
     payload: msgspec.Raw
     schema_version: int = SCHEMA_VERSION
-    attempt: int = 1
+    attempt: int = 1  # the delivery that published it (a give-up records its last delivery)
+    # the `resume` attempt the event belongs to ('' for a first run); its event id ends in
+    # `:<attempt_key>` too, so a resumed chain is not deduplicated against an earlier one
+    attempt_key: str = ""
 
     @property
     def subject(self) -> str:
@@ -216,10 +219,11 @@ class SchemaVersionError(ValueError):
 
 
 def make_envelope(
-    event_type: str, run_id: str, result_id: str, payload: Any, producer: str, attempt: int = 1
+    event_type: str, run_id: str, result_id: str, payload: Any, producer: str, attempt: int = 1,
+    attempt_key: str = "",
 ) -> Envelope:
     return Envelope(
-        event_id=event_id_for(result_id if result_id != RUN_KEY else run_id, event_type),
+        event_id=event_id_for(result_id if result_id != RUN_KEY else run_id, event_type, attempt_key),
         event_type=event_type,
         run_id=run_id,
         result_id=result_id,
@@ -227,6 +231,7 @@ def make_envelope(
         producer=producer,
         payload=msgspec.Raw(_encoder.encode(payload)),
         attempt=attempt,
+        attempt_key=attempt_key,
     )
 
 

@@ -40,7 +40,7 @@ from shared.runtime import bus, observability
 from shared.runtime.llm.cache import CACHE_SCOPE, NatsKVCache
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.transport import close_transports
-from shared.runtime.runcontrol import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
+from shared.runtime.runcontrol import RunControl, attempt_key, carry_attempt_key, tokens_before, tokens_spent
 
 log = logging.getLogger("veribus.service")
 
@@ -49,8 +49,8 @@ VERSION = "0.1.0"
 OUTCOME: ContextVar[str] = ContextVar("veribus_outcome", default="")
 """How `deliver` ended a message when not simply handled or nacked (for the metrics)."""
 
-CHAIN: ContextVar[str] = ContextVar("veribus_chain", default="")
-"""The attempt key of the event being handled ('' for a first run; see `lifecycle.chain_suffix`)."""
+ATTEMPT_KEY: ContextVar[str] = ContextVar("veribus_attempt_key", default="")
+"""The attempt key of the event being handled ('' for a first run; see `runcontrol.attempt_key`)."""
 
 Handler = Callable[[events.Envelope, Any], Awaitable[list[events.Envelope]]]
 GiveUp = Callable[[events.Envelope, Any, BaseException], list[events.Envelope]]
@@ -166,7 +166,7 @@ class StageService:
         """The newest event on an exact subject, if it belongs to the same run attempt as the
         event being handled (a resumed job's join must not pick up its broken first attempt)."""
         env = await bus.last_event(self.js, subject)
-        if env is not None and chain_suffix(env) != CHAIN.get():
+        if env is not None and attempt_key(env) != ATTEMPT_KEY.get():
             return None
         return env
 
@@ -261,8 +261,8 @@ class StageService:
                 await msg.nack(delay=backoff_s(delivered))
             return
         CACHE_SCOPE.set(env.run_id)
-        suffix = chain_suffix(env)
-        CHAIN.set(suffix)
+        key = attempt_key(env)
+        ATTEMPT_KEY.set(key)
         if give_up is not None and env.event_type in self.gated_event_types:
             try:
                 stop = await self.control.stop_reason(env.run_id, env.occurred_at)
@@ -270,14 +270,14 @@ class StageService:
                 log.warning("%s: run control check failed: %r", self.name, exc)
                 stop = None
             if stop is not None:
-                await self.publish(apply_suffix(suffix, give_up(env, payload, stop)))
+                await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
                 await msg.ack()
                 OUTCOME.set("stopped")
                 return
         before = await self._tokens_before(env, payload)
         try:
             outs = await fn(env, payload)
-            await self.publish(apply_suffix(suffix, outs))
+            await self.publish(carry_attempt_key(key, outs))
             await msg.ack()
         except asyncio.CancelledError:
             raise
@@ -289,7 +289,7 @@ class StageService:
             fallback = give_up(env, payload, exc) if give_up else []
             failed = self._stage_failed(env, exc, delivered)
             try:
-                await self.publish(apply_suffix(suffix, [failed, *fallback]))
+                await self.publish(carry_attempt_key(key, [failed, *fallback]))
                 await msg.ack()
                 OUTCOME.set("gave_up")
             except Exception:

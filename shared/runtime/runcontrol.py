@@ -7,7 +7,7 @@ Cancellation is an event on the stream (`vb.run.cancelled.<run>._`, its last mes
 budget is `budget_tokens` in the run's `run.requested` config (or a newer value on the control
 subject); the spent counter is one key per run in the JetStream KV bucket `vb_run_usage`,
 updated by compare-and-set from every service process. The attempt key of re-run events
-(`chain_suffix`, `apply_suffix`) lives here too, because the harness threads it through."""
+(`attempt_key`, `carry_attempt_key`) lives here too, because the harness threads it through."""
 
 from __future__ import annotations
 
@@ -350,12 +350,16 @@ def pop_budget(config_data: dict[str, Any]) -> int | None:
 # =========================================================================== event ids of re-runs
 
 
-def chain_suffix(env: events.Envelope) -> str:
-    """The attempt key of an event (`<id>:<type>:<key>`), '' for a first run.
+def attempt_key(env: events.Envelope) -> str:
+    """The `resume` attempt an event belongs to, '' for a first run.
 
     `resume` publishes answer requests with a key; every event a service publishes in reply
-    carries the same key, so a resumed job's chain is not deduplicated against the events of an
-    earlier, broken one."""
+    carries the same key (`carry_attempt_key`), so a resumed job's chain is not deduplicated
+    against the events of an earlier, broken one. The key is the envelope's `attempt_key`; an
+    event published before that field existed carries it only as its id's suffix
+    (`<id>:<type>:<key>`), which is read instead."""
+    if env.attempt_key:
+        return env.attempt_key
     key = env.result_id if env.result_id != events.RUN_KEY else env.run_id
     base = f"{key}:{env.event_type}"
     if env.event_id.startswith(base + ":"):
@@ -363,10 +367,12 @@ def chain_suffix(env: events.Envelope) -> str:
     return ""
 
 
-def apply_suffix(suffix: str, outs: list[events.Envelope]) -> list[events.Envelope]:
-    """Give outgoing events the attempt key of the event they answer (see `chain_suffix`)."""
-    if suffix:
+def carry_attempt_key(key: str, outs: list[events.Envelope]) -> list[events.Envelope]:
+    """Give outgoing events the attempt key of the event they answer (see `attempt_key`): the
+    envelope field, and the event id's suffix derived from it."""
+    if key:
         for out in outs:
-            if not out.event_id.endswith(":" + suffix):
-                out.event_id = f"{out.event_id}:{suffix}"
+            out.attempt_key = key
+            if not out.event_id.endswith(":" + key):
+                out.event_id = f"{out.event_id}:{key}"
     return outs

@@ -131,24 +131,37 @@ def _control(run_id: str = "run1", **kw: Any) -> events.Envelope:
 # ------------------------------------------------------------------------------ attempt keys
 
 
-def test_chain_suffix_of_first_runs_and_resumed_runs() -> None:
+def test_attempt_key_of_first_runs_and_resumed_runs() -> None:
     first = events.make_envelope(events.ANSWER_GENERATED, "run1", "r1", events.StageEvent(_job(), events.State()), "t")
-    assert runcontrol.chain_suffix(first) == ""
-    resumed = msgspec.structs.replace(first, event_id=first.event_id + ":resume-ab12")
-    assert runcontrol.chain_suffix(resumed) == "resume-ab12"
-    foreign = msgspec.structs.replace(first, event_id="republished-" + first.event_id)
-    assert runcontrol.chain_suffix(foreign) == ""
+    assert runcontrol.attempt_key(first) == "" and first.attempt_key == ""
+    resumed = events.make_envelope(events.ANSWER_GENERATED, "run1", "r1", events.StageEvent(_job(), events.State()),
+                                   "t", attempt_key="resume-ab12")
+    assert runcontrol.attempt_key(resumed) == "resume-ab12"
+    assert resumed.event_id == "r1:answer.generated:resume-ab12", "the id is derived from the field"
     run_level = events.make_envelope(events.RUN_REQUESTED, "run1", events.RUN_KEY, _run_requested().payload, "t")
-    assert runcontrol.chain_suffix(run_level) == ""
+    assert runcontrol.attempt_key(run_level) == ""
 
 
-def test_apply_suffix_marks_each_output_once() -> None:
+def test_events_published_before_the_field_keep_their_attempt() -> None:
+    """An event stored before `attempt_key` was an envelope field carries the key only in its id."""
+    first = events.make_envelope(events.ANSWER_GENERATED, "run1", "r1", events.StageEvent(_job(), events.State()), "t")
+    wire = msgspec.json.decode(events.encode(first))
+    assert "attempt_key" not in wire, "a first run's envelope is written as before"
+    wire["event_id"] += ":resume-ab12"
+    old = events.decode(msgspec.json.encode(wire))
+    assert old.attempt_key == "" and runcontrol.attempt_key(old) == "resume-ab12"
+    foreign = msgspec.structs.replace(first, event_id="republished-" + first.event_id)
+    assert runcontrol.attempt_key(foreign) == ""
+
+
+def test_carry_attempt_key_marks_each_output_once() -> None:
     outs = [events.make_envelope(events.TEMPLATE_PARSED, "run1", "r1", {}, "t"),
             events.make_envelope(events.TEMPLATE_PARSED, "run1", "r2", {}, "t")]
-    runcontrol.apply_suffix("resume-1", outs)
-    runcontrol.apply_suffix("resume-1", outs)
+    runcontrol.carry_attempt_key("resume-1", outs)
+    runcontrol.carry_attempt_key("resume-1", outs)
     assert [o.event_id for o in outs] == ["r1:template.parsed:resume-1", "r2:template.parsed:resume-1"]
-    assert runcontrol.apply_suffix("", outs)[0].event_id == "r1:template.parsed:resume-1"
+    assert [o.attempt_key for o in outs] == ["resume-1", "resume-1"]
+    assert runcontrol.carry_attempt_key("", outs)[0].event_id == "r1:template.parsed:resume-1"
 
 
 # ------------------------------------------------------------------------------ token accounting
@@ -329,11 +342,11 @@ async def test_harness_propagates_attempt_key_and_accounts_tokens() -> None:
         return [svc.emit(events.TEMPLATE_PARSED, ev.job, events.StageEvent(ev.job, ev.state))]
 
     ev = events.StageEvent(_job(), events.State(usage=_usage(("answer_generation", 25))))
-    env = events.make_envelope(events.GUARDS_CHECKED, "run1", "r1", ev, "guards")
-    env.event_id += ":resume-x1"
+    env = events.make_envelope(events.GUARDS_CHECKED, "run1", "r1", ev, "guards", attempt_key="resume-x1")
     msg = FakeMessage(env.subject)
     await svc.deliver(events.GUARDS_CHECKED, events.encode(env), msg)  # type: ignore[arg-type]
     assert msg.acked and js.published[0].event_id == "r1:template.parsed:resume-x1"
+    assert js.published[0].attempt_key == "resume-x1"
     assert await svc.control.usage("run1") == 100, "the parsing call's 100 tokens, not the answer's 25 again"
     await svc.control.close()
     other_process = runcontrol.RunControl(lambda: js, usage_ttl_s=0.0)
