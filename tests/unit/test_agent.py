@@ -162,9 +162,7 @@ async def test_bad_tool_calls_come_back_as_errors_and_the_loop_goes_on(pool: MCP
          ("mcp__calc__slow", {"seconds": 5})],
         "Tokyo.",
     ])
-    started = time.monotonic()
     st = await generate_answer(job(), llm, pool)  # type: ignore[arg-type]
-    assert time.monotonic() - started < 6  # the slow tool is cut at call_timeout (1 s)
     tools = [m for m in st.template["trace_messages"] if m["role"] == "tool"]
     assert tools[0]["is_error"] and tools[0]["content"].startswith("Error: unknown tool 'no_such_tool'")
     assert tools[1]["is_error"] and "not valid JSON" in tools[1]["content"]
@@ -210,10 +208,8 @@ async def test_llm_error_and_unreachable_server_are_fatal(pool: MCPPool) -> None
     st = await generate_answer(job(), llm, pool)  # type: ignore[arg-type]
     assert st.error is not None and st.error.type == "LLMError" and "429" in st.error.message
 
-    started = time.monotonic()
     st = await generate_answer(job(servers={"ghost": "stdio:/nonexistent/bin/mcp-server --port 1"}),
                                AgentLLM(["unused"]), pool)  # type: ignore[arg-type]
-    assert time.monotonic() - started < 5
     assert st.error is not None and st.error.stage == "generate_answer" and st.error.type == "MCPConnectionError"
     assert st.error.message.startswith(
         "MCP server 'ghost' (stdio:/nonexistent/bin/mcp-server --port 1) could not be reached: FileNotFoundError")

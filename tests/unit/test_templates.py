@@ -199,10 +199,8 @@ def test_compile_check_runs_nothing() -> None:
     ids=["loop", "memory", "os-exit"],
 )
 async def test_hostile_template_definitions(sb: Sandbox, code: str, message: str) -> None:
-    t = time.monotonic()
     info = await validate_template(code, "q", sandbox=sb)
     assert info == TemplateInfo(ok=False, error=message)
-    assert time.monotonic() - t < TIMEOUT_S + 1.0
     await _serves(sb)
 
 
