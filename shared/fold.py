@@ -8,6 +8,7 @@ force verify_result to False; only the embedding check may raise a field failure
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from shared.events import Job, StageError, State
@@ -23,8 +24,24 @@ from shared.models import (
 
 TOKEN_KEYS = ("input_tokens", "output_tokens", "total_tokens")
 
-# error stage -> failure category of the reference export format (metadata.failure)
-_FAILURE_GROUPS = {"generate_answer": "generation", "parse_template": "parsing", "validate_template": "template"}
+# The reference's failure taxonomy (metadata.failure): leaf category -> group.
+FAILURE_GROUPS: dict[str, str] = {
+    "content": "content",
+    "recursion_limit": "autofail", "trace_validation": "autofail",
+    "deep_judgment": "autofail", "deep_judgment_rubric": "autofail",
+    "timeout": "retry", "connection": "retry", "rate_limit": "retry", "server_error": "retry",
+    "abstention": "abstained", "sufficiency": "abstained",
+    "template_validation": "system", "parsing": "system", "unexpected_error": "system",
+}
+_RETRY_KINDS = ("timeout", "connection", "rate_limit", "server_error")
+# our auto-fail signals -> (category, the reference's stage name)
+_AUTOFAIL_SIGNALS = (
+    ("recursion_limit", "recursion_limit", "RecursionLimitAutoFail"),
+    ("trace_validation_failed", "trace_validation", "TraceValidationAutoFail"),
+    ("dj_autofail", "deep_judgment", "DeepJudgmentAutoFail"),
+    ("dj_rubric_autofail", "deep_judgment_rubric", "DeepJudgmentRubricAutoFail"),
+)
+_ATTEMPTS = re.compile(r"after (\d+) attempt")
 
 
 def needs_template(job: Job) -> bool:
@@ -61,15 +78,76 @@ def _error_text(err: StageError) -> str:
     return f"{err.stage}: {err.type}: {err.message}"
 
 
-def _failure(err: StageError) -> dict[str, Any]:
-    msg = err.message.lower()
-    category = "timeout" if "timeout" in msg or "timed out" in msg else (
-        "rate_limit" if "429" in msg or "rate limit" in msg else "error")
-    return {
-        "category": category, "stage": err.stage, "reason": err.message[:500],
-        "details": {"type": err.type, "attempt": err.attempt},
-        "group": _FAILURE_GROUPS.get(err.stage, "pipeline"),
-    }
+def _trim(text: str | None) -> str:
+    return (text or "").strip()[:500]
+
+
+def _failure_entry(category: str, stage: str, reason: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"category": category, "stage": stage, "reason": _trim(reason) or category,
+            "details": details, "group": FAILURE_GROUPS[category]}
+
+
+def error_kind(err: StageError) -> str | None:
+    """The model-call error kind a stage error carries (`rate_limit: model ...`), if any."""
+    head = err.message.split(":", 1)[0].strip()
+    return head if head in _RETRY_KINDS else None
+
+
+def retry_counts(err: StageError | None, job: Job) -> dict[str, dict[str, int]]:
+    """Retries spent per error category, as the reference records them (`{category: {used, budget}}`).
+
+    Only a call that failed for good tells us its category; retries that ended in success are
+    not broken down by category, so they are not listed.
+    """
+    if err is None:
+        return {}
+    kind = error_kind(err)
+    if kind is None:
+        return {}
+    model = job.answering if err.stage == "generate_answer" else job.parsing
+    m = _ATTEMPTS.search(err.message)
+    used = max(0, int(m.group(1)) - 1) if m else 0
+    return {kind: {"used": used, "budget": int(model.max_retries)}}
+
+
+def classify_failure(job: Job, template_state: State | None, rubric_state: State | None,
+                     template: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The reference's failure verdict, by its rule order: auto-fails, content, exhausted retries,
+    abstention/sufficiency, template validation, parsing, any other error; None for a pass."""
+    signals: dict[str, Any] = {}
+    for st in (template_state, rubric_state):
+        if st is not None:
+            signals = {**st.signals, **signals}
+    for flag, category, stage in _AUTOFAIL_SIGNALS:
+        if signals.get(flag):
+            return _failure_entry(category, stage, f"auto-fail at stage {stage}")
+    tmpl = template or {}
+    if tmpl.get("template_verification_performed") and tmpl.get("verify_result") is False:
+        return _failure_entry("content", "verify_template", "verify_template returned False")
+    error = (template_state.error if template_state else None) or (rubric_state.error if rubric_state else None)
+    if error is not None:
+        kind = error_kind(error)
+        if kind is not None:
+            return _failure_entry(kind, error.stage, f"{kind} retries exhausted",
+                                  {"error_message": error.message, "retry_counts": retry_counts(error, job)})
+    if tmpl.get("abstention_detected"):
+        return _failure_entry("abstention", "abstention_check", tmpl.get("abstention_reasoning") or "model abstained")
+    if tmpl.get("sufficiency_check_performed") and tmpl.get("sufficiency_detected") is False:
+        return _failure_entry("sufficiency", "sufficiency_check",
+                              tmpl.get("sufficiency_reasoning") or "insufficient response")
+    if error is not None:
+        if error.stage == "validate_template":
+            return _failure_entry("template_validation", "validate_template", error.message)
+        if error.stage == "parse_template":
+            return _failure_entry("parsing", "parse_template", error.message, {"error_message": error.message})
+        return _failure_entry("unexpected_error", error.stage, error.message, {"error_message": error.message})
+    return None
+
+
+def completed_from_failure(failure: dict[str, Any] | None) -> bool:
+    """A result completed without errors when it has no failure, or only a content failure
+    (the answer was wrong, but every stage did its work)."""
+    return failure is None or failure.get("group") == "content"
 
 
 def fold_result(job: Job, template_state: State | None, rubric_state: State | None, finalized_at: float) -> VerificationResult:
