@@ -13,6 +13,7 @@ from typing import Any
 
 from shared.events import Job, StageError, State
 from shared.models import (
+    FAILURE_GROUP_OF,
     ModelIdentity,
     VerificationResult,
     VerificationResultDeepJudgment,
@@ -21,18 +22,12 @@ from shared.models import (
     VerificationResultRubric,
     VerificationResultTemplate,
 )
+from shared.prompts import answering_system_prompt
 
 TOKEN_KEYS = ("input_tokens", "output_tokens", "total_tokens")
 
 # The reference's failure taxonomy (metadata.failure): leaf category -> group.
-FAILURE_GROUPS: dict[str, str] = {
-    "content": "content",
-    "recursion_limit": "autofail", "trace_validation": "autofail",
-    "deep_judgment": "autofail", "deep_judgment_rubric": "autofail",
-    "timeout": "retry", "connection": "retry", "rate_limit": "retry", "server_error": "retry",
-    "abstention": "abstained", "sufficiency": "abstained",
-    "template_validation": "system", "parsing": "system", "unexpected_error": "system",
-}
+FAILURE_GROUPS: dict[str, str] = FAILURE_GROUP_OF
 _RETRY_KINDS = ("timeout", "connection", "rate_limit", "server_error")
 # our auto-fail signals -> (category, the reference's stage name)
 _AUTOFAIL_SIGNALS = (
@@ -41,6 +36,7 @@ _AUTOFAIL_SIGNALS = (
     ("dj_autofail", "deep_judgment", "DeepJudgmentAutoFail"),
     ("dj_rubric_autofail", "deep_judgment_rubric", "DeepJudgmentRubricAutoFail"),
 )
+_KIND = re.compile(r"\s*(" + "|".join(_RETRY_KINDS) + r")\b")
 _ATTEMPTS = re.compile(r"after (\d+) attempt")
 
 
@@ -75,6 +71,7 @@ def merge_usage(*states: State | None) -> dict[str, Any] | None:
 
 
 def _error_text(err: StageError) -> str:
+    """`stage: type: message`: what went wrong and where, in one line."""
     return f"{err.stage}: {err.type}: {err.message}"
 
 
@@ -89,8 +86,8 @@ def _failure_entry(category: str, stage: str, reason: str, details: dict[str, An
 
 def error_kind(err: StageError) -> str | None:
     """The model-call error kind a stage error carries (`rate_limit: model ...`), if any."""
-    head = err.message.split(":", 1)[0].strip()
-    return head if head in _RETRY_KINDS else None
+    m = _KIND.match(err.message)
+    return m.group(1) if m else None
 
 
 def retry_counts(err: StageError | None, job: Job) -> dict[str, dict[str, int]]:
@@ -156,23 +153,32 @@ def fold_result(job: Job, template_state: State | None, rubric_state: State | No
     started = base.started_at or finalized_at
     answering = identity(job.answering, True)
     parsing = identity(job.parsing, False)
+    template_fields: dict[str, Any] | None = None
+    if needs_template(job):
+        template_fields = dict(base.template)
+        if rubric_state is not None and rubric_state.signals.get("dj_rubric_autofail"):
+            template_fields["verify_result"] = False
+    failure = classify_failure(job, template_state, rubric_state, template_fields)
     metadata = VerificationResultMetadata(
         question_id=job.question_id,
         template_id=job.template_id,
-        failure=_failure(error) if error else None,
+        failure=failure,
+        retry_counts=retry_counts(error, job),
         question_text=job.question_text,
         raw_answer=job.raw_answer,
         keywords=job.keywords,
         answering=answering,
         parsing=parsing,
-        answering_system_prompt=job.answering.system_prompt,
+        # as the reference: an answering model without one gets the default instruction (and is sent
+        # it); a judge's own system prompt is recorded only when configured
+        answering_system_prompt=answering_system_prompt(job.answering.system_prompt),
         parsing_system_prompt=job.parsing.system_prompt,
         execution_time=round(max(0.0, finalized_at - started), 6),
         timestamp=job.timestamp,
         result_id=job.result_id,
         run_name=job.run_name,
         replicate=job.replicate,
-        completed_without_errors=error is None,
+        completed_without_errors=error is None and completed_from_failure(failure),
         error=_error_text(error) if error else None,
         few_shot_enabled=bool(job.few_shot_examples),
         few_shot_example_count=len(job.few_shot_examples),
@@ -182,10 +188,8 @@ def fold_result(job: Job, template_state: State | None, rubric_state: State | No
 
     template = None
     deep_judgment = None
-    if needs_template(job):
-        tfields = dict(base.template)
-        if rubric_state is not None and rubric_state.signals.get("dj_rubric_autofail"):
-            tfields["verify_result"] = False
+    if template_fields is not None:
+        tfields = template_fields
         tfields["usage_metadata"] = usage
         template = VerificationResultTemplate(**tfields)
         if template_state is not None and template_state.deep_judgment is not None:
@@ -207,6 +211,6 @@ def fold_result(job: Job, template_state: State | None, rubric_state: State | No
         deep_judgment=deep_judgment,
         deep_judgment_rubric=deep_judgment_rubric,
         evaluation_input=root.get("evaluation_input"),
-        used_full_trace=bool(root.get("used_full_trace", True)),
+        used_full_trace=bool(root.get("used_full_trace", False)),
         trace_extraction_error=root.get("trace_extraction_error"),
     )

@@ -12,6 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.ids import compute_result_id
 
+# the reference's failure category -> group (for reference files whose failure lacks `group`)
+FAILURE_GROUP_OF = {
+    "content": "content", "recursion_limit": "autofail", "trace_validation": "autofail",
+    "deep_judgment": "autofail", "deep_judgment_rubric": "autofail", "timeout": "retry", "connection": "retry",
+    "rate_limit": "retry", "server_error": "retry", "abstention": "abstained", "sufficiency": "abstained",
+    "template_validation": "system", "parsing": "system", "unexpected_error": "system",
+}
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
@@ -64,13 +72,20 @@ class VerificationResultMetadata(_Section):
     @model_validator(mode="before")
     @classmethod
     def _status_from_failure(cls, data: Any) -> Any:
-        """Reference exports (format 2.2) record a failure as `failure` with no
-        `completed_without_errors`: derive both status fields from it."""
+        """Reference exports (format 2.2) record a non-pass as `failure` with no
+        `completed_without_errors`: derive both status fields from it. A content failure (the
+        answer was wrong) still completed without errors; every other group did not."""
         if isinstance(data, dict) and "completed_without_errors" not in data and data.get("failure"):
             failure = data["failure"]
-            reason = failure.get("reason") if isinstance(failure, dict) else str(failure)
-            data = {**data, "completed_without_errors": False}
-            data.setdefault("error", f"{failure.get('stage', 'pipeline')}: {reason}" if isinstance(failure, dict) else reason)
+            if isinstance(failure, dict):
+                group = failure.get("group") or FAILURE_GROUP_OF.get(str(failure.get("category")), "system")
+                if group == "content":
+                    return {**data, "completed_without_errors": True}
+                data = {**data, "completed_without_errors": False}
+                data.setdefault("error", f"{failure.get('stage', 'pipeline')}: {failure.get('reason')}")
+            else:
+                data = {**data, "completed_without_errors": False}
+                data.setdefault("error", str(failure))
         return data
 
     @property
@@ -139,6 +154,7 @@ class VerificationResultRubric(_Section):
     metric_trait_scores: dict[str, dict[str, float]] | None = None
     metric_trait_confusion_lists: dict[str, dict[str, list[str]]] | None = None
     trait_errors: dict[str, str] | None = None
+    trait_provenance: dict[str, str] | None = None  # trait -> global | question_specific | dynamic
     dynamic_rubric_promoted_traits: list[str] | None = None
     dynamic_rubric_skipped_traits: dict[str, str] | None = None
 

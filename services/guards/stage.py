@@ -79,7 +79,9 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
     template_mode = job.evaluation_mode != "rubric_only"
     use_full = bool(opts.get("use_full_trace_for_template", False)) if template_mode else bool(
         opts.get("use_full_trace_for_rubric", True))
-    state.root["used_full_trace"] = use_full or not is_agent
+    # as the reference records it: the configured choice, also for plain replies (whose final AI
+    # message is the whole reply, so "not the full trace" is what was evaluated)
+    state.root["used_full_trace"] = use_full
     state.root["evaluation_input"] = evaluation_text(state, use_full)
     text = state.root["evaluation_input"]
 
