@@ -1285,13 +1285,60 @@ def _result_of(item: Any) -> VerificationResult | None:
     return VerificationResult.model_validate(normalise_result_dict(item))
 
 
+def _iter_csv(p: Path) -> Iterator[VerificationResult]:
+    """Our CSV export (its `result_json` column, exact) or the reference's CSV (rebuilt from its
+    columns, as far as they go; see shared.reference_csv)."""
+    import csv
+
+    from shared import reference_csv
+
+    csv.field_size_limit(1 << 30)
+    with p.open("r", encoding="utf-8", newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = reader.fieldnames or []
+        ours = "result_json" in header
+        if not ours and not reference_csv.is_reference_header(header):
+            raise ValueError(f"{p}: not a results CSV (no result_json column and not the reference's columns; "
+                             f"first columns: {', '.join(header[:5])})")
+        for n, rec in enumerate(reader, 2):
+            try:
+                if ours and rec.get("result_json"):
+                    yield VerificationResult.model_validate_json(rec["result_json"])
+                else:
+                    yield reference_csv.result_from_row(rec)
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"{p}:{n}: {type(exc).__name__}: {exc}") from exc
+
+
+def _iter_parquet(p: Path) -> Iterator[VerificationResult]:
+    """Our Parquet export: every result is in its `result_json` column (read a row group at a time)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(str(p))
+    if "result_json" not in pf.schema_arrow.names:
+        raise ValueError(f"{p}: Parquet file without a result_json column (not a veribus export)")
+    for i in range(pf.num_row_groups):
+        for blob in pf.read_row_group(i, columns=["result_json"]).column("result_json").to_pylist():
+            if blob:
+                yield VerificationResult.model_validate_json(blob)
+
+
 def iter_results_from_file(path: str | Path) -> Iterator[VerificationResult]:
-    """Results from a JSON export (ours or the reference's), a JSON list, or JSONL.
+    """Results from a JSON export (ours or the reference's), a JSON list, JSONL, a CSV export
+    (ours or the reference's) or our Parquet export.
 
     Our export and the reference's write one result per line between a header line ending in
     `"results":[` and a closing `]}`; such files are read line by line (bounded memory). Other JSON
-    is parsed whole."""
+    is parsed whole. Parquet is told by its magic bytes, CSV by its `.csv` suffix."""
     p = Path(path)
+    with p.open("rb") as bfh:
+        magic = bfh.read(4)
+    if magic == b"PAR1":
+        yield from _iter_parquet(p)
+        return
+    if p.suffix.lower() == ".csv":
+        yield from _iter_csv(p)
+        return
     with p.open("r", encoding="utf-8") as fh:
         head = fh.readline()
         stripped = head.rstrip()
