@@ -321,7 +321,7 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
         "metric_trait_scores": out["metric"] if rubric.metric_traits or has["metric"] else None,
         "metric_trait_confusion_lists": out["confusion"] if rubric.metric_traits or has["metric"] else None,
         "trait_errors": out["errors"] or None,
-        "trait_provenance": trait_provenance(job.rubric, rubric, promoted),
+        "trait_provenance": trait_provenance(job.rubric, promoted),
         "dynamic_rubric_promoted_traits": promoted,
         "dynamic_rubric_skipped_traits": skipped,
     }
@@ -334,14 +334,14 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
     return state
 
 
-def trait_provenance(wire: dict[str, Any] | None, rubric: Rubric, promoted: list[str] | None) -> dict[str, str] | None:
-    """Where each evaluated trait came from: `global` (the benchmark's rubric), `question_specific`
-    (the question's own), or `dynamic` (promoted by the presence check). The plan records the
-    global names on the wire (`provenance`); traits it does not name are the question's."""
+def trait_provenance(wire: dict[str, Any] | None, promoted: list[str] | None) -> dict[str, str] | None:
+    """Where each of the job's traits came from (failed ones included): `global` (the benchmark's
+    rubric), `question_specific` (the question's own), or `dynamic` (promoted by the presence
+    check). The plan records the global names on the wire (`provenance`); the rest are the question's."""
     given = (wire or {}).get("provenance") or {}
-    dynamic = set(promoted or [])
-    out = {t.name: "dynamic" if t.name in dynamic else str(given.get(t.name, "question_specific"))
-           for t in rubric.all_traits()}
+    names = [str(t.get("name")) for t in (wire or {}).get("traits") or [] if isinstance(t, dict) and t.get("name")]
+    out = {n: str(given.get(n, "question_specific")) for n in names}
+    out.update({n: "dynamic" for n in promoted or []})
     return out or None
 
 
