@@ -68,6 +68,11 @@ class VerificationResultMetadata(_Section):
     few_shot_enabled: bool = False
     few_shot_example_count: int = 0
     evaluation_mode: str | None = None
+    # the reference's multi-turn scenario fields (format 2.2); veribus runs single questions: null
+    scenario_id: str | None = None
+    scenario_node: str | None = None
+    scenario_turn: int | None = None
+    scenario_path: list[Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -112,6 +117,7 @@ class VerificationResultMetadata(_Section):
 class VerificationResultTemplate(_Section):
     raw_llm_response: str = ""
     trace_messages: list[dict[str, Any]] = Field(default_factory=list)
+    conversation_context: list[Any] = Field(default_factory=list)  # reference 2.2 (scenarios): empty here
     parsed_gt_response: dict[str, Any] | None = None
     parsed_llm_response: dict[str, Any] | None = None
     template_validation_error: str | None = None
@@ -120,6 +126,7 @@ class VerificationResultTemplate(_Section):
     verify_granular_result: Any = None
     field_verification_error: str | None = None
     field_results: dict[str, bool] | None = None
+    field_scores: dict[str, Any] | None = None  # reference 2.2; not computed by veribus
     composition_strategy: str | None = None
     embedding_check_performed: bool = False
     embedding_similarity_score: float | None = None
@@ -131,6 +138,17 @@ class VerificationResultTemplate(_Section):
     regex_overall_success: bool | None = None
     regex_extraction_results: dict[str, Any] | None = None
     recursion_limit_reached: bool = False
+    # reference 2.2 fields for features veribus does not have (partial timeouts, agentic and dynamic
+    # parsing): present with the reference's "did not happen" values so files match key for key
+    response_timeout_partial: bool = False
+    usage_unavailable: bool = False
+    investigation_trace: Any = None
+    agentic_parsing_performed: bool = False
+    agentic_extraction_recovery: Any = None
+    agentic_extraction_error: str | None = None
+    dynamic_parsing_performed: bool = False
+    dynamic_parse_decision: Any = None
+    dynamic_decision_reasoning: str | None = None
     abstention_check_performed: bool = False
     abstention_detected: bool | None = None
     abstention_override_applied: bool = False

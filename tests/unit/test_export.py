@@ -103,7 +103,8 @@ def test_reference_results_round_trip_through_our_export(tmp_path: Path) -> None
     export_results(ref_results, "json", out)
     _, back = _read_export(out)
     assert back == ref_results
-    assert back[1].metadata.model_extra["scenario_id"] is None  # 2.2 fields we do not model survive
+    assert back[1].metadata.scenario_id is None  # the reference's 2.2 scenario fields are kept (null)
+    assert back[1].template is not None and back[1].template.response_timeout_partial is False
     assert not back[1].metadata.completed_without_errors
 
 
