@@ -20,11 +20,11 @@ from services.rubric.stage import evaluate_rubric
 from services.verification.stage import verify_template
 from shared import events
 from shared.fold import fold_result, needs_rubric, needs_template
-from shared.llm import LLMReply
+from shared.llm import LLMReply, extract_json
 from shared.models import VerificationResult
 from shared.templates import validate_template
 
-Reply = Any  # dict (parsed JSON), str (text), Exception, or callable(messages) -> one of those
+Reply = Any  # dict (parsed JSON), str (answer text, or a judge's raw reply), Exception, or callable(messages)
 
 
 class ByQuestion(dict):  # type: ignore[type-arg]
@@ -60,7 +60,11 @@ class ScriptedJudge:
             raise value
         usage = {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": model.model_name}
         if isinstance(value, str):
-            return LLMReply(text=value, usage=usage)
+            if response_schema is None:
+                return LLMReply(text=value, usage=usage)
+            # a recorded model reply: read it the way LLMClient does (fenced JSON, JSON in prose)
+            obj = extract_json(value)
+            return LLMReply(text=value, usage=usage, parsed=validate(obj) if validate else obj)
         parsed = validate(value) if validate else value
         return LLMReply(text=str(value), usage=usage, parsed=parsed)
 
