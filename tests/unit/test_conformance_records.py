@@ -323,3 +323,68 @@ def test_the_default_answering_prompt_is_sent_when_none_is_configured() -> None:
     assert gen[0] == {"role": "system", "content": prompts.DEFAULT_ANSWERING_SYSTEM_PROMPT}
     assert gen[-1] == {"role": "user", "content": "What is 2+2?"}
     assert r.metadata.answering_system_prompt == prompts.DEFAULT_ANSWERING_SYSTEM_PROMPT
+
+
+# ------------------------------------------------------------------------------- every failure category
+
+
+def _minimal_job() -> Any:
+    bench = _bench("minimal")
+    (job,) = _jobs(bench, {bench.questions[0].id: "4"})
+    return job
+
+
+def _state(signals: dict[str, Any] | None = None, template: dict[str, Any] | None = None,
+           error: tuple[str, str] | None = None) -> Any:
+    from shared import events
+
+    return events.State(
+        template={"raw_llm_response": "4", **(template or {})}, signals=signals or {},
+        error=events.StageError(stage=error[0], type="LLMError", message=error[1]) if error else None)
+
+
+FAILURE_CASES = [
+    # (template state, rubric state) -> (category, stage, group) the reference records
+    ("recursion_limit", _state({"recursion_limit": True}), None, ("recursion_limit", "RecursionLimitAutoFail", "autofail")),
+    ("trace_validation", _state({"trace_validation_failed": True}), None,
+     ("trace_validation", "TraceValidationAutoFail", "autofail")),
+    ("deep_judgment", _state({"dj_autofail": True}), None, ("deep_judgment", "DeepJudgmentAutoFail", "autofail")),
+    ("deep_judgment_rubric", _state(), _state({"dj_rubric_autofail": True}),
+     ("deep_judgment_rubric", "DeepJudgmentRubricAutoFail", "autofail")),
+    ("content", _state(template={"template_verification_performed": True, "verify_result": False}), None,
+     ("content", "verify_template", "content")),
+    ("connection", _state(error=("generate_answer", "connection: model m at stage answer_generation failed after 5 "
+                                 "attempt(s) (no HTTP status): refused")), None, ("connection", "generate_answer", "retry")),
+    ("rate_limit", _state(error=("parse_template", "rate_limit: model j failed after 3 attempt(s) (HTTP 429)")), None,
+     ("rate_limit", "parse_template", "retry")),
+    ("server_error", _state(error=("parse_template", "server_error: model j failed after 3 attempt(s) (HTTP 503)")),
+     None, ("server_error", "parse_template", "retry")),
+    ("abstention", _state(template={"abstention_check_performed": True, "abstention_detected": True,
+                                    "abstention_reasoning": "refused"}), None, ("abstention", "abstention_check", "abstained")),
+    ("sufficiency", _state(template={"sufficiency_check_performed": True, "sufficiency_detected": False}), None,
+     ("sufficiency", "sufficiency_check", "abstained")),
+    ("template_validation", _state(error=("validate_template", "template invalid: SyntaxError")), None,
+     ("template_validation", "validate_template", "system")),
+    ("parsing", _state(error=("parse_template", "bad_output: no valid JSON")), None, ("parsing", "parse_template", "system")),
+    ("unexpected_error", _state(error=("verify_template", "ZeroDivisionError: division by zero")), None,
+     ("unexpected_error", "verify_template", "system")),
+]
+
+
+@pytest.mark.parametrize(("template_state", "rubric_state", "expected"), [c[1:] for c in FAILURE_CASES],
+                         ids=[c[0] for c in FAILURE_CASES])
+def test_every_failure_category_has_its_stage_and_group(template_state: Any, rubric_state: Any,
+                                                        expected: tuple[str, str, str]) -> None:
+    from shared.fold import fold_result
+
+    job = _minimal_job()
+    r = fold_result(job, template_state, rubric_state, 1.0)
+    f = r.metadata.failure
+    assert f is not None and (f["category"], f["stage"], f["group"]) == expected
+    assert set(f) == {"category", "stage", "reason", "details", "group"} and f["reason"]
+    # only a wrong answer is a clean completion; every other non-pass is not
+    assert r.metadata.completed_without_errors is (expected[2] == "content")
+    if expected[2] == "retry":
+        used = {"connection": 4, "rate_limit": 2, "server_error": 2}[expected[0]]
+        assert r.metadata.retry_counts == {expected[0]: {"used": used, "budget": 2 if expected[1] != "generate_answer"
+                                                         else job.answering.max_retries}}
