@@ -28,6 +28,7 @@ TOKEN_KEYS = ("input_tokens", "output_tokens", "total_tokens")
 
 # The reference's failure taxonomy (metadata.failure): leaf category -> group.
 FAILURE_GROUPS: dict[str, str] = FAILURE_GROUP_OF
+VERDICT_GROUPS = frozenset({"content", "autofail", "abstained"})
 _RETRY_KINDS = ("timeout", "connection", "rate_limit", "server_error")
 # our auto-fail signals -> (category, the reference's stage name)
 _AUTOFAIL_SIGNALS = (
@@ -142,9 +143,10 @@ def classify_failure(job: Job, template_state: State | None, rubric_state: State
 
 
 def completed_from_failure(failure: dict[str, Any] | None) -> bool:
-    """A result completed without errors when it has no failure, or only a content failure
-    (the answer was wrong, but every stage did its work)."""
-    return failure is None or failure.get("group") == "content"
+    """A result completed without errors unless its failure is an error (retries exhausted, a
+    system failure): a wrong answer, an auto-fail and an abstention are verdicts - every stage did
+    its work and verify_result is False - so they count against accuracy, not as errors."""
+    return failure is None or failure.get("group") in VERDICT_GROUPS
 
 
 def fold_result(job: Job, template_state: State | None, rubric_state: State | None, finalized_at: float) -> VerificationResult:

@@ -78,13 +78,14 @@ class VerificationResultMetadata(_Section):
     @classmethod
     def _status_from_failure(cls, data: Any) -> Any:
         """Reference exports (format 2.2) record a non-pass as `failure` with no
-        `completed_without_errors`: derive both status fields from it. A content failure (the
-        answer was wrong) still completed without errors; every other group did not."""
+        `completed_without_errors`: derive both status fields from it. A verdict (content,
+        auto-fail, abstention/sufficiency) still completed without errors; retry and system
+        failures did not."""
         if isinstance(data, dict) and "completed_without_errors" not in data and data.get("failure"):
             failure = data["failure"]
             if isinstance(failure, dict):
                 group = failure.get("group") or FAILURE_GROUP_OF.get(str(failure.get("category")), "system")
-                if group == "content":
+                if group in ("content", "autofail", "abstained"):
                     return {**data, "completed_without_errors": True}
                 data = {**data, "completed_without_errors": False}
                 data.setdefault("error", f"{failure.get('stage', 'pipeline')}: {failure.get('reason')}")

@@ -1262,13 +1262,20 @@ def normalise_result_dict(data: dict[str, Any]) -> dict[str, Any]:
     """A result dict from any supported file -> one `VerificationResult` validates.
 
     Reference exports (format 2.2) record failures in `metadata.failure` and have no
-    `completed_without_errors`/`error` fields: derive them, so errors count as errors."""
+    `completed_without_errors`/`error` fields: derive them, so errors count as errors and verdicts
+    (a wrong answer, an auto-fail, an abstention) as failed answers."""
     meta = data.get("metadata")
     if isinstance(meta, dict) and "completed_without_errors" not in meta:
+        from shared.models import FAILURE_GROUP_OF
+
         failure = meta.get("failure")
         meta = dict(meta)
-        meta["completed_without_errors"] = failure is None
-        if failure and meta.get("error") is None and isinstance(failure, dict):
+        group = (failure.get("group") or FAILURE_GROUP_OF.get(str(failure.get("category")), "system")
+                 if isinstance(failure, dict) else ("system" if failure else None))
+        # a verdict (wrong answer, auto-fail, abstention) completed; retry/system failures did not
+        verdict = group in ("content", "autofail", "abstained")
+        meta["completed_without_errors"] = failure is None or verdict
+        if failure and not verdict and meta.get("error") is None and isinstance(failure, dict):
             reason = failure.get("reason") or failure.get("category") or "failed"
             meta["error"] = f"{failure.get('stage') or 'pipeline'}: {reason}"
         data = {**data, "metadata": meta}

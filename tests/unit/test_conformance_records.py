@@ -109,7 +109,7 @@ def test_minimal_wrong_answer_is_a_content_failure_that_completed() -> None:
     assert r.metadata.completed_without_errors is True and r.metadata.error is None
 
 
-def test_abstention_records_the_reference_failure_and_is_not_a_clean_completion() -> None:
+def test_abstention_records_the_reference_failure_as_a_verdict() -> None:
     bench = _bench("minimal")
     (job,) = _jobs(bench, {bench.questions[0].id: "I can't answer arithmetic questions."}, abstention_enabled=True)
     reasoning = 'Quote: "I can\'t answer arithmetic questions." No committed answer.'
@@ -121,7 +121,7 @@ def test_abstention_records_the_reference_failure_and_is_not_a_clean_completion(
     assert t.verify_result is False and t.parsed_llm_response is None  # parsing and verify skipped
     assert r.metadata.failure == {"category": "abstention", "stage": "abstention_check", "reason": reasoning,
                                   "details": None, "group": "abstained"}
-    assert r.metadata.completed_without_errors is False
+    assert r.metadata.completed_without_errors is True and r.metadata.error is None  # a verdict, not an error
     assert [s for s, _ in judge.calls] == ["abstention_check"]
 
 
@@ -382,8 +382,9 @@ def test_every_failure_category_has_its_stage_and_group(template_state: Any, rub
     f = r.metadata.failure
     assert f is not None and (f["category"], f["stage"], f["group"]) == expected
     assert set(f) == {"category", "stage", "reason", "details", "group"} and f["reason"]
-    # only a wrong answer is a clean completion; every other non-pass is not
-    assert r.metadata.completed_without_errors is (expected[2] == "content")
+    # verdicts (wrong answer, auto-fail, abstention) completed; retry and system failures are errors
+    assert r.metadata.completed_without_errors is (expected[2] in ("content", "autofail", "abstained"))
+    assert (r.metadata.error is None) is (expected[2] in ("content", "autofail", "abstained"))
     if expected[2] == "retry":
         used = {"connection": 4, "rate_limit": 2, "server_error": 2}[expected[0]]
         assert r.metadata.retry_counts == {expected[0]: {"used": used, "budget": 2 if expected[1] != "generate_answer"

@@ -82,7 +82,7 @@ def test_recorded_abstention_reply_sets_the_record(path: Path) -> None:
         assert r.metadata.failure == {"category": "abstention", "stage": "abstention_check",
                                       "reason": oracle["reasoning"].strip()[:500], "details": None,
                                       "group": "abstained"}
-        assert r.metadata.completed_without_errors is False
+        assert r.metadata.completed_without_errors is True  # a verdict: it counts against accuracy
     else:
         assert [s for s, _ in judge.calls] == ["abstention_check", "parsing"]
         assert t.verify_result is True and r.metadata.failure is None and r.metadata.completed_without_errors
