@@ -174,3 +174,34 @@ def test_rubric_deep_judgment_prompts_carry_the_trait(bench: Benchmark, question
     sc = _text(prompts.rubric_trait_score_messages(question.text, clarity.name, clarity.description or "",
                                                    "score 1-5", "It is clear.", {"type": "integer"}, {}))
     assert "It is clear." in sc and "score 1-5" in sc
+
+
+def test_excerpt_retry_feedback_names_each_rejected_quote() -> None:
+    text = prompts.excerpt_retry_feedback(
+        {"gene_name": [{"text": "BCL-2 gene", "similarity_score": 0.42}]}, 0.8, "gene_name")
+    assert '"BCL-2 gene"' in text and "0.42 < 0.80" in text and "gene_name" in text and "verbatim" in text
+
+
+def test_hallucination_prompt_carries_claims_and_search_results(question: Any) -> None:
+    items = [{"excerpt_id": "e1", "about": "gene_name", "excerpt": "BCL2 is anti-apoptotic",
+              "search_results": "BCL2 inhibits apoptosis (UniProt P10415)"}]
+    text = _text(prompts.hallucination_messages(question.text, items, {}))
+    assert question.text in text and "[e1] about gene_name" in text and "BCL2 is anti-apoptotic" in text
+    assert "UniProt P10415" in text
+    for level in ("none", "low", "medium", "high"):
+        assert f"{level} (" in text
+    assert json.dumps(prompts.HALLUCINATION_SCHEMA) in text
+
+
+def test_equivalence_prompt_carries_both_answers(question: Any) -> None:
+    text = _text(prompts.equivalence_messages(question.text, question.raw_answer, '{"gene_name": "BCL-2"}', {}))
+    assert question.text in text and question.raw_answer in text and '{"gene_name": "BCL-2"}' in text
+    assert "more general or a more specific claim is NOT equivalent" in text
+
+
+def test_presence_prompt_lists_every_concept(question: Any) -> None:
+    concepts = [("Mechanism", "explains how BCL2 blocks apoptosis"), ("Clinical", "mentions venetoclax")]
+    text = _text(prompts.rubric_presence_messages(question.text, RESPONSE, concepts, {}))
+    assert question.text in text and RESPONSE in text
+    assert "- Mechanism: explains how BCL2 blocks apoptosis" in text and "- Clinical: mentions venetoclax" in text
+    assert "When uncertain, answer present" in text
