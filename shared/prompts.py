@@ -15,7 +15,7 @@ def _custom(job_options: dict[str, Any], key: str) -> str:
 
 # The answering model's instruction when the run configures none (the reference gives every
 # answering model a default one, and records it on the result).
-DEFAULT_ANSWERING_SYSTEM_PROMPT = "You are an expert assistant. Answer the question correctly and concisely."
+DEFAULT_ANSWERING_SYSTEM_PROMPT = "You are a knowledgeable expert. Give a correct, concise answer to the question."
 
 
 def answering_system_prompt(configured: str | None) -> str:
