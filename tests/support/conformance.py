@@ -18,11 +18,11 @@ from services.guards.stage import check_guards
 from services.parsing.stage import parse_template
 from services.rubric.stage import evaluate_rubric
 from services.verification.stage import verify_template
-from shared import events
-from shared.fold import fold_result, needs_rubric, needs_template
-from shared.llm import LLMReply, extract_json
-from shared.models import VerificationResult
-from shared.templates import validate_template
+from shared.core import events
+from shared.core.fold import fold_result, needs_rubric, needs_template
+from shared.core.models import VerificationResult
+from shared.runtime.llm.reply import LLMReply, extract_json
+from shared.templates.calls import validate_template
 
 Reply = Any  # dict (parsed JSON), str (answer text, or a judge's raw reply), Exception, or callable(messages)
 

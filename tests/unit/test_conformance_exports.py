@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, VerificationConfig
-from shared.export import export_results
-from shared.models import VerificationResult
-from shared.results import VerificationResultSet
-from shared.rubric import LLMRubricTrait, MetricRubricTrait, Rubric
-from shared.runner import plan_run
+from shared.analysis.export import export_results
+from shared.analysis.resultset import VerificationResultSet
+from shared.control.runner import plan_run
+from shared.core.benchmark import Benchmark
+from shared.core.config import ModelConfig, VerificationConfig
+from shared.core.models import VerificationResult
+from shared.core.rubric import LLMRubricTrait, MetricRubricTrait, Rubric
 from tests.conftest import CHECKPOINTS, REFERENCE
 from tests.support.conformance import ByQuestion, ScriptedJudge, run_job
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from shared import prompts
-from shared.benchmark import Benchmark
-from shared.rubric import LLMRubricTrait, MetricRubricTrait
-from shared.templates import validate_template
+from shared.core import prompts
+from shared.core.benchmark import Benchmark
+from shared.core.rubric import LLMRubricTrait, MetricRubricTrait
+from shared.templates.calls import validate_template
 from tests.conftest import CHECKPOINTS
 
 RESPONSE = "BCL2 is an anti-apoptotic proto-oncogene [1]; it blocks apoptosis in lymphoma cells."

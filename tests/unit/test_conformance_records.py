@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from shared import prompts
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, VerificationConfig
-from shared.llm import LLMError
-from shared.models import VerificationResult
-from shared.rubric import LLMRubricTrait, MetricRubricTrait, Rubric
-from shared.runner import plan_run
+from shared.control.runner import plan_run
+from shared.core import prompts
+from shared.core.benchmark import Benchmark
+from shared.core.config import ModelConfig, VerificationConfig
+from shared.core.models import VerificationResult
+from shared.core.rubric import LLMRubricTrait, MetricRubricTrait, Rubric
+from shared.runtime.llm.reply import LLMError
 from tests.conftest import CHECKPOINTS
 from tests.support.conformance import ByQuestion, ScriptedJudge, run_job
 
@@ -336,7 +336,7 @@ def _minimal_job() -> Any:
 
 def _state(signals: dict[str, Any] | None = None, template: dict[str, Any] | None = None,
            error: tuple[str, str] | None = None) -> Any:
-    from shared import events
+    from shared.core import events
 
     return events.State(
         template={"raw_llm_response": "4", **(template or {})}, signals=signals or {},
@@ -375,7 +375,7 @@ FAILURE_CASES = [
                          ids=[c[0] for c in FAILURE_CASES])
 def test_every_failure_category_has_its_stage_and_group(template_state: Any, rubric_state: Any,
                                                         expected: tuple[str, str, str]) -> None:
-    from shared.fold import fold_result
+    from shared.core.fold import fold_result
 
     job = _minimal_job()
     r = fold_result(job, template_state, rubric_state, 1.0)

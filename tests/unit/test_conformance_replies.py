@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import events
-from shared.ids import template_id_for
-from shared.llm import extract_json
+from shared.core import events
+from shared.core.ids import template_id_for
+from shared.runtime.llm.reply import extract_json
 from tests.conftest import LLM_RESPONSES
 from tests.support.conformance import ScriptedJudge, run_job
 
