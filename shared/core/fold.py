@@ -56,11 +56,19 @@ def identity(spec: Any, answering: bool) -> ModelIdentity:
     )
 
 
-def merge_usage(*states: State | None) -> dict[str, Any] | None:
+def _stage_usage(*states: State | None) -> dict[str, Any]:
+    """Usage entries by stage over both branches (the shared stages appear once)."""
     usage: dict[str, Any] = {}
     for st in states:
         if st is not None:
             usage.update(st.usage)
+    return usage
+
+
+def merge_usage(*states: State | None) -> dict[str, Any] | None:
+    """usage_metadata: the stage entries (without their retry tallies) and their total."""
+    usage = {k: {f: v for f, v in e.items() if f != "retries"} if isinstance(e, dict) else e
+             for k, e in _stage_usage(*states).items()}
     if not usage:
         return None
     total = {k: 0 for k in TOKEN_KEYS}
@@ -91,21 +99,26 @@ def error_kind(err: StageError) -> str | None:
     return m.group(1) if m else None
 
 
-def retry_counts(err: StageError | None, job: Job) -> dict[str, dict[str, int]]:
-    """Retries spent per error category, as the reference records them (`{category: {used, budget}}`).
+def retry_counts(err: StageError | None, job: Job, usage: dict[str, Any] | None = None) -> dict[str, dict[str, int]]:
+    """Retries spent per error category, as the reference records them (`{category: {used, budget}}`):
+    the retries of calls that then succeeded (tallied by the model client on each stage's usage
+    entry) plus those of a call that failed for good. The budget is the model's `max_retries`."""
+    out: dict[str, dict[str, int]] = {}
 
-    Only a call that failed for good tells us its category; retries that ended in success are
-    not broken down by category, so they are not listed.
-    """
-    if err is None:
-        return {}
-    kind = error_kind(err)
-    if kind is None:
-        return {}
-    model = job.answering if err.stage == "generate_answer" else job.parsing
-    m = _ATTEMPTS.search(err.message)
-    used = max(0, int(m.group(1)) - 1) if m else 0
-    return {kind: {"used": used, "budget": int(model.max_retries)}}
+    def add(kind: str, used: int, stage: str) -> None:
+        model = job.answering if stage in ("answer_generation", "generate_answer") else job.parsing
+        entry = out.setdefault(kind, {"used": 0, "budget": 0})
+        entry["used"] += used
+        entry["budget"] = max(entry["budget"], int(model.max_retries))
+
+    for stage, entry in (usage or {}).items():
+        for kind, n in ((entry.get("retries") if isinstance(entry, dict) else None) or {}).items():
+            add(str(kind), int(n), stage)
+    kind = error_kind(err) if err is not None else None
+    if err is not None and kind is not None:
+        m = _ATTEMPTS.search(err.message)
+        add(kind, max(0, int(m.group(1)) - 1) if m else 0, err.stage)
+    return out
 
 
 def classify_failure(job: Job, template_state: State | None, rubric_state: State | None,
@@ -127,7 +140,8 @@ def classify_failure(job: Job, template_state: State | None, rubric_state: State
         kind = error_kind(error)
         if kind is not None:
             return _failure_entry(kind, error.stage, f"{kind} retries exhausted",
-                                  {"error_message": error.message, "retry_counts": retry_counts(error, job)})
+                                  {"error_message": error.message, "retry_counts": retry_counts(
+                                      error, job, _stage_usage(template_state, rubric_state))})
     if tmpl.get("abstention_detected"):
         return _failure_entry("abstention", "abstention_check", tmpl.get("abstention_reasoning") or "model abstained")
     if tmpl.get("sufficiency_check_performed") and tmpl.get("sufficiency_detected") is False:
@@ -165,7 +179,7 @@ def fold_result(job: Job, template_state: State | None, rubric_state: State | No
         question_id=job.question_id,
         template_id=job.template_id,
         failure=failure,
-        retry_counts=retry_counts(error, job),
+        retry_counts=retry_counts(error, job, _stage_usage(template_state, rubric_state)),
         question_text=job.question_text,
         raw_answer=job.raw_answer,
         keywords=job.keywords,

@@ -389,3 +389,23 @@ def test_every_failure_category_has_its_stage_and_group(template_state: Any, rub
         used = {"connection": 4, "rate_limit": 2, "server_error": 2}[expected[0]]
         assert r.metadata.retry_counts == {expected[0]: {"used": used, "budget": 2 if expected[1] != "generate_answer"
                                                          else job.answering.max_retries}}
+
+
+def test_retries_that_ended_in_success_are_counted_per_category() -> None:
+    from shared.core.fold import fold_result
+
+    job = _minimal_job()
+    state = _state(template={"template_verification_performed": True, "verify_result": True})
+    state.usage = {
+        "answer_generation": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7},
+        "parsing": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15,
+                    "retries": {"rate_limit": 2, "timeout": 1}},
+    }
+    r = fold_result(job, state, None, 1.0)
+    assert r.metadata.failure is None and r.metadata.completed_without_errors
+    assert r.metadata.retry_counts == {"rate_limit": {"used": 2, "budget": 2}, "timeout": {"used": 1, "budget": 2}}
+    # usage_metadata keeps the reference's shape: token counts only
+    assert r.template is not None and r.template.usage_metadata == {
+        "answer_generation": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7},
+        "parsing": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15},
+        "total": {"input_tokens": 15, "output_tokens": 7, "total_tokens": 22}}
