@@ -1,7 +1,8 @@
 """Typed signals: the flags one stage leaves for a later one in `State.signals`.
 
-They are not result fields: the fold reads two of them (`dj_rubric_autofail`, `rubric_error`),
-the stages read the rest. On the wire `signals` is still a JSON object with these keys (the
+They are not result fields: the fold reads the auto-fail flags (`recursion_limit`,
+`trace_validation_failed`, `dj_autofail`, `dj_rubric_autofail`) and `rubric_error`; the stages
+read the rest. On the wire `signals` is still a JSON object with these keys (the
 same names the untyped dict used), so events published before the signals were typed decode
 unchanged, and a field left at its default is not written.
 """
@@ -24,5 +25,6 @@ class Signals(msgspec.Struct, omit_defaults=True):
     final_ai_message: str | None = None  # the trace's final AI message (guards -> evaluation_text)
     parsed: dict[str, Any] | None = None  # the judge's parsed template fields (parsing -> verification)
     field_verification_result: bool | None = None  # verify() before regex/embedding (verification)
+    dj_autofail: bool = False  # deep judgment found no excerpt for an attribute (verification -> fold)
     dj_rubric_autofail: bool = False  # a deep-judged trait found no valid excerpt (rubric -> fold)
     rubric_error: str | None = None  # the rubric stage gave up with this message (rubric -> fold)

@@ -15,7 +15,7 @@ RUBRIC_WIRE = {"traits": [
 ]}
 
 
-def _job(r: VerificationResult, run_id: str) -> events.Job:
+def job_for(r: VerificationResult, run_id: str) -> events.Job:
     m = r.metadata
     return events.Job(
         run_id=run_id, result_id=m.result_id, answer_id=m.result_id[:8], question_id=m.question_id,
@@ -39,5 +39,5 @@ def stage_events(results: list[VerificationResult], run_id: str, t0: float = 1_7
             t += dur
             state = events.State(stages=stages, usage={"answer_generation": {"input_tokens": 100, "output_tokens": 50}})
             out.append(events.make_envelope(event_type, run_id, r.metadata.result_id,
-                                            events.StageEvent(job=_job(r, run_id), state=state), "test/1"))
+                                            events.StageEvent(job=job_for(r, run_id), state=state), "test/1"))
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from shared.analysis.html_report import RunData, error_groups, render_html
-from tests.unit.test_results import grid_results, make
+from tests.support.results import grid_results, make
 
 
 def _section(page: str, heading: str) -> str:

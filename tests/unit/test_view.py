@@ -12,7 +12,7 @@ from shared.analysis.stats import Proportion
 from shared.cli.view import pages
 from shared.cli.view.filters import FilterError, Filters
 from shared.cli.view.queries import run_state
-from tests.unit.test_results import make
+from tests.support.results import make
 
 
 def test_filters_parse_and_refuse_by_name() -> None:

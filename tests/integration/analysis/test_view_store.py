@@ -26,8 +26,8 @@ from shared.store.engine import QueryResult, Store
 from shared.store.reads import QueryError
 from shared.store.rows import result_to_row
 from tests.conftest import NatsServer
-from tests.integration.test_analysis_store import RUN_A, analysis_folder, settings, store  # noqa: F401 - fixtures
-from tests.unit.test_results import grid_results, make
+from tests.support.analysis_store import RUN_A
+from tests.support.results import grid_results, make
 
 RUN_EVIL = "20260101T000000-evil0001"
 RUN_BIG = "20260101T000000-big00001"
