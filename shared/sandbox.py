@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
 import importlib
+import itertools
 import json
+import logging
 import math
 import os
 import resource
+import shutil
 import signal
 import struct
 import subprocess
@@ -42,7 +46,13 @@ from typing import Any
 
 import msgspec
 
+from shared import sandbox_jail
+from shared.sandbox_jail import bwrap_argv
+
 _HDR = struct.Struct("<I")
+_MAX_REPLY = 64 * 1024 * 1024
+_BACKSTOP_S = 5.0  # extra wall time before the parent kills a whole worker whose zygote did not answer
+log = logging.getLogger("veribus.sandbox")
 _ROOT = str(Path(__file__).resolve().parent.parent)
 _MB = 1024 * 1024
 
@@ -103,12 +113,6 @@ def _apply_limits(cfg: dict[str, Any]) -> None:
     _set_limit(resource.RLIMIT_NPROC, int(cfg["max_procs"]), int(cfg["max_procs"]))
 
 
-def _arm_cpu(cpu_s: int) -> None:
-    """RLIMIT_CPU counts the process's whole life: allow `cpu_s` more seconds from now."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    _set_limit(resource.RLIMIT_CPU, int(ru.ru_utime + ru.ru_stime) + cpu_s)
-
-
 def _die_with_parent() -> None:
     """Best effort (Linux): SIGKILL this worker when the service process goes away."""
     try:
@@ -118,6 +122,40 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - non-Linux: the stdin EOF still ends an idle worker
         pass
+
+
+def _drop_privileges(uid: int, gid: int) -> None:
+    """Privileged jail: become the sandbox uid/gid (no groups, no capabilities left) or die."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getuid() == 0 or os.geteuid() == 0 or os.getresgid() != (gid, gid, gid):
+        raise RuntimeError("sandbox worker could not drop root")
+    with open("/proc/self/status") as f:
+        eff = next((ln.split()[1] for ln in f if ln.startswith("CapEff:")), "")
+    if eff.strip("0"):
+        raise RuntimeError(f"sandbox worker still holds capabilities ({eff})")
+
+
+def _load_seccomp(bpf: bytes) -> None:
+    """Install a compiled seccomp-BPF program (built by libseccomp in the service) on this thread."""
+    import ctypes
+
+    class _Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class _Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    if not bpf or len(bpf) % ctypes.sizeof(_Filter):
+        raise RuntimeError("seccomp program is empty or malformed")
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = _Prog(len(bpf) // ctypes.sizeof(_Filter), ctypes.addressof(buf))
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "loading the seccomp filter failed")
 
 
 _BLOCKED_EVENTS = frozenset({
@@ -132,36 +170,22 @@ _BLOCKED_EVENTS = frozenset({
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-def _isolate() -> str:
-    """Confine user code, after the worker's own setup and before any user code runs:
-    - a private network namespace when the kernel allows it (root on Linux): no route anywhere;
-    - a PEP 578 audit hook (cannot be removed) that refuses process creation, signals, sockets,
-      ctypes, and writes outside a private scratch folder - which becomes cwd and TMPDIR.
-    RLIMIT_NPROC does not bind root and there is no mount isolation, so these are the layers that
-    stop a template forking, phoning out or writing into the service's files."""
-    scratch = os.path.realpath(tempfile.mkdtemp(prefix="veribus-sandbox-"))
-    os.chdir(scratch)
-    os.environ["TMPDIR"] = scratch
-    tempfile.tempdir = scratch
-    sys.dont_write_bytecode = True
-    if os.environ.get("VERIBUS_SANDBOX_NETNS", "1") != "0":
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET; refused when unprivileged
-        except Exception:  # noqa: BLE001 - best effort: the audit hook still refuses sockets
-            pass
+def _audit_hook(scratch: str) -> None:
+    """Defence in depth only (PEP 578 hooks are not a security boundary: user code can rebind
+    the globals they read). Refuses process creation, signals, sockets, ctypes and writes outside
+    the call's scratch folder with a readable message; the kernel layers stop what it misses."""
     prefix = scratch + os.sep
+    blocked, write_flags = _BLOCKED_EVENTS, _WRITE_FLAGS  # bound now: rebinding the module globals later changes nothing
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
-        if event in _BLOCKED_EVENTS:
+        if event in blocked:
             raise PermissionError(f"sandbox: {event} is not allowed in template code")
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
             if isinstance(path, int) or path is None:
                 return
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & _WRITE_FLAGS)
+                isinstance(flags, int) and flags & write_flags)
             if writing:
                 real = os.path.realpath(os.fsdecode(path))
                 if not (real + os.sep).startswith(prefix):
@@ -174,7 +198,6 @@ def _isolate() -> str:
                         raise PermissionError(f"sandbox: {event} on {real} is not allowed")
 
     sys.addaudithook(hook)
-    return scratch
 
 
 def _resolve(fn_name: str, cache: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
@@ -189,58 +212,224 @@ def _resolve(fn_name: str, cache: dict[str, Callable[..., Any]]) -> Callable[...
     return fn
 
 
+def _clear_dir(root: str) -> None:
+    """Empty `root` (the call left files, maybe unreadable ones: the owner can always chmod)."""
+    def onerror(func: Any, path: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(path), 0o700)
+            os.chmod(path, 0o700)
+            func(path)
+        except OSError:
+            pass
+
+    with os.scandir(root) as it:
+        entries = list(it)
+    for e in entries:
+        try:
+            if e.is_dir(follow_symlinks=False):
+                os.chmod(e.path, 0o700)
+                shutil.rmtree(e.path, onerror=onerror)
+            else:
+                os.unlink(e.path)
+        except OSError:
+            pass
+
+
+class _Zygote:
+    """The worker's main process: it imports what calls need, never runs user code, and forks a
+    fresh child for every call (so nothing a call does to the interpreter survives it)."""
+
+    def __init__(self, cfg: dict[str, Any], out_fd: int) -> None:
+        self.cfg = cfg
+        self.out_fd = out_fd
+        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+        self.scratch_root = cfg["scratch"]
+        self.call_bpf = base64.b64decode(cfg.get("seccomp_call") or "")
+        self.mem_reply = self.enc.encode({"ok": False, "kind": "memory",
+                                          "error": f"memory limit {cfg['memory_mb']} MB exceeded"})
+        self.funcs: dict[str, Callable[..., Any]] = {}
+
+    # -- in the child -------------------------------------------------------------------
+
+    def _child(self, fn_name: str, kwargs: dict[str, Any], cpu_s: int, reply_fd: int) -> None:
+        scratch = os.path.join(self.scratch_root, "call")
+        os.chdir(scratch)
+        os.environ["TMPDIR"] = scratch
+        tempfile.tempdir = scratch
+        cfg = self.cfg
+        _apply_limits(cfg)
+        _set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s)
+        if self.call_bpf:
+            _load_seccomp(self.call_bpf)
+        if cfg.get("audit", True):
+            _audit_hook(scratch)
+        try:
+            try:
+                fn = _resolve(fn_name, self.funcs)
+                reply = self.enc.encode({"ok": True, "value": fn(**kwargs)})
+            except MemoryError:
+                raise
+            except SystemExit as exc:
+                reply = self.enc.encode({"ok": False, "kind": "exit", "error": f"code called sys.exit({exc.code!r})"})
+            except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+                tb = "".join(traceback.format_exception(exc))[-4000:]
+                reply = self.enc.encode({"ok": False, "kind": "exception", "error": f"{type(exc).__name__}: {exc}",
+                                         "traceback": tb})
+        except MemoryError:
+            reply = self.mem_reply
+        _send(reply_fd, reply)
+
+    # -- in the zygote ------------------------------------------------------------------
+
+    def serve(self, reader: Any) -> None:
+        while True:
+            head = reader.read(4)
+            if len(head) < 4:
+                os._exit(0)
+            body = reader.read(_HDR.unpack(head)[0])
+            try:
+                fn_name, kwargs, timeout_s, cpu_s = self.dec.decode(body)
+            except Exception as exc:  # noqa: BLE001 - the parent sent something odd
+                _send(self.out_fd, self.enc.encode({"ok": False, "kind": "exception", "error": f"bad request: {exc}"}))
+                continue
+            _send(self.out_fd, self.call(fn_name, kwargs, float(timeout_s), int(cpu_s), reader.fileno()))
+
+    def call(self, fn_name: str, kwargs: dict[str, Any], timeout_s: float, cpu_s: int, in_fd: int) -> bytes:
+        scratch = os.path.join(self.scratch_root, "call")
+        _clear_dir(self.scratch_root)
+        os.mkdir(scratch, 0o700)
+        reply_r, reply_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the call's own process
+            try:
+                os.close(reply_r)
+                os.close(err_r)
+                os.close(in_fd)
+                os.close(self.out_fd)
+                os.dup2(err_w, 1)
+                os.dup2(err_w, 2)
+                os.close(err_w)
+                self._child(fn_name, kwargs, cpu_s, reply_w)
+            except BaseException as exc:  # noqa: BLE001 - report setup failures too
+                try:
+                    _send(reply_w, self.enc.encode({"ok": False, "kind": "crash",
+                                                    "error": f"sandbox call setup failed: {type(exc).__name__}: {exc}"}))
+                except BaseException:  # noqa: BLE001
+                    pass
+            finally:
+                os._exit(0)
+        os.close(reply_w)
+        os.close(err_w)
+        try:
+            return self._wait(pid, fn_name, timeout_s, cpu_s, reply_r, err_r)
+        finally:
+            _clear_dir(self.scratch_root)
+
+    def _wait(self, pid: int, fn_name: str, timeout_s: float, cpu_s: int, reply_r: int, err_r: int) -> bytes:
+        import select
+        import time
+
+        pidfd = os.pidfd_open(pid)
+        deadline = time.monotonic() + timeout_s
+        reply, err_tail = bytearray(), bytearray()
+        open_fds = {reply_r, err_r}
+        exited = timed_out = too_big = False
+        try:
+            while open_fds or not exited:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                ready, _, _ = select.select([*open_fds, *([] if exited else [pidfd])], [], [], remaining)
+                for fd in ready:
+                    if fd == pidfd:
+                        exited = True
+                        continue
+                    data = os.read(fd, 1 << 16)
+                    if not data:
+                        open_fds.discard(fd)
+                    elif fd == reply_r:
+                        reply += data
+                        if len(reply) > _MAX_REPLY:
+                            too_big = True
+                    else:
+                        err_tail += data
+                        if len(err_tail) > 8192:
+                            del err_tail[:-4096]
+                if too_big:
+                    break
+            if timed_out or too_big or not exited:
+                os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+        finally:
+            os.close(pidfd)
+            os.close(reply_r)
+            os.close(err_r)
+        label = _label(fn_name)
+        if timed_out:
+            return self.enc.encode({"ok": False, "kind": "timeout", "error": f"{label} exceeded {timeout_s} s wall time"})
+        if too_big:
+            return self.enc.encode({"ok": False, "kind": "exception",
+                                    "error": f"{label} returned more than {_MAX_REPLY // _MB} MB"})
+        if len(reply) >= 4 and _HDR.unpack_from(reply)[0] == len(reply) - 4:
+            return bytes(reply[4:])
+        return self.enc.encode(_death(status, label, cpu_s, self.cfg, bytes(err_tail)))
+
+
+def _death(status: int, label: str, cpu_s: int, cfg: dict[str, Any], stderr: bytes) -> dict[str, Any]:
+    """The reply for a call whose process died without answering."""
+    kind = "crash"
+    if os.WIFEXITED(status):
+        what = f"worker exited with code {os.WEXITSTATUS(status)}"
+    else:
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGXCPU:
+            kind, what = "cpu", f"{label} exceeded the CPU time limit ({cpu_s} s)"
+        elif sig == signal.SIGXFSZ:
+            what = f"{label} exceeded the file size limit ({cfg['max_file_mb']} MB)"
+        elif sig == signal.SIGKILL:
+            what = "worker killed by SIGKILL (out of memory?)"
+        else:
+            what = f"worker crashed with {_signal_name(sig)}"
+    lines = stderr.decode("utf-8", "replace").strip().splitlines()
+    hint = next((ln.strip() for ln in lines if "Fatal Python error" in ln), "")
+    if hint:
+        what += f" (stderr: {hint[:200]})"
+    return {"ok": False, "kind": kind, "error": what}
+
+
 def _worker_main() -> None:
-    """Entry point of a worker process: set up, signal ready, then serve calls until EOF."""
+    """Entry point of a worker (zygote) process: confine itself, load what calls need, signal
+    ready, then fork one child per call until its stdin closes."""
     cfg = json.loads(sys.argv[1])
     in_fd, out_fd = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # input() sees EOF
     os.dup2(2, 1)  # print() goes to stderr, not into the protocol stream
     os.close(devnull)
+    if cfg.get("drop_to"):
+        _drop_privileges(*cfg["drop_to"])
     _die_with_parent()
     import faulthandler
 
-    faulthandler.enable()  # a segfault leaves a traceback on stderr for the parent's message
+    faulthandler.enable()  # a segfault leaves a traceback on stderr for the error message
+    sys.dont_write_bytecode = True
     from shared.answer import install_karenina_aliases
 
     install_karenina_aliases()
     for mod in cfg["preload"]:
         importlib.import_module(mod)
-    _apply_limits(cfg)
-    if cfg.get("isolate", True):
-        _isolate()
-    cpu_s = int(cfg["cpu_s"])
-    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
-    mem_reply = enc.encode({"ok": False, "kind": "memory", "recycle": True,
-                            "error": f"memory limit {cfg['memory_mb']} MB exceeded"})
+    import select  # noqa: F401 - imported before seccomp and forks, used by every call
+
+    if not cfg.get("scratch"):
+        cfg["scratch"] = os.path.realpath(tempfile.mkdtemp(prefix="veribus-sandbox-"))
+    if cfg.get("seccomp_zygote"):
+        _load_seccomp(base64.b64decode(cfg["seccomp_zygote"]))
+    zygote = _Zygote(cfg, out_fd)
     reader = os.fdopen(in_fd, "rb", buffering=1 << 16)
-    funcs: dict[str, Callable[..., Any]] = {}
-    _send(out_fd, enc.encode({"ready": True, "pid": os.getpid()}))
-    while True:
-        head = reader.read(4)
-        if len(head) < 4:
-            os._exit(0)
-        body = reader.read(_HDR.unpack(head)[0])
-        recycle = False
-        try:
-            try:
-                fn_name, kwargs = dec.decode(body)
-                fn = _resolve(fn_name, funcs)
-                _arm_cpu(cpu_s)
-                reply = enc.encode({"ok": True, "value": fn(**kwargs)})
-            except MemoryError:
-                raise
-            except SystemExit as exc:
-                reply = enc.encode({"ok": False, "kind": "exit", "error": f"code called sys.exit({exc.code!r})"})
-            except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-                tb = "".join(traceback.format_exception(exc))[-4000:]
-                reply = enc.encode({"ok": False, "kind": "exception", "error": f"{type(exc).__name__}: {exc}",
-                                    "traceback": tb})
-        except MemoryError:
-            reply, recycle = mem_reply, True  # the heap may be fragmented or poisoned: start afresh
-        _send(out_fd, reply)
-        if recycle:
-            os._exit(0)
+    _send(out_fd, zygote.enc.encode({"ready": True, "pid": os.getpid(), "uid": os.getuid()}))
+    zygote.serve(reader)
 
 
 # =========================================================================== parent side
@@ -277,15 +466,28 @@ class _Worker:
 
     async def start(self) -> None:
         pool = self.pool
-        cfg = json.dumps({"memory_mb": pool.memory_mb, "cpu_s": pool.cpu_s, "max_open_files": pool.max_open_files,
-                          "max_file_mb": pool.max_file_mb, "max_procs": pool.max_procs,
-                          "preload": list(pool.preload)})
+        jail = pool.jail
+        cfg_d: dict[str, Any] = {
+            "memory_mb": pool.memory_mb, "max_open_files": pool.max_open_files, "max_file_mb": pool.max_file_mb,
+            "max_procs": pool.max_procs, "preload": list(pool.preload), "audit": True}
         boot = f"import sys; sys.path.insert(0, {_ROOT!r}); from shared.sandbox import _worker_main; _worker_main()"
-        env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
-        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")
+        if jail.mode == "jail":
+            cfg_d.update(scratch="/tmp", drop_to=list(jail.drop_to) if jail.drop_to else None,
+                         seccomp_zygote=base64.b64encode(jail.seccomp_zygote).decode(),
+                         seccomp_call=base64.b64encode(jail.seccomp_call).decode())
+            argv = [*bwrap_argv(jail.bwrap, pool.tmp_mb, pool.tag, privileged=jail.privileged),
+                    sys.executable, "-I", "-c", boot, json.dumps(cfg_d)]
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            cwd = "/"
+        else:
+            argv = [sys.executable, "-I", "-c", boot, json.dumps(cfg_d), pool.tag]
+            env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+            env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1",
+                       OPENBLAS_NUM_THREADS="1", VERIBUS_SANDBOX_TAG=pool.tag)
+            cwd = tempfile.gettempdir()
         self.proc = subprocess.Popen(
-            [sys.executable, "-s", "-c", boot, cfg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, bufsize=0, env=env, cwd=tempfile.gettempdir(), start_new_session=True,
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, bufsize=0, env=env, cwd=cwd, start_new_session=True,
         )
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         self.pid = self.proc.pid
@@ -308,6 +510,9 @@ class _Worker:
         if not hello.get("ready"):
             self.kill()
             raise RuntimeError(f"sandbox worker failed to start: {hello.get('error', hello)}")
+        if jail.mode == "jail" and hello.get("uid") == 0:
+            self.kill()
+            raise RuntimeError("sandbox worker runs as root: refusing to use it")
         self.usable = True
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -451,7 +656,8 @@ class _Worker:
                 data = data[os.write(self.in_fd, data):]
         except OSError:  # it died meanwhile; its EOF resolves `fut` with the reason
             pass
-        timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
+        # the zygote stops an overrunning call itself; this backstop is for a wedged zygote
+        timer = loop.call_later(timeout_s + _BACKSTOP_S, self._expire, fut, timeout_s)
         try:
             reply = await fut
         except asyncio.CancelledError:
@@ -516,12 +722,19 @@ class Sandbox:
         max_procs: int = 0,
         preload: tuple[str, ...] = PRELOAD,
         startup_timeout_s: float = 60.0,
+        tmp_mb: int = 64,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
+        self.tmp_mb = int(tmp_mb)
+        self.jail = sandbox_jail.plan(self.tmp_mb)  # fixed for the pool's life; probed once per process
+        self.tag = f"veribus-sandbox-{os.getpid()}-{next(_pool_ids)}"  # in each worker's argv/env: find them all
+        if self.jail.mode == "unsafe":
+            log.warning(sandbox_jail.UNSAFE_WARNING)
         self.workers = workers
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
+        self._cpu_explicit = cpu_s is not None
         self.cpu_s = int(cpu_s) if cpu_s is not None else int(math.ceil(self.timeout_s)) + 1
         self.max_open_files = max_open_files
         self.max_file_mb = max_file_mb
@@ -644,6 +857,8 @@ class Sandbox:
     async def call(self, fn_name: str, /, *, timeout_s: float | None = None, **kwargs: Any) -> dict[str, Any]:
         if self._closed:
             return {"ok": False, "kind": "closed", "error": "sandbox is closed"}
+        if self.jail.error:  # fail closed: no jail, no user code
+            return {"ok": False, "kind": "unavailable", "error": f"sandbox unavailable: {self.jail.error}"}
         idle = self._ensure()
         while True:
             try:
@@ -657,13 +872,15 @@ class Sandbox:
                 break
             # it died while idle; its EOF handler has already started a replacement
         self.calls += 1
+        wall = self.timeout_s if timeout_s is None else float(timeout_s)
+        cpu = self.cpu_s if self._cpu_explicit else int(math.ceil(wall)) + 1
         try:
-            body = self._enc.encode((fn_name, kwargs))
+            body = self._enc.encode((fn_name, kwargs, wall, cpu))
         except Exception as exc:  # noqa: BLE001
             idle.put_nowait(w)
             return {"ok": False, "kind": "exception", "error": f"arguments not serialisable: {exc}"}
         try:
-            return await w.request(body, self.timeout_s if timeout_s is None else timeout_s, _label(fn_name))
+            return await w.request(body, wall, _label(fn_name))
         finally:
             if w.usable and not self._closed:
                 idle.put_nowait(w)
@@ -676,6 +893,7 @@ class Sandbox:
 
 
 _live_pools: weakref.WeakSet[Sandbox] = weakref.WeakSet()
+_pool_ids = itertools.count(1)
 _default: Sandbox | None = None
 
 
