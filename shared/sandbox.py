@@ -469,7 +469,7 @@ class _Worker:
         jail = pool.jail
         cfg_d: dict[str, Any] = {
             "memory_mb": pool.memory_mb, "max_open_files": pool.max_open_files, "max_file_mb": pool.max_file_mb,
-            "max_procs": pool.max_procs, "preload": list(pool.preload), "audit": True}
+            "max_procs": pool.max_procs, "preload": list(pool.preload), "audit": pool.audit_hook}
         boot = f"import sys; sys.path.insert(0, {_ROOT!r}); from shared.sandbox import _worker_main; _worker_main()"
         if jail.mode == "jail":
             cfg_d.update(scratch="/tmp", drop_to=list(jail.drop_to) if jail.drop_to else None,
@@ -723,10 +723,12 @@ class Sandbox:
         preload: tuple[str, ...] = PRELOAD,
         startup_timeout_s: float = 60.0,
         tmp_mb: int = 64,
+        audit_hook: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.tmp_mb = int(tmp_mb)
+        self.audit_hook = audit_hook  # defence in depth only; tests switch it off to attack the kernel layers
         self.jail = sandbox_jail.plan(self.tmp_mb)  # fixed for the pool's life; probed once per process
         self.tag = f"veribus-sandbox-{os.getpid()}-{next(_pool_ids)}"  # in each worker's argv/env: find them all
         if self.jail.mode == "unsafe":
