@@ -258,7 +258,7 @@ class _Zygote:
         tempfile.tempdir = scratch
         cfg = self.cfg
         _apply_limits(cfg)
-        _set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s)
+        _set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKILL a second later
         if self.call_bpf:
             _load_seccomp(self.call_bpf)
         if cfg.get("audit", True):
@@ -469,7 +469,8 @@ class _Worker:
         jail = pool.jail
         cfg_d: dict[str, Any] = {
             "memory_mb": pool.memory_mb, "max_open_files": pool.max_open_files, "max_file_mb": pool.max_file_mb,
-            "max_procs": pool.max_procs, "preload": list(pool.preload), "audit": pool.audit_hook}
+            "max_procs": pool.max_procs, "preload": list(pool.preload), "audit": pool.audit_hook,
+            "tag": pool.tag}  # the tag in every process's cmdline: tests find them all
         boot = f"import sys; sys.path.insert(0, {_ROOT!r}); from shared.sandbox import _worker_main; _worker_main()"
         if jail.mode == "jail":
             cfg_d.update(scratch="/tmp", drop_to=list(jail.drop_to) if jail.drop_to else None,
