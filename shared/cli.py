@@ -393,9 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hold-s", type=float, default=20.0, help="seconds to hold the queue for --backpressure")
     b.add_argument("--analysis", action="store_true",
                    help="instead: time summaries and a streamed export over a synthetic results table")
+    b.add_argument("--sandbox", action="store_true",
+                   help="instead: the template sandbox's cost per call (jail vs unsafe)")
     from bench.analysis import add_arguments as add_analysis_arguments
+    from bench.sandbox import add_arguments as add_sandbox_arguments
 
     add_analysis_arguments(b)
+    add_sandbox_arguments(b)
     b.set_defaults(fn=cmd_bench)
     return p
 
@@ -409,6 +413,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from bench.analysis import main as analysis_main
 
         return analysis_main(args)
+    if args.sandbox:
+        from bench.sandbox import main as sandbox_main
+
+        return sandbox_main(args)
     from bench.run import main as bench_main
 
     return bench_main(args)

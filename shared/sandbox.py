@@ -1,20 +1,22 @@
 """Worker sandbox: user template code and callable traits never run in a service process.
 
-A `Sandbox` is a pool of persistent worker processes (`python -c …_worker_main`), each in its
-own session (process group), started with a scrubbed environment (no API keys) and with
-resource limits set in the child: RLIMIT_AS (memory cap), RLIMIT_CPU (re-armed before each
-call), RLIMIT_NOFILE, RLIMIT_FSIZE, RLIMIT_NPROC and no core files. The parent enforces a
-per-call wall-time limit: on expiry it kill -9s the worker's process group and starts a new one.
-A worker that dies (os._exit, segfault, signal) or runs out of memory yields an error result
-that names what happened, and the pool keeps serving.
+A `Sandbox` is a pool of worker processes. Each worker is a jail (`shared.sandbox_jail`:
+bubblewrap namespaces, a separate uid, seccomp, a cleared environment) holding a *zygote*: a
+Python process that imports what calls need, never runs user code, and forks one fresh child
+per call. The child sets its rlimits (memory, CPU, files, file size, NPROC=0, no core), loads
+the per-call seccomp filter (no fork/clone/exec/signals/sockets), runs the call in an empty
+scratch folder and exits, so nothing a call does to the interpreter, the filesystem or the
+process table survives it. The zygote enforces the per-call wall time (SIGKILL of the child)
+and reports how a child died; the parent keeps a backstop timer that kills a whole worker
+(by process group; the jail dies with it) if its zygote stops answering.
 
 Protocol: length-prefixed msgpack frames over the worker's stdin/stdout (the worker moves its
-own fd 1 to stderr so user `print`s cannot corrupt the stream). One call at a time per worker.
-The parent watches the pipes with `loop.add_reader`: no threads, no per-call tasks, and idle
-workers carry over to a new event loop.
+own fd 1 to stderr; a call's prints go to a pipe the zygote drains). One call at a time per
+worker. The parent watches the pipes with `loop.add_reader`: no threads, no per-call tasks,
+and idle workers carry over to a new event loop.
 
-This isolates faults and resource use; it is not a security boundary against hostile code
-(no seccomp, no network namespace).
+If the jail cannot be set up the pool fails closed (every call: kind "unavailable").
+`VERIBUS_SANDBOX=unsafe` runs the same zygote without the jail, seccomp or uid drop.
 
 Every `call` returns a dict: {"ok": True, "value": …} or {"ok": False, "kind": …, "error": …}
 with kind one of: exception, exit, timeout, memory, cpu, crash, unavailable, closed.
@@ -428,6 +430,10 @@ def _worker_main() -> None:
         _load_seccomp(base64.b64decode(cfg["seccomp_zygote"]))
     zygote = _Zygote(cfg, out_fd)
     reader = os.fdopen(in_fd, "rb", buffering=1 << 16)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the calls' collector never walks (and so never copies) the zygote's pages
     _send(out_fd, zygote.enc.encode({"ready": True, "pid": os.getpid(), "uid": os.getuid()}))
     zygote.serve(reader)
 

@@ -68,7 +68,7 @@ _DENY_CALL = (
 
 @dataclass
 class JailPlan:
-    """How workers are started: `argv_prefix` + [python, ...]; `drop_to` = (uid, gid) for the
+    """How workers are started: `bwrap_argv(...)` + [python, ...]; `drop_to` = (uid, gid) for the
     worker to switch to at start (privileged bwrap), None when bwrap already mapped the user."""
 
     mode: str  # "jail" or "unsafe"
