@@ -441,6 +441,29 @@ def _worker_main() -> None:
 # =========================================================================== parent side
 
 
+_KINDS = frozenset({"exception", "exit", "timeout", "memory", "cpu", "crash", "unavailable", "closed"})
+
+
+def _checked_reply(dec: msgspec.msgpack.Decoder, payload: Any, label: str) -> dict[str, Any]:
+    """A reply frame as the pool's callers may rely on it. User code can write its own frame
+    into the reply pipe, so the shape is checked here, in the service, not trusted."""
+    try:
+        msg = dec.decode(payload)
+    except msgspec.DecodeError:
+        msg = None
+    if isinstance(msg, dict) and msg.get("ready") is True:
+        return msg  # the worker's start-up hello
+    if isinstance(msg, dict) and msg.get("ok") is True and "value" in msg:
+        return {"ok": True, "value": msg["value"]}
+    if (isinstance(msg, dict) and msg.get("ok") is False and msg.get("kind") in _KINDS
+            and isinstance(msg.get("error"), str)):
+        out = {"ok": False, "kind": msg["kind"], "error": msg["error"][:20_000]}
+        if isinstance(msg.get("traceback"), str):
+            out["traceback"] = msg["traceback"][:8_000]
+        return out
+    return {"ok": False, "kind": "crash", "error": f"{label} sent a malformed sandbox reply"}
+
+
 def _signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
@@ -576,7 +599,7 @@ class _Worker:
             self._frame(frame)
 
     def _frame(self, payload: Any) -> None:
-        msg = self.pool._dec.decode(payload)
+        msg = _checked_reply(self.pool._dec, payload, self.label)
         fut = self.waiter
         if fut is not None and not fut.done():
             fut.set_result(msg)

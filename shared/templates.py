@@ -98,7 +98,10 @@ async def validate_template(
     )
     if not reply["ok"]:
         return TemplateInfo(ok=False, error=reply["error"])
-    return msgspec.convert(reply["value"], TemplateInfo)
+    try:  # user code can write its own reply: never trust its shape
+        return msgspec.convert(reply["value"], TemplateInfo)
+    except msgspec.ValidationError as exc:
+        return TemplateInfo(ok=False, error=f"template validation returned a malformed result: {exc}")
 
 
 async def run_verify(
@@ -118,7 +121,10 @@ async def run_verify(
     )
     if not reply["ok"]:
         return VerifyOutcome(error=reply["error"])
-    return msgspec.convert(reply["value"], VerifyOutcome)
+    try:  # user code can write its own reply: never trust its shape
+        return msgspec.convert(reply["value"], VerifyOutcome)
+    except msgspec.ValidationError as exc:
+        return VerifyOutcome(error=f"template verification returned a malformed result: {exc}")
 
 
 async def run_callable_trait(
@@ -147,7 +153,11 @@ async def run_callable_trait(
             prefix = f"{CallableTraitError.__name__}: "
             err = err[len(prefix):] if err.startswith(prefix) else f"callable trait raised {err}"
         raise CallableTraitError(err)
-    return reply["value"]
+    value = reply["value"]
+    if (kind == "boolean" and not isinstance(value, bool)) or (
+            kind == "score" and (isinstance(value, bool) or not isinstance(value, int))):
+        raise CallableTraitError(f"callable trait returned a malformed result ({type(value).__name__})")
+    return value
 
 
 def regex_trait_score(pattern: str, text: str, case_sensitive: bool, invert: bool) -> bool:

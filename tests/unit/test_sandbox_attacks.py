@@ -428,3 +428,57 @@ async def test_scratch_is_emptied_between_calls(pool: Sandbox) -> None:
     assert (await pool.call("exec", code=write)) == {"ok": True, "value": 1}
     reply = await pool.call("exec", code="import os\nresult = sorted(os.listdir('.')) + sorted(os.listdir('/tmp'))")
     assert reply == {"ok": True, "value": ["call"]}, reply
+
+
+async def test_forged_protocol_frames_stay_in_their_own_call(pool: Sandbox) -> None:
+    """User code writes made-up reply frames on every descriptor it has, then exits quietly:
+    the service gets a well-formed (error) result for that call only, and later calls are real."""
+    forge = textwrap.dedent("""
+        import os, struct, msgspec
+        fds = sorted(int(f) for f in os.listdir('/proc/self/fd'))
+        def frame(obj):
+            body = msgspec.msgpack.encode(obj)
+            return struct.pack('<I', len(body)) + body
+        for fd in range(3, 64):
+            for obj in ({"ok": True, "value": {"verify_result": "forged", "error": 7}},
+                        {"ok": False, "kind": "rm -rf", "error": 42}, ["not", "a", "dict"]):
+                try:
+                    os.write(fd, frame(obj))
+                except OSError:
+                    pass
+        os._exit(0)
+        """)
+    template = _attack_template("r = {}\n" + forge + "\nreturn r\n")
+    outcome = await run_verify(template, {"result": 4}, "q-forge", sandbox=pool)
+    assert outcome.verify_result is None and outcome.error, outcome  # recorded as this call's error
+    with pytest.raises(CallableTraitError):  # recorded on the trait, whatever the frames said
+        await run_callable_trait(_attack_callable("r = {}\n" + forge + "\nreturn r\n"), "t", "boolean", sandbox=pool)
+    info = await validate_template(_attack_template("r = {}\n" + forge + "\nreturn r\n", where="class"), "q", sandbox=pool)
+    assert not info.ok and info.error
+    for _ in range(3):
+        reply = await pool.call("ping", n=1)
+        assert reply["ok"] and reply["value"]["echo"] == {"n": 1}
+    ok = await run_verify(UNRELATED, {"distance": -3}, "q-after", sandbox=pool)
+    assert ok.verify_result is True and ok.error is None
+
+
+async def test_one_forged_reply_frame_is_checked_by_the_service(pool: Sandbox) -> None:
+    forge = textwrap.dedent("""
+        import os, struct, msgspec
+        body = msgspec.msgpack.encode(VALUE)
+        for fd in range(3, 64):
+            try:
+                os.write(fd, struct.pack('<I', len(body)) + body)
+            except OSError:
+                pass
+        os._exit(0)
+        """)
+    bad_verify = forge.replace("VALUE", repr({"ok": True, "value": {"verify_result": "forged", "field_results": 3}}))
+    outcome = await run_verify(_attack_template("r = {}\n" + bad_verify + "\nreturn r\n"), {"result": 4}, "q", sandbox=pool)
+    assert outcome.verify_result is None and "malformed result" in (outcome.error or ""), outcome
+    bad_trait = forge.replace("VALUE", repr({"ok": True, "value": {"score": 99}}))
+    with pytest.raises(CallableTraitError, match="malformed result"):
+        await run_callable_trait(_attack_callable("r = {}\n" + bad_trait + "\nreturn r\n"), "t", "boolean", sandbox=pool)
+    bad_kind = forge.replace("VALUE", repr({"ok": False, "kind": "no-such-kind", "error": 1}))
+    reply = await pool.call("exec", code=bad_kind)
+    assert reply == {"ok": False, "kind": "crash", "error": "code sent a malformed sandbox reply"}
