@@ -126,6 +126,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _not_dumpable() -> None:
+    """The zygote's /proc/<pid>/{mem,environ,...} become root-owned: a call process (same uid)
+    cannot write into the zygote's memory to leave state for later calls."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "PR_SET_DUMPABLE failed")
+
+
 def _drop_privileges(uid: int, gid: int) -> None:
     """Privileged jail: become the sandbox uid/gid (no groups, no capabilities left) or die."""
     os.setgroups([])
@@ -413,6 +422,7 @@ def _worker_main() -> None:
     if cfg.get("drop_to"):
         _drop_privileges(*cfg["drop_to"])
     _die_with_parent()
+    _not_dumpable()
     import faulthandler
 
     faulthandler.enable()  # a segfault leaves a traceback on stderr for the error message

@@ -482,3 +482,21 @@ async def test_one_forged_reply_frame_is_checked_by_the_service(pool: Sandbox) -
     bad_kind = forge.replace("VALUE", repr({"ok": False, "kind": "no-such-kind", "error": 1}))
     reply = await pool.call("exec", code=bad_kind)
     assert reply == {"ok": False, "kind": "crash", "error": "code sent a malformed sandbox reply"}
+
+
+async def test_the_zygote_cannot_be_written_to_by_a_call(pool: Sandbox) -> None:
+    """A call process runs as the zygote's uid; writing into the zygote's memory would leave
+    state for every later call. Its /proc entries are not the call's to open."""
+    body = "r = {}\n" + TRY + """
+zygote = os.getppid()
+t('mem_write', lambda: open('/proc/%d/mem' % zygote, 'r+b'))
+t('mem_read', lambda: open('/proc/%d/mem' % zygote, 'rb').read(1))
+t('maps', lambda: open('/proc/%d/maps' % zygote).read(100))
+t('fd_dir', lambda: os.listdir('/proc/%d/fd' % zygote))
+t('status_ok', lambda: open('/proc/%d/status' % zygote).read(20))
+return r
+"""
+    for where, _text, report in await _run_everywhere(pool, body):
+        for name in ("mem_write", "mem_read", "maps", "fd_dir"):
+            assert _failed(report[name]), (where, name, report[name])
+        assert report["status_ok"].startswith("OK "), (where, report)  # the zygote is there to attack
