@@ -233,7 +233,7 @@ def plan(tmp_mb: int = 64) -> JailPlan:
     else:
         try:
             result.seccomp_zygote = _build_bpf(_DENY_ALWAYS + ("clone3",))
-            result.seccomp_call = _build_bpf(_DENY_CALL + ("clone3",))
+            result.seccomp_call = _build_bpf(_DENY_ALWAYS + _DENY_CALL + ("clone3",))  # stands on its own too
         except Exception as exc:  # noqa: BLE001 - no libseccomp / pyseccomp: fail closed
             result.error = f"cannot build the seccomp filter ({type(exc).__name__}: {exc})" + hint
     if result.error is None:

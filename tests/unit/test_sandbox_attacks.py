@@ -500,3 +500,55 @@ return r
         for name in ("mem_write", "mem_read", "maps", "fd_dir"):
             assert _failed(report[name]), (where, name, report[name])
         assert report["status_ok"].startswith("OK "), (where, report)  # the zygote is there to attack
+
+
+def _unshare_net() -> int:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0:  # CLONE_NEWNET
+        raise OSError(ctypes.get_errno(), "unshare")
+    return 0
+
+
+def test_seccomp_layer_holds_on_its_own() -> None:
+    """The call filter alone (no namespaces, no uid change: loaded in a plain forked child of
+    this process) refuses exec, fork, clone, sockets and signals with EPERM."""
+    from shared import sandbox_jail
+    from shared.sandbox import _load_seccomp
+
+    bpf = sandbox_jail.plan().seccomp_call
+    assert bpf, "no seccomp program was built"
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        out: dict[str, str] = {}
+        try:
+            os.close(rd)
+            _load_seccomp(bpf)
+            for name, fn in (("fork", os.fork), ("exec", lambda: os.execv("/usr/bin/true", ["true"])),
+                             ("socket", lambda: socket.socket()), ("kill", lambda: os.kill(os.getppid(), 0)),
+                             ("unshare", _unshare_net)):
+                try:
+                    got = fn()
+                    out[name] = f"OK {got!r}"
+                    if name == "fork" and got == 0:
+                        os._exit(0)
+                except OSError as exc:
+                    out[name] = f"ERR {exc.errno}"
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            out["setup"] = f"ERR {exc!r}"
+        finally:
+            os.write(wr, json.dumps(out).encode())
+            os._exit(0)
+    os.close(wr)
+    data = b""
+    while chunk := os.read(rd, 65536):
+        data += chunk
+    os.close(rd)
+    _, status = os.waitpid(pid, 0)
+    assert data, f"the child reported nothing (wait status {status})"
+    out = json.loads(data)
+    import errno as _errno
+
+    assert out["fork"] == out["exec"] == out["socket"] == out["kill"] == f"ERR {_errno.EPERM}", out
+    assert out["unshare"] == f"ERR {_errno.EPERM}", out
