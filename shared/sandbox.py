@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
+import hashlib
 import importlib
 import itertools
 import json
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import traceback
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -246,82 +248,127 @@ def _clear_dir(root: str) -> None:
             pass
 
 
-class _Zygote:
-    """The worker's main process: it imports what calls need, never runs user code, and forks a
-    fresh child for every call (so nothing a call does to the interpreter survives it)."""
+def _read_exact(fd: int, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
 
-    def __init__(self, cfg: dict[str, Any], out_fd: int) -> None:
+
+class _Child:
+    """A call process as its zygote sees it: pipes for requests, replies and its stderr."""
+
+    def __init__(self, pid: int, req_w: int, reply_r: int, err_r: int, scratch: str) -> None:
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+        self.req_w, self.reply_r, self.err_r = req_w, reply_r, err_r
+        self.scratch = scratch
+        self.pending = bytearray()  # reply bytes read beyond one frame (a scope child's own junk)
+        self.last_used = 0.0
+        self.dead = False
+        self.status: int | None = None
+
+    def close(self) -> None:
+        """Kill, reap, close, and remove the scratch folder."""
+        if self.status is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _, self.status = os.waitpid(self.pid, 0)
+        for fd in (self.pidfd, self.req_w, self.reply_r, self.err_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        if os.path.exists(self.scratch):
+            _clear_dir(self.scratch)
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class _Zygote:
+    """The worker's main process: it imports what calls need, never runs user code, and forks
+    the processes that do. A call without a scope gets a fresh process that exits after it (so
+    nothing it does to the interpreter survives it). A call with a scope (a run id) goes to that
+    scope's own process, forked on first use and kept for the scope's later calls (templates
+    compiled once per run); it never serves another scope, at most `MAX_SCOPES` are kept, and any
+    failure retires it."""
+
+    MAX_SCOPES = 4
+    SCOPE_IDLE_S = 60.0  # a scope process unused this long is retired (its run is probably over)
+
+    def __init__(self, cfg: dict[str, Any], out_fd: int, in_fd: int) -> None:
         self.cfg = cfg
-        self.out_fd = out_fd
+        self.out_fd, self.in_fd = out_fd, in_fd
         self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
         self.scratch_root = cfg["scratch"]
         self.call_bpf = base64.b64decode(cfg.get("seccomp_call") or "")
         self.mem_reply = self.enc.encode({"ok": False, "kind": "memory",
                                           "error": f"memory limit {cfg['memory_mb']} MB exceeded"})
         self.funcs: dict[str, Callable[..., Any]] = {}
+        self.scopes: OrderedDict[str, _Child] = OrderedDict()
 
     # -- in the child -------------------------------------------------------------------
 
-    def _child(self, fn_name: str, kwargs: dict[str, Any], cpu_s: int, reply_fd: int) -> None:
-        scratch = os.path.join(self.scratch_root, "call")
+    def _child_main(self, req_r: int, reply_w: int, scratch: str, persistent: bool) -> None:
         os.chdir(scratch)
         os.environ["TMPDIR"] = scratch
         tempfile.tempdir = scratch
         cfg = self.cfg
         _apply_limits(cfg)
-        _set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKILL a second later
         if self.call_bpf:
             _load_seccomp(self.call_bpf)
         if cfg.get("audit", True):
             _audit_hook(scratch)
-        try:
-            try:
-                fn = _resolve(fn_name, self.funcs)
-                reply = self.enc.encode({"ok": True, "value": fn(**kwargs)})
-            except MemoryError:
-                raise
-            except SystemExit as exc:
-                reply = self.enc.encode({"ok": False, "kind": "exit", "error": f"code called sys.exit({exc.code!r})"})
-            except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-                tb = "".join(traceback.format_exception(exc))[-4000:]
-                reply = self.enc.encode({"ok": False, "kind": "exception", "error": f"{type(exc).__name__}: {exc}",
-                                         "traceback": tb})
-        except MemoryError:
-            reply = self.mem_reply
-        _send(reply_fd, reply)
-
-    # -- in the zygote ------------------------------------------------------------------
-
-    def serve(self, reader: Any) -> None:
         while True:
-            head = reader.read(4)
-            if len(head) < 4:
-                os._exit(0)
-            body = reader.read(_HDR.unpack(head)[0])
             try:
-                fn_name, kwargs, timeout_s, cpu_s = self.dec.decode(body)
-            except Exception as exc:  # noqa: BLE001 - the parent sent something odd
-                _send(self.out_fd, self.enc.encode({"ok": False, "kind": "exception", "error": f"bad request: {exc}"}))
-                continue
-            _send(self.out_fd, self.call(fn_name, kwargs, float(timeout_s), int(cpu_s), reader.fileno()))
+                head = _read_exact(req_r, 4)
+                fn_name, kwargs, cpu_s = self.dec.decode(_read_exact(req_r, _HDR.unpack(head)[0]))
+            except EOFError:
+                return
+            _set_limit(resource.RLIMIT_CPU, _cpu_used() + cpu_s, None if persistent else _cpu_used() + cpu_s + 1)
+            try:
+                try:
+                    fn = _resolve(fn_name, self.funcs)
+                    reply = self.enc.encode({"ok": True, "value": fn(**kwargs)})
+                except MemoryError:
+                    raise
+                except SystemExit as exc:
+                    reply = self.enc.encode({"ok": False, "kind": "exit",
+                                             "error": f"code called sys.exit({exc.code!r})"})
+                except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+                    tb = "".join(traceback.format_exception(exc))[-4000:]
+                    reply = self.enc.encode({"ok": False, "kind": "exception",
+                                             "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
+            except MemoryError:
+                _send(reply_w, self.mem_reply)
+                return  # the heap may be fragmented or poisoned: never serve again
+            _send(reply_w, reply)
+            if not persistent:
+                return
 
-    def call(self, fn_name: str, kwargs: dict[str, Any], timeout_s: float, cpu_s: int, in_fd: int) -> bytes:
-        scratch = os.path.join(self.scratch_root, "call")
-        _clear_dir(self.scratch_root)
+    def _fork(self, scratch: str, persistent: bool) -> _Child:
         os.mkdir(scratch, 0o700)
+        req_r, req_w = os.pipe()
         reply_r, reply_w = os.pipe()
         err_r, err_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the call's own process
             try:
-                os.close(reply_r)
-                os.close(err_r)
-                os.close(in_fd)
-                os.close(self.out_fd)
                 os.dup2(err_w, 1)
                 os.dup2(err_w, 2)
-                os.close(err_w)
-                self._child(fn_name, kwargs, cpu_s, reply_w)
+                keep = {0, 1, 2, req_r, reply_w}
+                for name in os.listdir("/proc/self/fd"):  # nothing of the zygote or of other scopes
+                    if int(name) not in keep:
+                        try:
+                            os.close(int(name))
+                        except OSError:
+                            pass
+                self._child_main(req_r, reply_w, scratch, persistent)
             except BaseException as exc:  # noqa: BLE001 - report setup failures too
                 try:
                     _send(reply_w, self.enc.encode({"ok": False, "kind": "crash",
@@ -330,62 +377,146 @@ class _Zygote:
                     pass
             finally:
                 os._exit(0)
-        os.close(reply_w)
-        os.close(err_w)
-        try:
-            return self._wait(pid, fn_name, timeout_s, cpu_s, reply_r, err_r)
-        finally:
-            _clear_dir(self.scratch_root)
+        for fd in (req_r, reply_w, err_w):
+            os.close(fd)
+        return _Child(pid, req_w, reply_r, err_r, scratch)
 
-    def _wait(self, pid: int, fn_name: str, timeout_s: float, cpu_s: int, reply_r: int, err_r: int) -> bytes:
+    # -- in the zygote ------------------------------------------------------------------
+
+    def serve(self, reader: Any) -> None:
+        while True:
+            head = reader.read(4)
+            if len(head) < 4:
+                for child in self.scopes.values():
+                    child.close()
+                os._exit(0)
+            body = reader.read(_HDR.unpack(head)[0])
+            try:
+                fn_name, kwargs, timeout_s, cpu_s, scope = self.dec.decode(body)
+            except Exception as exc:  # noqa: BLE001 - the parent sent something odd
+                _send(self.out_fd, self.enc.encode({"ok": False, "kind": "exception", "error": f"bad request: {exc}"}))
+                continue
+            _send(self.out_fd, self.call(fn_name, kwargs, float(timeout_s), int(cpu_s), scope))
+
+    def _sweep(self) -> None:
+        """Empty the scratch root but for the live scopes' folders."""
+        live = {os.path.basename(c.scratch) for c in self.scopes.values()}
+        with os.scandir(self.scratch_root) as it:
+            stray = [e.name for e in it if e.name not in live]
+        for name in stray:
+            path = os.path.join(self.scratch_root, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.chmod(path, 0o700)
+                    _clear_dir(path)
+                    os.rmdir(path)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+    def call(self, fn_name: str, kwargs: dict[str, Any], timeout_s: float, cpu_s: int, scope: str | None) -> bytes:
+        import time
+
+        now = time.monotonic()
+        for name in [n for n, c in self.scopes.items() if n != scope and now - c.last_used > self.SCOPE_IDLE_S]:
+            self.scopes.pop(name).close()
+        self._sweep()
+        if scope:
+            child = self.scopes.pop(scope, None)
+            if child is None:
+                tag = hashlib.sha256(scope.encode("utf-8", "replace")).hexdigest()[:16]
+                child = self._fork(os.path.join(self.scratch_root, "scope-" + tag), persistent=True)
+            child.last_used = now
+            self.scopes[scope] = child
+            while len(self.scopes) > self.MAX_SCOPES:
+                _, old = self.scopes.popitem(last=False)
+                old.close()
+        else:
+            child = self._fork(os.path.join(self.scratch_root, "call"), persistent=False)
+        keep = False
+        try:
+            reply, keep = self._exchange(child, fn_name, kwargs, timeout_s, cpu_s)
+            return reply
+        finally:
+            if not (scope and keep):
+                if scope:
+                    self.scopes.pop(scope, None)
+                child.close()
+                self._sweep()
+
+    def _exchange(self, child: _Child, fn_name: str, kwargs: dict[str, Any], timeout_s: float,
+                  cpu_s: int) -> tuple[bytes, bool]:
+        """Send one request, wait for one reply frame; returns (reply, whether the child may serve again)."""
         import select
         import time
 
-        pidfd = os.pidfd_open(pid)
-        deadline = time.monotonic() + timeout_s
-        reply, err_tail = bytearray(), bytearray()
-        open_fds = {reply_r, err_r}
-        exited = timed_out = too_big = False
-        try:
-            while open_fds or not exited:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                ready, _, _ = select.select([*open_fds, *([] if exited else [pidfd])], [], [], remaining)
-                for fd in ready:
-                    if fd == pidfd:
-                        exited = True
-                        continue
-                    data = os.read(fd, 1 << 16)
-                    if not data:
-                        open_fds.discard(fd)
-                    elif fd == reply_r:
-                        reply += data
-                        if len(reply) > _MAX_REPLY:
-                            too_big = True
-                    else:
-                        err_tail += data
-                        if len(err_tail) > 8192:
-                            del err_tail[:-4096]
-                if too_big:
-                    break
-            if timed_out or too_big or not exited:
-                os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-        finally:
-            os.close(pidfd)
-            os.close(reply_r)
-            os.close(err_r)
         label = _label(fn_name)
+        body = self.enc.encode((fn_name, kwargs, cpu_s))
+        deadline = time.monotonic() + timeout_s
+        try:
+            data = memoryview(_HDR.pack(len(body)) + body)
+            while data:  # the child is waiting in its request loop
+                data = data[os.write(child.req_w, data):]
+        except OSError:
+            pass  # it is gone; the wait below reports how it died
+        reply, err_tail = child.pending, bytearray()
+        child.pending = bytearray()
+        fds = [child.reply_r, child.err_r, child.pidfd]
+        frame: bytes | None = None
+        timed_out = too_big = False
+        while frame is None:
+            if len(reply) >= 4 and len(reply) >= 4 + _HDR.unpack_from(reply)[0]:
+                n = _HDR.unpack_from(reply)[0]
+                frame, child.pending = bytes(reply[4:4 + n]), bytearray(reply[4 + n:])
+                break
+            if child.dead and child.reply_r not in fds:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select(fds, [], [], remaining)
+            for fd in ready:
+                if fd == child.pidfd:
+                    child.dead = True
+                    fds.remove(fd)
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    fds.remove(fd)
+                elif fd == child.reply_r:
+                    reply += chunk
+                    if len(reply) > _MAX_REPLY + 4:
+                        too_big = True
+                else:
+                    err_tail += chunk
+                    if len(err_tail) > 8192:
+                        del err_tail[:-4096]
+            if too_big:
+                break
+            if child.dead and child.reply_r not in fds and child.err_r not in fds:
+                continue  # everything it wrote has been read: check for a frame once more, then stop
+        if frame is not None:
+            keep = not child.dead and frame != self.mem_reply
+            return frame, keep
         if timed_out:
-            return self.enc.encode({"ok": False, "kind": "timeout", "error": f"{label} exceeded {timeout_s} s wall time"})
+            return self.enc.encode({"ok": False, "kind": "timeout",
+                                    "error": f"{label} exceeded {timeout_s} s wall time"}), False
         if too_big:
             return self.enc.encode({"ok": False, "kind": "exception",
-                                    "error": f"{label} returned more than {_MAX_REPLY // _MB} MB"})
-        if len(reply) >= 4 and _HDR.unpack_from(reply)[0] == len(reply) - 4:
-            return bytes(reply[4:])
-        return self.enc.encode(_death(status, label, cpu_s, self.cfg, bytes(err_tail)))
+                                    "error": f"{label} returned more than {_MAX_REPLY // _MB} MB"}), False
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _, child.status = os.waitpid(child.pid, 0)
+        return self.enc.encode(_death(child.status, label, cpu_s, self.cfg, bytes(err_tail))), False
+
+
+def _cpu_used() -> int:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return int(ru.ru_utime + ru.ru_stime)
 
 
 def _death(status: int, label: str, cpu_s: int, cfg: dict[str, Any], stderr: bytes) -> dict[str, Any]:
@@ -438,7 +569,7 @@ def _worker_main() -> None:
         cfg["scratch"] = os.path.realpath(tempfile.mkdtemp(prefix="veribus-sandbox-"))
     if cfg.get("seccomp_zygote"):
         _load_seccomp(base64.b64decode(cfg["seccomp_zygote"]))
-    zygote = _Zygote(cfg, out_fd)
+    zygote = _Zygote(cfg, out_fd, in_fd)
     reader = os.fdopen(in_fd, "rb", buffering=1 << 16)
     import gc
 
@@ -896,7 +1027,10 @@ class Sandbox:
 
     # -- calls ---------------------------------------------------------------------------
 
-    async def call(self, fn_name: str, /, *, timeout_s: float | None = None, **kwargs: Any) -> dict[str, Any]:
+    async def call(self, fn_name: str, /, *, timeout_s: float | None = None, scope: str | None = None,
+                   **kwargs: Any) -> dict[str, Any]:
+        """Run `fn_name(**kwargs)` in a fresh call process, or, with `scope` (a run id), in that
+        scope's own process, which later calls of the same scope reuse (and no other scope sees)."""
         if self._closed:
             return {"ok": False, "kind": "closed", "error": "sandbox is closed"}
         if self.jail.error:  # fail closed: no jail, no user code
@@ -917,7 +1051,7 @@ class Sandbox:
         wall = self.timeout_s if timeout_s is None else float(timeout_s)
         cpu = self.cpu_s if self._cpu_explicit else int(math.ceil(wall)) + 1
         try:
-            body = self._enc.encode((fn_name, kwargs, wall, cpu))
+            body = self._enc.encode((fn_name, kwargs, wall, cpu, scope or None))
         except Exception as exc:  # noqa: BLE001
             idle.put_nowait(w)
             return {"ok": False, "kind": "exception", "error": f"arguments not serialisable: {exc}"}

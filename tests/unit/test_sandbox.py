@@ -331,3 +331,44 @@ def test_unsafe_mode_is_explicit_and_loud(monkeypatch: pytest.MonkeyPatch, caplo
         assert reply == {"ok": True, "value": os.getuid()}  # no uid drop: it really is unconfined
     finally:
         sb.terminate()
+
+
+async def test_a_scope_keeps_its_process_and_no_other_scope_sees_it() -> None:
+    """Calls with the same scope (a run id) share one process (templates compile once per run);
+    another scope, or no scope, gets a process of its own with none of that state."""
+    sb = Sandbox(workers=1, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB)
+    mark = "import builtins, os\nbuiltins.__dict__.setdefault('_vb_mark', []).append(1)\nresult = [os.getpid(), len(builtins._vb_mark)]"
+    try:
+        a = [(await sb.call("exec", code=mark, scope="run-a"))["value"] for _ in range(3)]
+        assert len({pid for pid, _ in a}) == 1 and [n for _, n in a] == [1, 2, 3]
+        b = (await sb.call("exec", code=mark, scope="run-b"))["value"]
+        assert b[1] == 1 and b[0] != a[0][0]
+        fresh = (await sb.call("exec", code=mark))["value"]
+        assert fresh[1] == 1
+        again = (await sb.call("exec", code=mark, scope="run-a"))["value"]
+        assert again == [a[0][0], 4]  # run-a's process served on, untouched by the others
+        # a timeout retires the scope's process: the next call of that scope starts afresh
+        reply = await sb.call("exec", code="while True:\n    pass\n", scope="run-a", timeout_s=0.5)
+        assert reply["kind"] == "timeout"
+        after = (await sb.call("exec", code=mark, scope="run-a"))["value"]
+        assert after[1] == 1 and after[0] != a[0][0]
+    finally:
+        await sb.close()
+
+
+async def test_scope_processes_are_bounded_and_hold_only_their_own_pipes() -> None:
+    sb = Sandbox(workers=1, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB)
+    code = "import os\nresult = [os.getpid(), sorted(int(f) for f in os.listdir('/proc/self/fd'))]"
+    try:
+        first = {}
+        for i in range(6):  # more scopes than a worker keeps
+            first[i] = (await sb.call("exec", code=code, scope=f"run-{i}"))["value"]
+            assert len(first[i][1]) <= 6, first[i]  # stdin/out/err, its request and reply pipes (+ the listing)
+        reply = await sb.call("exec", code="import os\nresult = len([p for p in os.listdir('/proc') if p.isdigit()])")
+        assert reply["ok"] and reply["value"] <= 2 + 4 + 1  # init, zygote, at most 4 kept scopes, this call
+        again = (await sb.call("exec", code=code, scope="run-0"))["value"]
+        assert again[0] != first[0][0]  # the oldest scope was retired
+        kept = (await sb.call("exec", code=code, scope="run-5"))["value"]
+        assert kept[0] == first[5][0]
+    finally:
+        await sb.close()

@@ -385,11 +385,17 @@ class Answer(BaseAnswer):
 """
 
 
-async def test_patches_do_not_reach_a_later_benchmark(pool: Sandbox) -> None:
+@pytest.mark.parametrize(("evil_scope", "victim_scope"), [(None, None), ("run-evil", "run-victim"), (None, "run-victim-2")],
+                         ids=["fresh-processes", "two-runs", "unscoped-then-run"])
+async def test_patches_do_not_reach_a_later_benchmark(pool: Sandbox, evil_scope: str | None,
+                                                      victim_scope: str | None) -> None:
+    """With or without run scopes (services pass the run id: one process per run), a template
+    that patches builtins and the sandbox's helpers changes nothing for another run."""
     answers = [{"distance": d} for d in (3, -3, 2, 7, 0, -4, 3, 30)]
 
     async def verdicts() -> list[bool | None]:
-        return [(await run_verify(UNRELATED, a, f"q{i}", template_id="unrelated", sandbox=pool)).verify_result
+        return [(await run_verify(UNRELATED, a, f"q{i}", template_id="unrelated", sandbox=pool,
+                                  scope=victim_scope)).verify_result
                 for i, a in enumerate(answers)]
 
     before = await verdicts()
@@ -413,11 +419,12 @@ async def test_patches_do_not_reach_a_later_benchmark(pool: Sandbox) -> None:
             def verify(self) -> bool:
                 return True
         """)
-    for _ in range(3):  # in validation, in verification, and as a callable trait
-        assert (await validate_template(patcher, "evil", sandbox=pool)).ok
-        await run_verify(patcher, {"result": 1}, "evil", sandbox=pool)
+    for i in range(3):  # in validation, in verification, and as a callable trait
+        info = await validate_template(patcher, "evil", sandbox=pool, scope=evil_scope)
+        assert info.ok or (evil_scope and i > 0)  # in its own run's process it may break itself: its own business
+        await run_verify(patcher, {"result": 1}, "evil", sandbox=pool, scope=evil_scope)
         await run_callable_trait("import builtins\nbuiltins.abs = lambda x: 3\ndef evaluate(t):\n    return True\n",
-                                 "x", "boolean", sandbox=pool)
+                                 "x", "boolean", sandbox=pool, scope=evil_scope)
     assert await verdicts() == before
 
 
@@ -426,8 +433,11 @@ async def test_scratch_is_emptied_between_calls(pool: Sandbox) -> None:
              "try:\n    open('/tmp/also.txt', 'w').write('x')\nexcept PermissionError:\n    pass  # the audit hook\n"
              "result = 1")
     assert (await pool.call("exec", code=write)) == {"ok": True, "value": 1}
-    reply = await pool.call("exec", code="import os\nresult = sorted(os.listdir('.')) + sorted(os.listdir('/tmp'))")
-    assert reply == {"ok": True, "value": ["call"]}, reply
+    reply = await pool.call("exec", code="import os\nresult = [sorted(os.listdir('.')), sorted(os.listdir('/tmp'))]")
+    assert reply["ok"], reply
+    here, tmp = reply["value"]
+    assert here == [] and "call" in tmp
+    assert all(name == "call" or name.startswith("scope-") for name in tmp), tmp  # only live runs' folders
 
 
 async def test_forged_protocol_frames_stay_in_their_own_call(pool: Sandbox) -> None:
