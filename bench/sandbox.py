@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
-from shared.sandbox import Sandbox
-from shared.templates import run_callable_trait, run_verify
+from shared.templates.calls import run_callable_trait, run_verify
+from shared.templates.sandbox import Sandbox
 
 TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
 from pydantic import Field

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.query import run_query
+from shared.store.reads import run_query
 from tests.integration.test_durability import (
     Stack,
     generated_benchmark,
@@ -69,12 +69,12 @@ for name, fn in (
 PATCHES = """
 import builtins, sys
 builtins.abs = lambda x: 0
-import shared.templates
-shared.templates._as_bool = lambda value: True
-shared.templates.worker_verify = lambda *a, **k: {{'verify_result': True, 'template_verification_performed': True}}
-import shared.sandbox
-shared.sandbox._WRITE_FLAGS = 0
-shared.sandbox._BLOCKED_EVENTS = frozenset()
+import shared.templates.calls
+shared.templates.calls._as_bool = lambda value: True
+shared.templates.calls.worker_verify = lambda *a, **k: {{'verify_result': True, 'template_verification_performed': True}}
+import shared.templates.jail
+shared.templates.jail._WRITE_FLAGS = 0
+shared.templates.jail._BLOCKED_EVENTS = frozenset()
 """
 
 VICTIM = '''from karenina.schemas.entities import BaseAnswer

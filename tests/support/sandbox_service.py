@@ -15,8 +15,8 @@ import sys
 
 import msgspec
 
-from shared.sandbox import Sandbox
-from shared.templates import CallableTraitError, run_callable_trait, run_verify, validate_template
+from shared.templates.calls import CallableTraitError, run_callable_trait, run_verify, validate_template
+from shared.templates.sandbox import Sandbox
 
 
 async def main(path: str, audit_hook: bool) -> dict[str, str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.sandbox import Sandbox, get_sandbox
+from shared.templates.sandbox import Sandbox, get_sandbox
 
 TIMEOUT_S = 4.0  # generous: a loaded shared machine must not turn a memory or crash case into a timeout
 MEMORY_MB = 256
@@ -213,8 +213,8 @@ async def test_karenina_alias_only_inside_workers(sandbox: Sandbox) -> None:
         code="from karenina.schemas.entities import BaseAnswer as A\n"
         "from karenina.schemas.domain import BaseAnswer as B\n"
         "from karenina.schemas import BaseAnswer as C\n"
-        "import shared.answer\n"
-        "result = A is B is C is shared.answer.BaseAnswer",
+        "import shared.templates.answer\n"
+        "result = A is B is C is shared.templates.answer.BaseAnswer",
     )
     assert reply == {"ok": True, "value": True}
     assert "karenina" not in sys.modules  # the service process is never touched

@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from shared.sandbox import Sandbox
-from shared.templates import CallableTraitError, run_callable_trait, run_verify, validate_template
+from shared.templates.calls import CallableTraitError, run_callable_trait, run_verify, validate_template
+from shared.templates.sandbox import Sandbox
 
 TIMEOUT_S = 5.0
 MEMORY_MB = 512
@@ -256,7 +256,7 @@ async def test_processes_cannot_be_signalled(pool: Sandbox) -> None:
     bystander = subprocess.Popen(["sleep", "300"], user=uid, group=uid)
     try:
         body = "r = {}\n" + TRY + f"""
-import shared.sandbox as sbx
+import shared.templates.jail as sbx
 sbx._WRITE_FLAGS = 0
 sbx._BLOCKED_EVENTS = frozenset()
 t('kill_ppid', lambda: os.kill(os.getppid(), 9))
@@ -402,11 +402,11 @@ async def test_patches_do_not_reach_a_later_benchmark(pool: Sandbox, evil_scope:
     assert before == [True, True, False, False, False, False, True, False]
     patcher = textwrap.dedent("""
         import builtins, sys
-        import shared.templates, shared.sandbox
+        import shared.templates.calls, shared.templates.jail
         builtins.abs = lambda x: 3
-        shared.templates._as_bool = lambda value: True
-        shared.templates.worker_verify = lambda *a, **k: {"verify_result": True, "template_verification_performed": True}
-        sys.modules['shared.templates'].__dict__['_template_class'] = None
+        shared.templates.calls._as_bool = lambda value: True
+        shared.templates.calls.worker_verify = lambda *a, **k: {"verify_result": True, "template_verification_performed": True}
+        sys.modules['shared.templates.calls'].__dict__['_template_class'] = None
         from karenina.schemas.entities import BaseAnswer
         BaseAnswer.verify = lambda self: True
 
@@ -523,10 +523,10 @@ def _unshare_net() -> int:
 def test_seccomp_layer_holds_on_its_own() -> None:
     """The call filter alone (no namespaces, no uid change: loaded in a plain forked child of
     this process) refuses exec, fork, clone, sockets and signals with EPERM."""
-    from shared import sandbox_jail
-    from shared.sandbox import _load_seccomp
+    from shared.templates import boundary
+    from shared.templates.jail import _load_seccomp
 
-    bpf = sandbox_jail.plan().seccomp_call
+    bpf = boundary.plan().seccomp_call
     assert bpf, "no seccomp program was built"
     rd, wr = os.pipe()
     pid = os.fork()
