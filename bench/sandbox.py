@@ -2,8 +2,9 @@
 
 For the jail (the default) and, for comparison, `VERIBUS_SANDBOX=unsafe` (no OS boundary): the
 time to start a worker, and per call (sequential, one worker) the wall time, the service
-process's CPU and the jail's CPU (zygote + the forked call process, read from the zygote's
-own and reaped-children CPU times) for a ping, a template verify() and a callable trait.
+process's CPU and the jail's CPU (every process of the worker, with the call processes it has
+reaped) for a ping, a template verify() and a callable trait in a fresh process each, and for
+verify() and the trait with a run scope (one process per run: what the services do).
 Figures, not assertions: the machine is shared and noisy.
 """
 
@@ -78,6 +79,10 @@ async def _measure(mode: str, calls: int) -> dict[str, Any]:
             "ping": lambda: sb.call("ping"),
             "verify": lambda: run_verify(TEMPLATE, {"value": 4}, "q", template_id="t", sandbox=sb),
             "callable_trait": lambda: run_callable_trait(TRAIT, "some answer", "boolean", sandbox=sb),
+            # what the services do: the run id as scope, one process per run (templates compile once)
+            "verify_in_run": lambda: run_verify(TEMPLATE, {"value": 4}, "q", template_id="t", sandbox=sb,
+                                                scope="bench-run"),
+            "trait_in_run": lambda: run_callable_trait(TRAIT, "some answer", "boolean", sandbox=sb, scope="bench-run"),
         }
         for name, fn in cases.items():
             for _ in range(5):  # warm up
@@ -103,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {f['mode']:7s} unavailable: {f['error']}")
             continue
         print(f"  {f['mode']:7s} worker start {f['worker_start_ms']} ms")
-        for case in ("ping", "verify", "callable_trait"):
+        for case in ("ping", "verify", "callable_trait", "verify_in_run", "trait_in_run"):
             c = f[case]
             print(f"    {case:15s} wall {c['wall_ms']:7.2f} ms/call   service CPU {c['service_cpu_ms']:6.3f} ms/call"
                   f"   sandbox CPU {c['sandbox_cpu_ms']:6.2f} ms/call")
