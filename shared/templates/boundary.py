@@ -77,6 +77,7 @@ class JailPlan:
     drop_to: tuple[int, int] | None = None
     seccomp_zygote: bytes = b""
     seccomp_call: bytes = b""
+    landlock_abi: int = 0  # > 0: each call process also confines itself with Landlock
     layers: list[str] = field(default_factory=list)
     error: str | None = None  # set: the jail cannot be used; calls fail closed with this message
 
@@ -175,6 +176,17 @@ def bwrap_argv(bwrap: str, tmp_mb: int, tag: str, *, privileged: bool) -> list[s
     return argv
 
 
+def _landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when it has none (an extra layer, not required)."""
+    import ctypes  # only here: the probe of a kernel feature
+
+    try:
+        abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    except (OSError, AttributeError):
+        return 0
+    return max(int(abi), 0)
+
+
 def sandbox_uid() -> tuple[int, int]:
     raw = os.environ.get(UID_ENV, str(DEFAULT_UID))
     try:
@@ -245,6 +257,7 @@ def plan(tmp_mb: int = 64) -> JailPlan:
             result.error = str(exc)
         if result.error is None:
             why = _probe(bwrap_argv(result.bwrap, tmp_mb, "probe", privileged=privileged), result.drop_to)
+            result.landlock_abi = _landlock_abi()
             if why is not None:
                 result.error = f"the sandbox jail cannot be set up: {why}" + hint
             else:
@@ -253,6 +266,8 @@ def plan(tmp_mb: int = 64) -> JailPlan:
                     f"separate uid {result.drop_to[0]}" if result.drop_to else "user namespace",
                     "seccomp (no exec, sockets, ptrace, mount, IPC; per call no fork/clone/signals)",
                     "rlimits (memory, CPU, files, file size, NPROC=0)",
+                    *([f"Landlock ABI {result.landlock_abi} (a call sees only its own scratch folder)"]
+                      if result.landlock_abi else []),
                     "fresh process per call (fork from a clean zygote)",
                 ]
     _plan_cache[key] = result

@@ -104,6 +104,7 @@ class _Worker:
         boot = f"import sys; sys.path.insert(0, {_ROOT!r}); from shared.templates.jail import _worker_main; _worker_main()"
         if jail.mode == "jail":
             cfg_d.update(scratch="/tmp", drop_to=list(jail.drop_to) if jail.drop_to else None,
+                         landlock=jail.landlock_abi > 0,
                          seccomp_zygote=base64.b64encode(jail.seccomp_zygote).decode(),
                          seccomp_call=base64.b64encode(jail.seccomp_call).decode())
             argv = [*bwrap_argv(jail.bwrap, pool.tmp_mb, pool.tag, privileged=jail.privileged),

@@ -354,7 +354,7 @@ async def test_kernel_layers_are_in_place(pool: Sandbox) -> None:
         result = {k: status[k].strip() for k in ('Uid', 'CapEff', 'CapPrm', 'NoNewPrivs', 'Seccomp')}
         result['nproc'] = resource.getrlimit(resource.RLIMIT_NPROC)
         result['env'] = sorted(os.environ)
-        result['root'] = sorted(os.listdir('/'))
+        result['root'] = sorted(d for d in ('etc', 'home', 'var', 'run', 'srv', 'opt', 'usr', 'tmp') if os.path.exists('/' + d))
         result['mounts_rw'] = [l.split()[1] for l in open('/proc/self/mounts') if ' rw,' in l and l.split()[1] not in ('/proc',)]
     """))
     assert reply["ok"], reply
@@ -363,7 +363,7 @@ async def test_kernel_layers_are_in_place(pool: Sandbox) -> None:
     assert v["NoNewPrivs"] == "1" and v["Seccomp"] == "2"
     assert v["nproc"] == [0, 0]
     assert "OPENAI_API_KEY" not in v["env"] and all(not k.endswith(("_KEY", "_TOKEN", "PASSWORD")) for k in v["env"])
-    assert not {"etc", "home", "var", "run", "srv", "opt"} & set(v["root"]), v["root"]
+    assert v["root"] == ["tmp", "usr"], v["root"]  # no /etc, /home, /var, /run, /srv, /opt in the jail
     devices = {"/dev/" + d for d in ("null", "zero", "full", "random", "urandom", "tty", "pts", "shm", "mqueue")}
     assert set(v["mounts_rw"]) <= {"/tmp"} | devices, v["mounts_rw"]
 
@@ -430,14 +430,42 @@ async def test_patches_do_not_reach_a_later_benchmark(pool: Sandbox, evil_scope:
 
 async def test_scratch_is_emptied_between_calls(pool: Sandbox) -> None:
     write = ("open('left-behind.txt', 'w').write('state')\n"
-             "try:\n    open('/tmp/also.txt', 'w').write('x')\nexcept PermissionError:\n    pass  # the audit hook\n"
+             "try:\n    open('/tmp/also.txt', 'w').write('x')\nexcept PermissionError:\n    pass  # Landlock, the audit hook\n"
              "result = 1")
     assert (await pool.call("exec", code=write)) == {"ok": True, "value": 1}
-    reply = await pool.call("exec", code="import os\nresult = [sorted(os.listdir('.')), sorted(os.listdir('/tmp'))]")
-    assert reply["ok"], reply
-    here, tmp = reply["value"]
-    assert here == [] and "call" in tmp
-    assert all(name == "call" or name.startswith("scope-") for name in tmp), tmp  # only live runs' folders
+    reply = await pool.call("exec", code="import os\nresult = [sorted(os.listdir('.')), os.path.exists('/tmp/also.txt')]")
+    assert reply == {"ok": True, "value": [[], False]}, reply
+
+
+async def test_runs_cannot_reach_each_others_files(pool: Sandbox) -> None:
+    """Call processes of two runs share a uid; Landlock keeps each to its own scratch folder."""
+    assert pool.jail.landlock_abi > 0, "this kernel has Landlock: the layer must be on"
+    plant = await pool.call("exec", scope="run-owner", code=(
+        "import os\nopen('secret.txt', 'w').write('run state')\nresult = os.getcwd()"))
+    assert plant["ok"], plant
+    owner_dir = plant["value"]
+    probe = textwrap.dedent(f"""
+        import os
+        r = {{}}
+        for name, fn in (('list_tmp', lambda: os.listdir('/tmp')),
+                         ('list_owner', lambda: os.listdir({owner_dir!r})),
+                         ('read_owner', lambda: open({owner_dir!r} + '/secret.txt').read()),
+                         ('plant_owner', lambda: open({owner_dir!r} + '/evil.py', 'w').write('x')),
+                         ('write_own', lambda: open('mine.txt', 'w').write('ok'))):
+            try:
+                r[name] = 'OK ' + repr(fn())
+            except OSError as exc:
+                r[name] = 'ERR ' + type(exc).__name__
+        result = r
+        """)
+    for scope in ("run-intruder", None):
+        reply = await pool.call("exec", code=probe, scope=scope)
+        assert reply["ok"], reply
+        r = reply["value"]
+        assert all(r[k].startswith("ERR ") for k in ("list_tmp", "list_owner", "read_owner", "plant_owner")), r
+        assert r["write_own"].startswith("OK "), r
+    still = await pool.call("exec", scope="run-owner", code="import os\nresult = sorted(os.listdir('.'))")
+    assert still == {"ok": True, "value": ["secret.txt"]}  # its own files, nothing planted
 
 
 async def test_forged_protocol_frames_stay_in_their_own_call(pool: Sandbox) -> None:
