@@ -26,6 +26,7 @@ error naming the reason. `VERIBUS_SANDBOX=unsafe` is the explicit, loudly logged
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
@@ -85,7 +86,9 @@ class JailPlan:
 def _build_bpf(deny: tuple[str, ...]) -> bytes:
     """Compile a default-allow filter refusing `deny` to BPF (libseccomp, native arch; other
     architectures such as x32 are killed by libseccomp's bad-arch action)."""
-    import pyseccomp as sc  # only here, in the service: the worker loads the compiled BPF, never libseccomp
+    # imported here, not at module level: pyseccomp raises at import when libseccomp is missing, and
+    # that must become the sandbox's fail-closed message, not an import error of every service
+    import pyseccomp as sc
 
     filt = sc.SyscallFilter(sc.ALLOW)
     for name in deny:
@@ -178,8 +181,6 @@ def bwrap_argv(bwrap: str, tmp_mb: int, tag: str, *, privileged: bool) -> list[s
 
 def _landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 when it has none (an extra layer, not required)."""
-    import ctypes  # only here: the probe of a kernel feature
-
     try:
         abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     except (OSError, AttributeError):
