@@ -3,9 +3,13 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: demo test test-fast install lint bench clean
+.PHONY: demo test test-fast test-deps install os-deps lint bench clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed os-deps
+
+# The template sandbox's jail is bubblewrap (Debian); without it template calls fail closed.
+os-deps:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || { echo "veribus needs bubblewrap (apt-get install bubblewrap)"; exit 1; }
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +21,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/veribus run examples/example.yaml --mode template_and_rubric --run-name demo --output out/demo
 
+# Browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+test-deps:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || { echo "the browser tests need Debian's chromium (apt-get install chromium)"; exit 1; }
+
 # every tier: tests/unit, tests/integration (real nats-server, real chdb), tests/e2e (full stacks)
-test: install
+test: install test-deps
 	$(BIN)/pytest -q -p no:cacheprovider
 
 # the fast tier: the unit tests and one small full-stack run (marker `smoke`)

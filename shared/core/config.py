@@ -174,7 +174,11 @@ class Settings(BaseModel):
     sandbox_workers: int = Field(default=2, ge=1)
     sandbox_timeout_s: float = Field(default=10.0, gt=0)
     sandbox_memory_mb: int = Field(default=512, ge=64)
-    sandbox_netns: bool = True  # a private network namespace for sandbox workers where allowed
+    # the jail (shared.templates.boundary validates these itself and fails closed on a bad value)
+    sandbox: str = "auto"  # auto / jail: the bubblewrap jail; unsafe: no OS boundary
+    sandbox_uid: str = "65534"  # uid/gid the sandbox drops to when the service runs as root
+    sandbox_bwrap: str | None = None  # the bubblewrap binary (default: bwrap on PATH)
+    sandbox_tag: str | None = None  # set by the pool for its own processes, not configuration
     mcp_connect_timeout_s: float = Field(default=30.0, gt=0)
     mcp_tool_timeout_s: float = Field(default=60.0, gt=0)
     mcp_max_result_chars: int = Field(default=100_000, ge=1)  # of a tool result, what the model reads

@@ -65,8 +65,8 @@ def test_a_wrong_value_is_refused_naming_the_variable(monkeypatch: pytest.Monkey
 
 
 def test_values_reach_their_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("VERIBUS_SANDBOX_NETNS", "0")
+    monkeypatch.setenv("VERIBUS_LITELLM_LEAN", "0")
     monkeypatch.setenv("VERIBUS_SEARCH_CORPUS", str(tmp_path))
     monkeypatch.setenv("VERIBUS_PARSING_WORKERS", "7")
     s = Settings.from_env()
-    assert (s.sandbox_netns, s.search_corpus, s.parsing_workers, s.generation_workers) == (False, tmp_path, 7, 64)
+    assert (s.litellm_lean, s.search_corpus, s.parsing_workers, s.generation_workers) == (False, tmp_path, 7, 64)
