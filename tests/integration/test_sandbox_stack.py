@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from shared.store.reads import run_query
-from tests.integration.test_durability import (
+from tests.support.stack import (
     Stack,
     generated_benchmark,
     plan_and_submit,
