@@ -480,6 +480,21 @@ details summary{cursor:pointer;color:#225;margin:6px 0}
 """
 
 
+def section_errors(summary: Mapping[str, Any]) -> str:
+    """Errored jobs grouped by stage and type, with counts and one example each; a verify() that
+    raised is its own row, apart from plain fails. Empty when nothing errored."""
+    groups = summary.get("error_groups") or []
+    if not groups:
+        return ""
+    rows = [(g["count"], g["stage"], g["type"], g.get("example_question", ""), _short(g["example"], 200))
+            for g in groups]
+    raised = summary.get("verify_raised") or 0
+    note = (f"<p>{summary.get('errors', 0)} job(s) ended in error"
+            + (f"; in {raised} more the template's verify() raised" if raised else "") + ".</p>")
+    return ("<h2>Errors by stage and type</h2>" + note
+            + _table(["count", "stage", "type", "example question", "example message"], rows))
+
+
 def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
     """The whole page as one string (no external resources)."""
     results = data.results
@@ -505,6 +520,7 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
         f"generated {_esc(datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC'))}</p>",
         f"<div class='kpis'>{kpi_html}</div>",
         f"<ul>{gates}</ul>" if gates else "",
+        section_errors(s),
         "<h2>1. Pass rate per model</h2>", section_pass_rates(results),
         "<h2>2. Questions × models</h2>", section_heatmap(results),
         "<h2>3. Rubric trait scores</h2>", section_traits(results),
