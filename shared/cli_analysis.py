@@ -26,15 +26,27 @@ if TYPE_CHECKING:
     from shared.html_report import RunData
     from shared.models import VerificationResult
 
-EXIT_OK = 0
-EXIT_GATE_FAILED = 1
-EXIT_INPUT = 2
+from shared.outcome import EXIT_BAD_INPUT as EXIT_INPUT
+from shared.outcome import EXIT_GATE_FAILED, EXIT_OK
+
+__all__ = ["EXIT_GATE_FAILED", "EXIT_INPUT", "EXIT_OK", "add_run_options", "apply_gates", "register",
+           "validate_run_gates"]
 
 
 def _settings() -> Any:
-    from shared.stack import stack_settings
+    from shared.deployment import select
 
-    return stack_settings()
+    return select().settings
+
+
+def _resolve(settings: Any, run: str) -> str:
+    """A run id or name -> the run id in the store (most recent of a name; ambiguity noted)."""
+    from shared.runref import resolve
+
+    picked = resolve(settings, run, stream=False)
+    if picked.note:
+        print(f"note: {picked.note}", file=sys.stderr)
+    return picked.run_id
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +145,8 @@ def load_run_arg(run: str) -> RunData:
             pass
         return RunData(run_id=Path(run).stem, results=results,
                        run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric)
-    return load_run(_settings(), run)
+    settings = _settings()
+    return load_run(settings, _resolve(settings, run))
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,7 +169,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             completed_only=args.completed_only)
         stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
     else:
-        stats = export_run(_settings(), args.run, fmt, args.output, page_size=args.page_size, where=where)
+        settings = _settings()
+        stats = export_run(settings, _resolve(settings, args.run), fmt, args.output, page_size=args.page_size,
+                           where=where)
     print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
           f"{stats.seconds:.2f} s)")
     return EXIT_OK
@@ -171,21 +186,47 @@ def _format_from_suffix(output: str) -> str:
     raise ValueError(f"cannot tell the export format from {output!r}: pass --format json|jsonl|csv|parquet")
 
 
+def _metrics_of(data: RunData) -> set[str]:
+    """Metric names a gate may use on this run: run metrics, the rubric's traits, and every
+    metric its results carry."""
+    from shared.gates import known_metrics
+    from shared.report import metric_scores
+
+    names = {n for r in data.results for n in metric_scores(r)}
+    rub = data.rubric_definition or {}
+    for key, traits in rub.items():
+        if key.endswith("traits") and isinstance(traits, list):
+            names.update(str(t.get("name")) for t in traits if isinstance(t, dict) and t.get("name"))
+    return known_metrics(names)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from shared import report
-    from shared.gates import evaluate_gates, parse_gates, summary_criterion, write_junit
+    from shared.gates import check_gates, evaluate_gates, parse_gates, summary_criterion, write_junit
     from shared.html_report import write_html
+    from shared.outcome import MaxErrors, judge
 
     gates = parse_gates(args.gate)
+    max_errors = MaxErrors.parse(args.max_errors)
     data = load_run_arg(args.run)
     if not data.results:
         raise ValueError(f"run {args.run!r} has no results")
+    models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
+    check_gates(gates, _metrics_of(data), models)
+    for g in gates:
+        if not args.quiet or g.note:
+            print(g.understood(), file=sys.stderr)
     ranges = report.trait_ranges_from_rubric(data.rubric_definition)
     overall, per_metric = summary_criterion(gates)
     summary = report.summarize(data.results, trait_ranges=ranges, criterion=overall, criteria=per_metric)
     rep = evaluate_gates(data.results, gates, ranges)
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
+    expected = (data.config or {}).get("job_count")
+    verdict = judge(data.results, expected=int(expected) if expected else None,
+                    failed_gates=[o.gate.label() for o in rep.outcomes if not o.passed], max_errors=max_errors,
+                    run_ref=data.run_name or data.run_id)
+    summary["outcome"] = verdict.as_dict()
     if args.output:
         report.write_outputs(Path(args.output), data.benchmark_name or data.run_name or data.run_id, data.run_id,
                              data.results, summary, data.config or {}, bool(data.simulated), trait_ranges=ranges)
@@ -196,10 +237,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.junit:
         write_junit(args.junit, rep, data.results, overall, ranges)
     if args.quiet:
-        print("✓ PASSED" if rep.passed else "✗ FAILED")
+        print(verdict.headline)
     else:
         report.print_results(summary, rep.lines, simulated=bool(data.simulated), run_id=data.run_id)
-    return rep.exit_code
+    return verdict.code
 
 
 def cmd_results(args: argparse.Namespace) -> int:
@@ -273,7 +314,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
     r.add_argument("--output", metavar="DIR", help="write header.json, summary.json, results.jsonl")
     r.add_argument("--gate", action="append", metavar="EXPR", help="quality gate, e.g. accuracy>=0.8; repeatable")
     r.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
-    r.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED")
+    r.add_argument("--quiet", action="store_true", help="print only ✓ PASSED, or ✗ FAILED and why (failed gates, errors)")
+    r.add_argument("--max-errors", metavar="N|F%", help="errored jobs tolerated: a count or a share (default: none)")
     r.set_defaults(fn=cmd_report)
 
     s = sub.add_parser("results", help="pass rates with 95%% intervals, pass@k across replicates")

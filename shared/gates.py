@@ -187,6 +187,8 @@ def parse_gate(text: str) -> Gate:
         raise GateError(f"cannot read gate {text!r}: expected METRIC OP VALUE with OP one of > >= < <= == "
                         "(or gt gte lt lte eq), e.g. accuracy>=0.8")
     raw_value = g.group("value")
+    if re.search(r"[<>=!~]", g.group("metric")):
+        raise GateError(f"cannot read gate {text!r}: bad operator; use one of > >= < <= == (or gt gte lt lte eq)")
     gate = Gate(g.group("metric").strip(), _op(g.group("op")), _number(raw_value), pass_op, pass_value,
                 text=str(text).strip())
     return normalize_gate(gate, raw_value, m.group("value") if m else None)

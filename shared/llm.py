@@ -36,6 +36,23 @@ MAX_OUTPUT_RETRIES = 2  # extra calls after a malformed / invalid structured rep
 MAX_RETRY_AFTER_S = 120.0
 
 _litellm: Any = None
+_WARNED: set[tuple[str, str, str]] = set()
+_CAUSES = {"connection": "connection refused or unreachable", "auth": "missing or rejected credentials",
+           "rate_limit": "rate limited (HTTP 429)", "timeout": "timed out", "server_error": "server error"}
+
+
+def warn_once(model: str, api_base: str | None, kind: str, status: int | None, detail: str) -> bool:
+    """Log why a model call failed at WARNING, once per (model, endpoint, cause) in this process,
+    not once per retry. Returns True when it logged."""
+    key = (model, api_base or "", f"{kind}:{status}")
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    where = f" at {api_base}" if api_base else ""
+    http = f" (HTTP {status})" if status is not None else ""
+    log.warning("model %s%s: %s%s: %s; retried with backoff, further failures of this kind are not logged "
+                "again", model, where, _CAUSES.get(kind, kind), http, detail[:300])
+    return True
 
 
 def _get_litellm() -> Any:
@@ -654,6 +671,8 @@ class LLMClient:
         if model.api_key_env:
             key = os.environ.get(model.api_key_env)
             if not key:
+                warn_once(model.model_name, model.api_base, "auth", None,
+                          f"environment variable {model.api_key_env} (its api_key_env) is not set")
                 raise LLMError("auth", f"auth: environment variable {model.api_key_env} (api_key_env of model "
                                f"{model.model_name}) is not set; stage {stage}", model=model.model_name,
                                stage=stage, attempts=0)
@@ -714,6 +733,9 @@ class LLMClient:
                     continue
                 ra = _retry_after(exc) if kind == "rate_limit" else None
                 total = prior_attempts + attempt
+                if kind in _CAUSES:
+                    warn_once(model.model_name, model.api_base, kind, status,
+                              _scrub(f"{type(exc).__name__}: {exc}", api_key))
                 if kind in RETRYABLE and attempt <= model.max_retries:
                     delay = self.backoff_delay(attempt, ra)
                     log.debug("llm %s stage=%s: %s (HTTP %s), retry %d/%d in %.2fs", model.model_name, stage,
