@@ -345,6 +345,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         rid = current.get("run_id")
         if rid is None:
             _err("interrupted before the run was published; nothing was submitted")
+        elif not current.get("submitted"):
+            _err(f"interrupted while publishing run {rid}: some of its jobs may be queued. `veribus cancel {rid}` "
+                 f"stops them; `veribus resume {rid}` publishes the rest"
+                 + (" (after `veribus up`: the temporary stack is stopping now)" if temporary else ""))
         elif temporary:
             _err(f"interrupted: run {rid} was submitted; the temporary stack is stopping now, and its unfinished "
                  f"jobs stay queued in {settings.home}/nats. `veribus up` picks them up again (then "
@@ -376,9 +380,14 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
               f"from {benchmark.name!r}{label}" + (f", name {plan.run_name!r}" if plan.run_name else ""), flush=True)
         if plan.unfinished:
             print(f"  {len(plan.unfinished)} unfinished question(s) skipped: {', '.join(plan.unfinished)}")
+    if current is not None:
+        current.update(run_id=plan.run_id, submitted=False)
     asyncio.run(runner.submit(settings, plan))
     if current is not None:
-        current["run_id"] = plan.run_id
+        current["submitted"] = True
+    if not args.quiet:
+        print(f"submitted run {plan.run_id}; following its results (Ctrl-C stops following, not the run)",
+              flush=True)
     outcome = asyncio.run(_follow(settings, plan, args.timeout, quiet=args.quiet))
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
