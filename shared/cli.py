@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from shared.credentials import PROVIDER_KEYS
 from shared.outcome import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -22,6 +23,7 @@ from shared.outcome import (
 )
 
 EXIT_INPUT = EXIT_BAD_INPUT  # the names older callers import
+PROVIDER_KEY_VARS = tuple(v for names in PROVIDER_KEYS.values() for v in names)
 EXIT_RUN_ERROR = EXIT_RESULTS_MISSING
 
 
@@ -93,15 +95,20 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {p['name']:<16} pid {p['pid']:<8} {'up' if p['alive'] else 'DOWN'}{extra}")
     if args.run:
         from shared.lifecycle import format_run_problems, run_problems
-        from shared.runref import list_runs
+        from shared.query import run_query
+        from shared.runref import RunNotFound, list_runs
 
-        run_id = resolve_run_arg(settings, args.run, stream=False)
+        try:
+            run_id = resolve_run_arg(settings, args.run, stream=False)
+        except RunNotFound:
+            run_id = args.run  # events without a run row yet (or a foreign run id): show what there is
+        res = run_query(settings, "SELECT count() AS results, countIf(ifNull(verify_result, false)) AS passed, "
+                                  "countIf(NOT completed_without_errors) AS errors FROM verification_results FINAL "
+                                  "WHERE run_id = {run:String}", {"run": run_id})
         row = next((r for r in list_runs(settings, limit=100000) if r["run_id"] == run_id), None)
-        if row is None:
-            print(f"run {run_id}: no rows in ClickHouse yet")
-        else:
-            print(f"run {run_id} ({row['run_name'] or 'no name'}): {row['done']}/{row['jobs']} done, "
-                  f"{row['passed']} passed, {row['errors']} errors, {row['state']}")
+        state = f"; {row['jobs']} jobs, {row['state']}, name {row['run_name'] or '-'}" if row else ""
+        print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in zip(res.columns, res.rows[0], strict=False))
+              + state)
         print(format_run_problems(run_problems(settings, run_id)))
     return EXIT_OK
 
