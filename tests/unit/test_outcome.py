@@ -308,3 +308,56 @@ async def test_a_refused_model_call_warns_once_per_cause(caplog: pytest.LogCaptu
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and model.model_name in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "connection refused" in warnings[0].getMessage()
+
+
+# --------------------------------------------------------------------------------------------
+# regrade judges come from the current configuration
+# --------------------------------------------------------------------------------------------
+
+
+def _regrade_plan(parsing: object) -> object:
+    from shared import events
+    from shared.lifecycle import RegradePlan
+
+    job = events.Job(run_id="new", result_id="r1", answer_id="a1", question_id="q1", question_text="2+2?",
+                     answering=events.ModelSpec(model_name="openai/a"), parsing=parsing,
+                     timestamp="2026-01-01T00:00:00+00:00")
+    run = events.RunRequested(run_id="new", timestamp="t", job_count=1, answer_count=1)
+    return RegradePlan("old", "new", run, [events.StageEvent(job=job, state=events.State())])
+
+
+def test_regrade_never_calls_the_dead_simulator_url_of_the_old_run() -> None:
+    import socket
+
+    from shared import events
+    from shared.cli_lifecycle import resolve_judges
+    from shared.config import Settings
+    from shared.stack import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # the old temporary stack's simulator: gone
+    with socket.socket() as live:  # the simulator running now
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        now = f"http://127.0.0.1:{live.getsockname()[1]}/v1"
+        spec = events.ModelSpec(model_name="openai/sim-judge", interface="simulator", api_base=dead)
+        plan = _regrade_plan(spec)
+        assert resolve_judges(plan, Settings(simulator_url=now)) == []
+        assert plan.generated[0].job.parsing.api_base == now
+        assert plan.generated[0].job.parsing.interface == "simulator"
+        nothing = _regrade_plan(spec)
+        problems = resolve_judges(nothing, Settings(simulator_url=None))
+        assert problems and "no simulator runs now" in problems[0] and "veribus up" in problems[0]
+
+
+def test_regrade_refuses_a_judge_that_cannot_be_reached_or_has_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared import events
+    from shared.cli_lifecycle import resolve_judges
+    from shared.config import Settings
+    from shared.stack import free_port
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    problems = resolve_judges(_regrade_plan(events.ModelSpec(model_name="openai/j", api_base=dead)), Settings())
+    assert problems == [f"judge 'openai/j' cannot be reached at {dead}: connection refused"]
+    problems = resolve_judges(_regrade_plan(events.ModelSpec(model_name="gpt-4.1-mini")), Settings())
+    assert problems and "set OPENAI_API_KEY" in problems[0]
