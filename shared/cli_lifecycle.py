@@ -41,7 +41,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from shared.benchmark import BenchmarkError
 
     settings = _settings()
-    args.run = _run_id(settings, args.run)
+    try:
+        args.run = _run_id(settings, args.run)
+    except LookupError as exc:  # RunNotFound
+        _err(str(exc).strip("'\""))
+        return EXIT_INPUT
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
         if args.dry_run:
@@ -134,7 +138,11 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     from shared.runner import RunInputError
 
     settings = _settings()
-    args.run = _run_id(settings, args.run)
+    try:
+        args.run = _run_id(settings, args.run)
+    except LookupError as exc:  # RunNotFound
+        _err(str(exc).strip("'\""))
+        return EXIT_INPUT
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
         plan = asyncio.run(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
@@ -190,7 +198,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from shared import lifecycle
 
     settings = _settings()
-    args.run = _run_id(settings, args.run)
+    try:
+        args.run = _run_id(settings, args.run)
+    except LookupError as exc:  # RunNotFound
+        _err(str(exc).strip("'\""))
+        return EXIT_INPUT
     try:
         out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
     except lifecycle.LifecycleError as exc:

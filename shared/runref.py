@@ -16,7 +16,7 @@ from typing import Any
 from shared.config import Settings
 
 
-class RunNotFound(LookupError):
+class RunNotFound(LookupError, ValueError):
     """No run has this id or name (an input error: exit 2)."""
 
 
@@ -40,7 +40,7 @@ def pick(ref: str, runs: Sequence[RunRef]) -> Picked:
             return Picked(r.run_id)
     named = sorted((r for r in runs if r.run_name == ref), key=lambda r: r.started, reverse=True)
     if not named:
-        raise RunNotFound(f"no run with id or name {ref!r}" + ("" if runs else " (there are no runs yet)"))
+        raise RunNotFound(f"no run {ref!r}: no run has that id or name" + ("" if runs else " (there are no runs yet)"))
     chosen = named[0]
     if len(named) == 1:
         return Picked(chosen.run_id)

@@ -242,7 +242,7 @@ def test_a_name_means_its_most_recent_run_and_ambiguity_is_said() -> None:
     assert p.run_id == "r2" and "matches 3 runs" in p.note and "r3" in p.note and "r1" in p.note
     assert pick("r1", RUNS).run_id == "r1" and pick("r1", RUNS).note is None
     assert pick("solo", RUNS).note is None
-    with pytest.raises(RunNotFound, match="no run with id or name 'nope'"):
+    with pytest.raises(RunNotFound, match="no run 'nope': no run has that id or name"):
         pick("nope", RUNS)
 
 
