@@ -200,6 +200,17 @@ def _metrics_of(data: RunData) -> set[str]:
     return known_metrics(names)
 
 
+def _job_count(run_id: str) -> int | None:
+    """The run's planned job count (from its run.requested row), so missing results count."""
+    from shared.query import run_query
+
+    try:
+        rows = run_query(_settings(), "SELECT job_count FROM runs FINAL WHERE run_id = {r:String}", {"r": run_id}).rows
+    except Exception:  # noqa: BLE001 - a results table without a runs row: judge by the results alone
+        return None
+    return int(rows[0][0]) if rows and rows[0][0] else None
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from shared import report
     from shared.gates import check_gates, evaluate_gates, parse_gates, summary_criterion, write_junit
@@ -222,7 +233,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     rep = evaluate_gates(data.results, gates, ranges)
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
-    expected = (data.config or {}).get("job_count")
+    expected = None if _is_file(args.run) else _job_count(data.run_id)
     verdict = judge(data.results, expected=int(expected) if expected else None,
                     failed_gates=[o.gate.label() for o in rep.outcomes if not o.passed], max_errors=max_errors,
                     run_ref=data.run_name or data.run_id)
