@@ -29,10 +29,12 @@ import httpx
 import pytest
 import yaml
 
-from shared import bus, events, stack
-from shared.bus import wait_for_port
-from shared.config import Settings
-from shared.stack import free_port, nats_server_binary
+from shared.control import stack
+from shared.control.stack import free_port, nats_server_binary
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.runtime.bus import wait_for_port
 from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
 
 TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
@@ -291,7 +293,8 @@ def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
     try:
         wait_for_port("127.0.0.1", port, 30)
         base = f"http://127.0.0.1:{port}/v1"
-        from shared.benchmark import Benchmark, simulator_script_for
+        from infra.simulator.from_benchmark import simulator_script_for
+        from shared.core.benchmark.model import Benchmark
 
         bench = write_bench(tmp_path / "b.yaml", 2, prefix="Own")
         httpx.post(f"http://127.0.0.1:{port}/simulator/script",

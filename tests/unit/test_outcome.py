@@ -9,19 +9,20 @@ import logging
 
 import pytest
 
-from shared import outcome, report
-from shared.credentials import config_problems, missing_key
-from shared.fold import _error_text, _failure
-from shared.gates import GateError, check_gates, known_metrics, parse_gate
-from shared.models import (
+from shared.analysis import report
+from shared.analysis.gates import GateError, check_gates, known_metrics, parse_gate
+from shared.cli.progress import ProgressPrinter, RunProgress
+from shared.control.credentials import config_problems, missing_key
+from shared.control.runref import RunNotFound, RunRef, next_regrade_name, pick
+from shared.core import outcome
+from shared.core.fold import _error_text, _failure
+from shared.core.models import (
     ModelIdentity,
     VerificationResult,
     VerificationResultMetadata,
     VerificationResultTemplate,
 )
-from shared.outcome import EXIT_CODES, MaxErrors, error_groups, judge
-from shared.progress import ProgressPrinter, RunProgress
-from shared.runref import RunNotFound, RunRef, next_regrade_name, pick
+from shared.core.outcome import EXIT_CODES, MaxErrors, error_groups, judge
 
 _N = iter(range(10_000))
 
@@ -30,7 +31,7 @@ def result(verify: bool | None = True, *, stage_error: tuple[str, str, str] | No
            verify_raised: str | None = None, qid: str | None = None) -> VerificationResult:
     """One result as the finalizer folds it: a stage error goes through fold's own
     `_failure`/`_error_text`, so the grouping reads what real results carry."""
-    from shared.events import StageError
+    from shared.core.events import StageError
 
     qid = qid or f"q{next(_N)}"
     failure = error = None
@@ -146,7 +147,7 @@ def test_a_template_whose_verify_raises_fails_the_run() -> None:
 
 
 def test_html_report_shows_error_groups(tmp_path) -> None:  # noqa: ANN001
-    from shared.html_report import RunData, render_html
+    from shared.analysis.html_report import RunData, render_html
 
     results = [result(None, stage_error=CONN), result(False, verify_raised="Field verification failed: "
                                                                            "ValueError: bad"), result(True)]
@@ -207,7 +208,7 @@ def test_unknown_metric_is_refused_with_a_suggestion() -> None:
 
 
 def test_missing_provider_key_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shared.config import ModelConfig, VerificationConfig
+    from shared.core.config import ModelConfig, VerificationConfig
 
     for var in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "MY_KEY"):
         monkeypatch.delenv(var, raising=False)
@@ -290,9 +291,10 @@ def test_piped_progress_is_periodic_plain_lines() -> None:
 
 async def test_a_refused_model_call_warns_once_per_cause(caplog: pytest.LogCaptureFixture) -> None:
     """A real call to a port where nothing listens: retried, but one WARNING naming the cause."""
-    from shared.events import ModelSpec
-    from shared.llm import LLMClient, LLMError
-    from shared.stack import free_port
+    from shared.control.stack import free_port
+    from shared.core.events import ModelSpec
+    from shared.runtime.llm.client import LLMClient
+    from shared.runtime.llm.reply import LLMError
 
     port = free_port()  # bound and released: nothing listens there now
     model = ModelSpec(model_name=f"openai/refused-{port}", api_base=f"http://127.0.0.1:{port}/v1", max_retries=2,
@@ -316,8 +318,8 @@ async def test_a_refused_model_call_warns_once_per_cause(caplog: pytest.LogCaptu
 
 
 def _regrade_plan(parsing: object) -> object:
-    from shared import events
-    from shared.lifecycle import RegradePlan
+    from shared.control.lifecycle import RegradePlan
+    from shared.core import events
 
     job = events.Job(run_id="new", result_id="r1", answer_id="a1", question_id="q1", question_text="2+2?",
                      answering=events.ModelSpec(model_name="openai/a"), parsing=parsing,
@@ -329,10 +331,10 @@ def _regrade_plan(parsing: object) -> object:
 def test_regrade_never_calls_the_dead_simulator_url_of_the_old_run() -> None:
     import socket
 
-    from shared import events
-    from shared.cli_lifecycle import resolve_judges
-    from shared.config import Settings
-    from shared.stack import free_port
+    from shared.cli.lifecycle import resolve_judges
+    from shared.control.stack import free_port
+    from shared.core import events
+    from shared.core.config import Settings
 
     dead = f"http://127.0.0.1:{free_port()}/v1"  # the old temporary stack's simulator: gone
     with socket.socket() as live:  # the simulator running now
@@ -350,10 +352,10 @@ def test_regrade_never_calls_the_dead_simulator_url_of_the_old_run() -> None:
 
 
 def test_regrade_refuses_a_judge_that_cannot_be_reached_or_has_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shared import events
-    from shared.cli_lifecycle import resolve_judges
-    from shared.config import Settings
-    from shared.stack import free_port
+    from shared.cli.lifecycle import resolve_judges
+    from shared.control.stack import free_port
+    from shared.core import events
+    from shared.core.config import Settings
 
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     dead = f"http://127.0.0.1:{free_port()}/v1"
