@@ -449,7 +449,7 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
 
     expected = set(plan.result_ids)
     if quiet:
-        return await runner.collect(settings, plan.run_id, expected, timeout=timeout)
+        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout))
     prog = RunProgress(total=len(expected), started=time.monotonic())
     printer = ProgressPrinter(prog, interval_s=float(os.environ.get("VERIBUS_PROGRESS_INTERVAL_S", "10")))
 
@@ -462,10 +462,44 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
         printer.update()
 
     try:
-        return await runner.collect(settings, plan.run_id, expected, timeout=timeout, on_result=on_result,
-                                    on_tick=on_tick)
+        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
+                                                   on_result=on_result, on_tick=on_tick))
     finally:
         printer.finish()
+
+
+async def _interruptible(coro: Any) -> Any:
+    """Await `coro`; Ctrl-C cancels it and raises KeyboardInterrupt, whatever the libraries
+    underneath do with the cancellation (so the caller can say what keeps running)."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    interrupted = False
+
+    def on_sigint() -> None:
+        nonlocal interrupted
+        interrupted = True
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        pass
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        try:
+            loop.remove_signal_handler(signal.SIGINT)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
 
 
 def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> None:  # noqa: ANN001
