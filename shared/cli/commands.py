@@ -195,7 +195,7 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         models = []
         for m in data.get(key, []):
             m = {"model_name": m} if isinstance(m, str) else dict(m)
-            if args.api_base and not args.simulate:
+            if args.api_base and not args.simulate and m.get("interface") != "simulator":
                 m.setdefault("api_base", args.api_base)
             if args.simulate:
                 name = str(m["model_name"]).split("/", 1)[-1]

@@ -363,3 +363,37 @@ def test_regrade_refuses_a_judge_that_cannot_be_reached_or_has_no_key(monkeypatc
     assert problems == [f"judge 'openai/j' cannot be reached at {dead}: connection refused"]
     problems = resolve_judges(_regrade_plan(events.ModelSpec(model_name="gpt-4.1-mini")), Settings())
     assert problems and "set OPENAI_API_KEY" in problems[0]
+
+
+# --------------------------------------------------------------------------------------------
+# no silent simulator: how models are read from flags and --config
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_simulator_answers_only_when_asked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    import yaml
+
+    from shared.cli.commands import _is_simulated, _load_config, build_parser
+
+    for var in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    parser = build_parser()
+    plain = parser.parse_args(["run", "b.yaml", "--model", "gpt-4.1-mini", "--judge", "gpt-4.1-mini"])
+    assert _is_simulated(plain) is False  # no key is not a reason to simulate (it is refused instead)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "answering_models": [{"model_name": "openai/own", "api_base": "http://gpu-box:8000/v1"},
+                             {"model_name": "openai/other"}],
+        "parsing_models": [{"model_name": "openai/sim-judge", "interface": "simulator"}]}))
+    args = parser.parse_args(["run", "b.yaml", "--config", str(cfg), "--api-base", "http://fallback:9/v1"])
+    assert _is_simulated(args) is True  # a `simulator` interface in the config asks for it
+    config = _load_config(args, "http://sim-now:1/v1")
+    own, other = config.answering_models
+    assert (own.api_base, own.interface) == ("http://gpu-box:8000/v1", "litellm")  # used as given
+    assert other.api_base == "http://fallback:9/v1"  # --api-base only fills models without one
+    judge = config.parsing_models[0]
+    assert (judge.interface, judge.api_base) == ("simulator", "http://sim-now:1/v1")
+    sim = parser.parse_args(["run", "b.yaml", "--simulate"])
+    config = _load_config(sim, "http://sim-now:1/v1")
+    assert all(m.interface == "simulator" and m.api_base == "http://sim-now:1/v1"
+               for m in config.answering_models + config.parsing_models)
