@@ -656,8 +656,10 @@ def _preflight(args: argparse.Namespace) -> None:
                 "VERIBUS_NATS_URL) and no local stack runs here (start one with `veribus up`)")
         deployment.check_bus(dep)
         _say(dep.describe())
-    elif cmd in READ_COMMANDS and not _reads_a_file(args) and not (cmd == "status" and not args.run):
+    elif cmd in READ_COMMANDS and not _reads_a_file(args):
         dep = deployment.select()
+        if cmd == "status" and not args.run and dep.kind != "configured":
+            return  # the local stack's processes: shown by `status` itself
         if dep.kind != "none" and not dep.settings.clickhouse_url:
             deployment.check_bus(dep)  # reads go through the projector on this bus
         _say(dep.describe())

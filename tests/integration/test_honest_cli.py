@@ -161,7 +161,7 @@ def test_nats_auth_settings_are_used_and_a_refusal_is_one_line(auth_nats: str, t
 COMMANDS = [
     ("run", "{bench}", "--simulate"), ("run", "{bench}", "--model", "openai/m", "--judge", "openai/m",
                                         "--api-base", "http://127.0.0.1:9/v1"),
-    ("status", "RUN"), ("query", "SELECT 1"), ("results", "RUN"), ("export", "RUN", "-o", "{tmp}/x.json"),
+    ("status",), ("status", "RUN"), ("query", "SELECT 1"), ("results", "RUN"), ("export", "RUN", "-o", "{tmp}/x.json"),
     ("report", "RUN"), ("compare", "RUN", "--model-a", "a", "--model-b", "b"), ("resume", "RUN"),
     ("regrade", "RUN"), ("cancel", "RUN"), ("projections", "rebuild"), ("runs",),
 ]
