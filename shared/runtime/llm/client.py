@@ -36,6 +36,7 @@ from shared.runtime.llm.transport import (
     _scrub,
     transport_for,
 )
+from shared.runtime.observability import METRICS
 
 log = logging.getLogger("veribus.llm")
 _WARNED: set[tuple[str, str, str]] = set()
@@ -104,6 +105,7 @@ class LLMClient:
                             tools=tools, replicate=replicate)
             reply = await self._from_cache(key, response_schema, validate)
             if reply is not None:
+                METRICS.model_call(model.model_name, "cache_hit")
                 return reply
 
         api_key = self._api_key(model, stage)
@@ -139,6 +141,7 @@ class LLMClient:
                     {"role": "user", "content": _feedback(last_error, structured)},
                 ]
         else:
+            METRICS.model_call(model.model_name, "failed_bad_output", last_error)
             raise LLMError(
                 "bad_output",
                 f"bad_output: model {model.model_name} at stage {stage} gave no valid "
@@ -237,8 +240,11 @@ class LLMClient:
                 async with sem:
                     async with asyncio.timeout(hard_timeout):
                         if direct:
-                            return await transport._direct.complete(model, messages, kwargs, api_key), attempt
-                        return await litellm.acompletion(messages=messages, **kwargs), attempt
+                            resp = await transport._direct.complete(model, messages, kwargs, api_key)
+                        else:
+                            resp = await litellm.acompletion(messages=messages, **kwargs)
+                METRICS.model_call(model.model_name, "ok")
+                return resp, attempt
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -255,6 +261,7 @@ class LLMClient:
                     warn_once(model.model_name, model.api_base, kind, status,
                               _scrub(f"{type(exc).__name__}: {exc}", api_key))
                 if kind in RETRYABLE and attempt <= model.max_retries:
+                    METRICS.model_call(model.model_name, f"retry_{kind}")
                     delay = self.backoff_delay(attempt, ra)
                     log.debug("llm %s stage=%s: %s (HTTP %s), retry %d/%d in %.2fs", model.model_name, stage,
                               kind, status, attempt, model.max_retries, delay)
@@ -264,6 +271,7 @@ class LLMClient:
                 if len(detail) > 1000:
                     detail = detail[:1000] + "..."
                 http = f"HTTP {status}" if status is not None else "no HTTP status"
+                METRICS.model_call(model.model_name, f"failed_{kind}", f"{http}: {detail}")
                 raise LLMError(
                     kind,
                     f"{kind}: model {model.model_name} at stage {stage} failed after {total} attempt(s) "
