@@ -302,14 +302,32 @@ async def test_a_refused_model_call_warns_once_per_cause(caplog: pytest.LogCaptu
     client = LLMClient()
     client.backoff_base = 0.01
     client.backoff_cap = 0.02
-    with caplog.at_level(logging.WARNING, logger="veribus.llm"):
+    with caplog.at_level(logging.WARNING):
         for _ in range(2):
             with pytest.raises(LLMError) as info:
                 await client.complete(model, [{"role": "user", "content": "hi"}], stage="generate_answer")
             assert info.value.kind == "connection" and info.value.attempts == 3
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and model.model_name in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert "connection refused" in warnings[0].getMessage()
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # 6 failed attempts, one line
+    assert "connection" in warnings[0].getMessage() and "Connect call failed" in warnings[0].getMessage()
+
+
+async def test_a_missing_api_key_env_warns_once(caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.core.events import ModelSpec
+    from shared.runtime.llm.client import LLMClient
+    from shared.runtime.llm.reply import LLMError
+
+    monkeypatch.delenv("VB_HONEST_UNSET_KEY", raising=False)
+    model = ModelSpec(model_name="openai/needs-key", api_key_env="VB_HONEST_UNSET_KEY", max_retries=2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            with pytest.raises(LLMError) as info:
+                await LLMClient().complete(model, [{"role": "user", "content": "hi"}], stage="generate_answer")
+            assert info.value.kind == "auth"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "needs-key" in r.getMessage()]
+    assert len(warnings) == 1 and "missing or rejected credentials" in warnings[0]
+    assert "VB_HONEST_UNSET_KEY" in warnings[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ _CAUSES = {"connection": "connection refused or unreachable", "auth": "missing o
 
 
 def warn_once(model: str, api_base: str | None, kind: str, status: int | None, detail: str) -> bool:
-    """Log why a model call failed at WARNING, once per (model, endpoint, cause) in this process,
-    not once per retry. Returns True when it logged."""
+    """Log why a model cannot be called at WARNING, once per (model, endpoint, cause) in this
+    process: for failures before any call (a missing api_key_env variable). Failed calls are
+    logged once per cause by `METRICS.model_call`. Returns True when it logged."""
     key = (model, api_base or "", f"{kind}:{status}")
     if key in _WARNED:
         return False
@@ -257,9 +258,6 @@ class LLMClient:
                     continue
                 ra = _retry_after(exc) if kind == "rate_limit" else None
                 total = prior_attempts + attempt
-                if kind in _CAUSES:
-                    warn_once(model.model_name, model.api_base, kind, status,
-                              _scrub(f"{type(exc).__name__}: {exc}", api_key))
                 if kind in RETRYABLE and attempt <= model.max_retries:
                     METRICS.model_call(model.model_name, f"retry_{kind}")
                     delay = self.backoff_delay(attempt, ra)
