@@ -636,8 +636,7 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
     n_err = sum(g["count"] for g in error_groups(results))
     if n_err:
         top = error_groups(results)[0]
-        banner += (f"<div class='banner err'>{n_err} of {len(results)} results errored (verify() raising "
-                   "included); most often "
+        banner += (f"<div class='banner err'>{n_err} of {len(results)} results errored; most often "
                    f"{_esc(top['stage'])} / {_esc(top['type'])} ({top['count']}): "
                    f"{_esc(_short(top['example'], 200))} — see section 6.</div>")
     gates = "".join(f"<li><span class='badge {'pass' if 'PASSED' in g else 'fail'}'>"
