@@ -120,9 +120,10 @@ class LLMClient:
         convo = list(messages)
         usage: dict[str, Any] = {"model": model.model_name}
         attempts = 0
+        retries: dict[str, int] = {}
         last_error = ""
         for round_ in range(MAX_OUTPUT_RETRIES + 1):
-            resp, n = await self._call(model, convo, kwargs, stage, api_key, attempts)
+            resp, n = await self._call(model, convo, kwargs, stage, api_key, attempts, retries)
             attempts += n
             usage = add_usage(usage, _usage_of(resp, model.model_name))
             text, tool_calls = _message_of(resp)
@@ -154,7 +155,7 @@ class LLMClient:
         if tool_calls:
             raw_message["tool_calls"] = tool_calls
         reply = LLMReply(text=text, usage=usage, parsed=parsed, tool_calls=tool_calls, attempts=attempts,
-                         raw_message=raw_message)
+                         raw_message=raw_message, retries=retries)
         if key is not None and self.cache is not None:
             try:
                 await self.cache.put(key, {"text": text, "usage": usage, "tool_calls": tool_calls,
@@ -227,8 +228,9 @@ class LLMClient:
         return kwargs
 
     async def _call(self, model: ModelSpec, messages: list[dict[str, Any]], kwargs: dict[str, Any], stage: str,
-                    api_key: str | None, prior_attempts: int) -> tuple[Any, int]:
-        """One reply, retrying transient failures; returns (response, attempts used)."""
+                    api_key: str | None, prior_attempts: int, retries: dict[str, int] | None = None) -> tuple[Any, int]:
+        """One reply, retrying transient failures; returns (response, attempts used). Each retry is
+        counted by its error kind in `retries` (metadata.retry_counts)."""
         direct = transport_for(model) == "direct"
         litellm = None if direct else transport._get_litellm()
         sem = self.semaphore(model)
@@ -259,6 +261,8 @@ class LLMClient:
                 ra = _retry_after(exc) if kind == "rate_limit" else None
                 total = prior_attempts + attempt
                 if kind in RETRYABLE and attempt <= model.max_retries:
+                    if retries is not None:
+                        retries[kind] = retries.get(kind, 0) + 1
                     METRICS.model_call(model.model_name, f"retry_{kind}")
                     delay = self.backoff_delay(attempt, ra)
                     log.debug("llm %s stage=%s: %s (HTTP %s), retry %d/%d in %.2fs", model.model_name, stage,
