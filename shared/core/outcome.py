@@ -83,17 +83,16 @@ def error_kind(result: VerificationResult) -> tuple[str, str, str] | None:
     for a result that completed (pass or plain fail)."""
     m = result.metadata
     if not m.completed_without_errors:
-        failure = m.failure or {}
-        stage = str(failure.get("stage") or "")
-        etype = str((failure.get("details") or {}).get("type") or "")
-        message = str(failure.get("reason") or "")
+        failure = m.failure if isinstance(m.failure, dict) else {}
         err = m.error or ""
-        if not stage or not etype:
-            parts = err.split(": ", 2)
-            if len(parts) == 3:
-                stage, etype, message = stage or parts[0], etype or parts[1], message or parts[2]
-            else:
-                stage, etype, message = stage or "pipeline", etype or "error", message or err
+        parts = err.split(": ", 2)
+        if len(parts) == 3:  # ours: `stage: Type: message`
+            stage, etype, message = parts
+        else:  # a reference file's failure record
+            details = failure.get("details") if isinstance(failure.get("details"), dict) else {}
+            stage = str(failure.get("stage") or "pipeline")
+            etype = str(details.get("type") or failure.get("category") or "error")
+            message = str(details.get("error_message") or failure.get("reason") or err)
         kind = _KIND.match(message)
         if etype == "LLMError" and kind:
             etype = f"LLMError({kind.group('kind')})"

@@ -15,7 +15,7 @@ from shared.cli.progress import ProgressPrinter, RunProgress
 from shared.control.credentials import config_problems, missing_key
 from shared.control.runref import RunNotFound, RunRef, next_regrade_name, pick
 from shared.core import outcome
-from shared.core.fold import _error_text, _failure
+from shared.core.fold import _error_text, _failure_entry
 from shared.core.models import (
     ModelIdentity,
     VerificationResult,
@@ -30,14 +30,14 @@ _N = iter(range(10_000))
 def result(verify: bool | None = True, *, stage_error: tuple[str, str, str] | None = None,
            verify_raised: str | None = None, qid: str | None = None) -> VerificationResult:
     """One result as the finalizer folds it: a stage error goes through fold's own
-    `_failure`/`_error_text`, so the grouping reads what real results carry."""
+    `_failure_entry`/`_error_text`, so the grouping reads what real results carry."""
     from shared.core.events import StageError
 
     qid = qid or f"q{next(_N)}"
     failure = error = None
     if stage_error is not None:
         err = StageError(stage=stage_error[0], type=stage_error[1], message=stage_error[2])
-        failure, error = _failure(err), _error_text(err)
+        failure, error = _failure_entry("unexpected_error", err.stage, err.message), _error_text(err)
     meta = VerificationResultMetadata(
         question_id=qid, answering=ModelIdentity(model_name="openai/m"), parsing=ModelIdentity(model_name="openai/j"),
         result_id=qid, completed_without_errors=stage_error is None, error=error, failure=failure)
