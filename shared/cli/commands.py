@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from shared.control.credentials import PROVIDER_KEYS
+from shared.core.config import Settings
 from shared.core.outcome import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -460,7 +461,7 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
     if quiet:
         return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout))
     prog = RunProgress(total=len(expected), started=time.monotonic())
-    printer = ProgressPrinter(prog, interval_s=float(os.environ.get("VERIBUS_PROGRESS_INTERVAL_S", "10")))
+    printer = ProgressPrinter(prog, interval_s=Settings.from_env().progress_interval_s)
 
     def on_result(result: Any) -> None:
         prog.add(result)
@@ -705,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         _err(str(exc).strip("'\""))
         return EXIT_INPUT
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback (unless asked)
-        if os.environ.get("VERIBUS_DEBUG"):
+        if os.environ.get("VERIBUS_DEBUG"):  # Settings.debug, read raw: this handler must not fail itself
             raise
         from shared.control.deployment import mask_url
 

@@ -138,6 +138,7 @@ class Settings(BaseModel):
     """Where things are. Every field has a `VERIBUS_*` env var; see the README."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_url_from_flag: str | None = None  # set by the CLI when --nats-url gave the URL (not configuration)
     nats_user: str | None = None
     nats_password: str | None = None
     nats_token: str | None = None
@@ -154,6 +155,8 @@ class Settings(BaseModel):
     litellm_lean: bool = True  # skip litellm's per-call logging hooks (see shared.runtime.llm.transport)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"
+    progress_interval_s: float = Field(default=10.0, gt=0)  # the CLI's progress line while following a run
+    debug: bool = False  # the CLI shows the traceback of an unexpected error instead of one line
     # /healthz /readyz /metrics of a service process (VERIBUS_<SERVICE>_METRICS_PORT wins)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
