@@ -155,7 +155,7 @@ class Settings(BaseModel):
     litellm_lean: bool = True  # skip litellm's per-call logging hooks (see shared.runtime.llm.transport)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"
-    progress_interval_s: float = Field(default=10.0, gt=0)  # the CLI's progress line while following a run
+    progress_interval_s: float = Field(default=10.0, ge=0)  # the CLI's progress line while following a run (0: every result)
     debug: bool = False  # the CLI shows the traceback of an unexpected error instead of one line
     # /healthz /readyz /metrics of a service process (VERIBUS_<SERVICE>_METRICS_PORT wins)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
