@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterable
@@ -54,8 +55,9 @@ _patch_pull_fetch_timeout()
 DUPLICATE_WINDOW_S = 600.0
 
 
-def stream_config() -> StreamConfig:
-    """The single source-of-truth stream: every `vb.>` event, on disk, deduplicated by msg id."""
+def stream_config(replicas: int = 1) -> StreamConfig:
+    """The single source-of-truth stream: every `vb.>` event, on disk, deduplicated by msg id,
+    kept on `replicas` servers of a cluster."""
     return StreamConfig(
         name=events.STREAM,
         subjects=events.STREAM_SUBJECTS,
@@ -65,13 +67,14 @@ def stream_config() -> StreamConfig:
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
         max_msg_size=8 * 1024 * 1024,
+        num_replicas=replicas,
     )
 
 
 def connect_options(settings: Settings) -> dict[str, Any]:
     """nats-py connect kwargs from settings (auth and TLS included)."""
     opts: dict[str, Any] = {
-        "servers": [settings.nats_url],
+        "servers": settings.nats_servers,
         "name": "veribus",
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
@@ -96,14 +99,111 @@ async def connect(settings: Settings, **extra: Any) -> NATS:
     return await nats.connect(**opts)
 
 
-async def ensure_stream(js: JetStreamContext) -> None:
-    """Create or update the stream (idempotent: every service may call it at start)."""
-    cfg = stream_config()
-    try:
-        await js.stream_info(cfg.name)
-        await js.update_stream(cfg)
-    except NotFoundError:
-        await js.add_stream(cfg)
+MAX_REPLICAS = 3
+CLUSTER_READY_TIMEOUT_S = 60.0
+
+
+def cluster_size(nc: NATS) -> int:
+    """How many servers the cluster we are connected to has, from the server's INFO: a
+    clustered server lists every member's client URL in `connect_urls`; a standalone one has
+    no `cluster`."""
+    info = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    return max(1, len(set(info.get("connect_urls") or [])))
+
+
+def replicas_override(settings: Settings | None) -> int | None:
+    """`VERIBUS_STREAM_REPLICAS` (settings first, else the environment), or None."""
+    if settings is not None:
+        return settings.stream_replicas
+    raw = os.environ.get("VERIBUS_STREAM_REPLICAS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 5:
+        raise ValueError(f"VERIBUS_STREAM_REPLICAS must be an integer from 1 to 5, got {raw!r}")
+    return int(raw)
+
+
+def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
+    """Replicas for the stream and the KV buckets: VERIBUS_STREAM_REPLICAS when set, else
+    min(3, cluster size)."""
+    override = replicas_override(settings)
+    return override if override is not None else min(MAX_REPLICAS, cluster_size(nc))
+
+
+def _cluster_not_ready(exc: BaseException) -> bool:
+    """Errors a forming or failing-over cluster gives for a while (no meta leader yet, too few
+    peers, a request lost on a node that went away): worth retrying, not reporting."""
+    from nats import errors as nats_errors
+    from nats.js import errors as js_errors
+
+    if isinstance(exc, js_errors.ServiceUnavailableError | nats_errors.TimeoutError | TimeoutError
+                  | nats_errors.NoRespondersError):
+        return True
+    if isinstance(exc, js_errors.APIError):
+        text = f"{exc.description or ''}".lower()
+        return (exc.code or 0) >= 500 or "insufficient resources" in text or "no suitable peers" in text \
+            or "not available" in text or "temporarily unavailable" in text
+    return False
+
+
+async def _retry_cluster(op: Any, what: str, timeout: float = CLUSTER_READY_TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        try:
+            return await op()
+        except Exception as exc:  # noqa: BLE001 - filtered below
+            if not _cluster_not_ready(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.info("%s: the cluster is not ready (%r); retrying", what, exc)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
+async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) -> int:
+    """Create or update the stream (idempotent: every service may call it at start); returns
+    its replica count. Without an explicit VERIBUS_STREAM_REPLICAS the count never goes down:
+    a process that connected before the cluster's routes were up must not shrink the stream
+    the others created. Retries while the cluster forms or fails over."""
+    nc: NATS = js._nc  # type: ignore[attr-defined]
+    wanted = desired_replicas(nc, settings)
+    explicit = replicas_override(settings) is not None
+
+    async def op() -> int:
+        try:
+            info = await js.stream_info(events.STREAM)
+        except NotFoundError:
+            await js.add_stream(stream_config(wanted))
+            return wanted
+        have = info.config.num_replicas or 1
+        replicas = wanted if explicit else max(wanted, have)
+        await js.update_stream(stream_config(replicas))
+        return replicas
+
+    return int(await _retry_cluster(op, "stream " + events.STREAM))
+
+
+async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None = None) -> Any:
+    """The KV bucket `config.bucket`, created with the stream's replica rule on first use
+    (another process may create it at the same moment: then it is opened)."""
+    from nats.js.errors import BucketNotFoundError
+
+    async def op() -> Any:
+        try:
+            return await js.key_value(config.bucket)
+        except (BucketNotFoundError, NotFoundError):
+            pass
+        config.replicas = desired_replicas(js._nc, settings)  # type: ignore[attr-defined]
+        try:
+            return await js.create_key_value(config)
+        except Exception as exc:  # noqa: BLE001 - lost the creation race, or the cluster is not ready
+            if _cluster_not_ready(exc):
+                raise
+            return await js.key_value(config.bucket)
+
+    return await _retry_cluster(op, "bucket " + config.bucket)
 
 
 def msg_headers(env: events.Envelope) -> dict[str, str]:
@@ -149,14 +249,19 @@ async def last_event(js: JetStreamContext, subject: str) -> events.Envelope | No
 
 
 def server_reachable(url: str, timeout: float = 0.3) -> bool:
-    """True when something accepts TCP connections at the NATS url."""
-    parsed = urlparse(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    """True when something accepts TCP connections at the NATS url, or at any URL of a
+    comma-separated list (a cluster with one node down is still reachable)."""
+    for one in url.split(","):
+        if not one.strip():
+            continue
+        parsed = urlparse(one.strip() if "://" in one else f"nats://{one.strip()}")
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:

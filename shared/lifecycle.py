@@ -350,16 +350,9 @@ class RunControl:
 async def usage_bucket(js: JetStreamContext) -> Any:
     """The run-usage KV bucket (created on first use)."""
     from nats.js.api import KeyValueConfig
-    from nats.js.errors import BucketNotFoundError, NotFoundError
 
-    try:
-        return await js.key_value(USAGE_BUCKET)
-    except (BucketNotFoundError, NotFoundError):
-        try:
-            return await js.create_key_value(KeyValueConfig(
-                bucket=USAGE_BUCKET, history=1, ttl=30 * 24 * 3600, description="veribus tokens spent per run"))
-        except Exception:  # noqa: BLE001 - another process created it meanwhile
-            return await js.key_value(USAGE_BUCKET)
+    return await bus.ensure_kv(js, KeyValueConfig(
+        bucket=USAGE_BUCKET, history=1, ttl=30 * 24 * 3600, description="veribus tokens spent per run"))
 
 
 async def run_usage(settings: Settings, run_id: str) -> int:

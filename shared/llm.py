@@ -264,17 +264,11 @@ class NatsKVCache:
             async with self._lock:
                 if self._kv is None:
                     from nats.js.api import KeyValueConfig
-                    from nats.js.errors import BucketNotFoundError, NotFoundError
 
-                    try:
-                        self._kv = await self.js.key_value(self.bucket)
-                    except (BucketNotFoundError, NotFoundError):
-                        config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
-                                                description="veribus LLM response cache")
-                        try:
-                            self._kv = await self.js.create_key_value(config)
-                        except Exception:  # another replica created it meanwhile
-                            self._kv = await self.js.key_value(self.bucket)
+                    from shared.bus import ensure_kv  # replicated like the stream
+
+                    self._kv = await ensure_kv(self.js, KeyValueConfig(
+                        bucket=self.bucket, ttl=self.ttl_s, history=1, description="veribus LLM response cache"))
         return self._kv
 
     async def get(self, key: str) -> dict[str, Any] | None:
