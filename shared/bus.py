@@ -138,8 +138,9 @@ def _cluster_not_ready(exc: BaseException) -> bool:
     from nats import errors as nats_errors
     from nats.js import errors as js_errors
 
-    if isinstance(exc, js_errors.ServiceUnavailableError | nats_errors.TimeoutError | TimeoutError
-                  | nats_errors.NoRespondersError):
+    if isinstance(exc, js_errors.ServiceUnavailableError | js_errors.NoStreamResponseError
+                  | nats_errors.TimeoutError | TimeoutError | nats_errors.NoRespondersError
+                  | nats_errors.ConnectionReconnectingError):
         return True
     if isinstance(exc, js_errors.APIError):
         text = f"{exc.description or ''}".lower()
