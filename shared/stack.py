@@ -390,7 +390,7 @@ def heal(state: StackState, *, extra_env: dict[str, str] | None = None, timeout:
         return state
     if not any(p.alive() for p in state.nats_procs()):
         stale = [p for p in state.procs if not is_nats(p.name) and p.name != "simulator"]
-        stop_procs(stale, timeout=30.0)  # all of them, the projector (holding chdb) included, before any start
+        stop_procs(stale, timeout=10.0)  # all of them, the projector (holding chdb) included, before any start
         dead = state.dead()
     stop_orphans(home, keep=_accounted_pids(state))
     nats_dead = [p for p in dead if is_nats(p.name)]
