@@ -211,28 +211,42 @@ def msg_headers(env: events.Envelope) -> dict[str, str]:
     return {"Nats-Msg-Id": env.event_id}
 
 
+PUBLISH_RETRY_S = 30.0
+
+
+async def _publish_one(js: JetStreamContext, env: events.Envelope) -> Any:
+    return await js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
+
+
 async def publish(js: JetStreamContext, env: events.Envelope) -> bool:
-    """Publish one event; returns False when the server deduplicated it."""
-    ack = await js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
+    """Publish one event; returns False when the server deduplicated it. While a cluster fails
+    over (a node died, a new stream leader is being elected) the publish is retried: the message
+    id makes a retry after a lost ack harmless."""
+    ack = await _retry_cluster(lambda: _publish_one(js, env), "publish", PUBLISH_RETRY_S)
     return not ack.duplicate
 
 
 async def publish_many(js: JetStreamContext, envs: Iterable[events.Envelope], window: int = 256) -> int:
-    """Publish many events with bounded in-flight acks; returns how many were new."""
-    pending: list[asyncio.Future[Any]] = []
+    """Publish many events with bounded in-flight acks; returns how many were new. Publishes
+    that fail while the cluster fails over are retried one by one."""
+    pending: list[tuple[events.Envelope, asyncio.Future[Any]]] = []
     new = 0
 
     async def drain() -> int:
-        acks = await asyncio.gather(*pending)
+        acks = await asyncio.gather(*(f for _, f in pending), return_exceptions=True)
+        count = 0
+        for (env, _), ack in zip(pending, acks, strict=True):
+            if isinstance(ack, BaseException):
+                if not _cluster_not_ready(ack):
+                    raise ack
+                count += int(await publish(js, env))
+            else:
+                count += 0 if ack.duplicate else 1
         pending.clear()
-        return sum(0 if a.duplicate else 1 for a in acks)
+        return count
 
     for env in envs:
-        pending.append(
-            asyncio.ensure_future(
-                js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
-            )
-        )
+        pending.append((env, asyncio.ensure_future(_publish_one(js, env))))
         if len(pending) >= window:
             new += await drain()
     if pending:
