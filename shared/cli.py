@@ -53,6 +53,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                      simulator_args=sim_args, nats_cluster=args.nats_cluster)
     print(f"stack up: nats {state.nats_url}" + (f", simulator {state.simulator_url}" if state.simulator_url else ""))
     restarted = set(state.restarted)
+    if args.nats_cluster != state.nats_cluster and len(restarted) < len(state.procs):
+        print(f"  note: the running stack has {state.nats_cluster} NATS node(s), not {args.nats_cluster}; "
+              "`veribus down` first to change that")
     if len(restarted) < len(state.procs):
         print("  already running; " + (f"restarted: {', '.join(state.restarted)}" if restarted else "nothing to restart"))
     for p in state.procs:
