@@ -378,9 +378,9 @@ def up(
 def heal(state: StackState, *, extra_env: dict[str, str] | None = None, timeout: float = 60.0) -> StackState:
     """Bring a partly dead stack back. With a NATS node alive, exactly the dead processes are
     started again (same command, port, store, log and environment). With every NATS node dead
-    the services are stale (and the old projector still holds the chdb folder): they are
-    stopped, projector first, orphans included, and the whole stack is started again on the same
-    ports and stores. A live simulator is kept (its state is the test script)."""
+    the services are stale (and the old projector still holds the chdb folder): every one of
+    them, and any orphan, is stopped before anything starts, and the whole stack is started again
+    on the same ports and stores. A live simulator is kept (its state is the test script)."""
     home = Path(state.home)
     env = _stack_env(state)  # read from a live sibling before anything is stopped
     env.update(extra_env or {})

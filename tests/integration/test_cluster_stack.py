@@ -142,3 +142,29 @@ def test_kill_the_stream_leader_mid_run(cluster_stack, baseline) -> None:
     assert stack.is_nats(leader)
     _kill_and_restart(st, leader, leader=True)
     _check_run(st, run_id, baseline)
+
+
+def test_cli_talks_to_the_cluster_through_any_live_node(cluster_stack, baseline) -> None:
+    """`veribus query` with VERIBUS_NATS_URL listing all three nodes, one of them dead: the CLI
+    connects through a live one and the projector answers."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    st, _ = cluster_stack
+    st.ensure_all_alive()
+    victim = st.reload().nats_procs()[0]
+    st.kill(victim.name)
+    try:
+        env = {**os.environ, "VERIBUS_HOME": st.state.home, "VERIBUS_NATS_URL": st.state.nats_url,
+               "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, "-m", "shared.cli", "query", "--format", "json",
+                              "SELECT count() AS n FROM verification_results FINAL"],
+                             env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        n = rows(st, "SELECT count() FROM verification_results FINAL")[0][0]
+        assert n >= N and str(n) in out.stdout
+    finally:
+        st.restart(victim.name)
