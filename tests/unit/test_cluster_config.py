@@ -4,8 +4,10 @@ config each node gets, and process identity (a reused PID is not one of ours).""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -150,3 +152,29 @@ def test_env_marks_stack_processes(tmp_path: Path) -> None:
     env = state.env()
     assert env[stack.STACK_MARKER] == str(tmp_path)
     assert Settings(nats_url=env["VERIBUS_NATS_URL"]).nats_servers == ["nats://127.0.0.1:1", "nats://127.0.0.1:2"]
+
+
+def test_orphans_are_found_by_the_stack_marker_and_only_ours(tmp_path: Path) -> None:
+    """A process carrying VERIBUS_STACK=<this home> that stack.json does not list is an orphan
+    and is stopped; one marked with another home, or unmarked, is left alone."""
+    home = tmp_path / "home"
+    home.mkdir()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    ours = subprocess.Popen(sleeper, env={**os.environ, stack.STACK_MARKER: str(home)})
+    other_home = subprocess.Popen(sleeper, env={**os.environ, stack.STACK_MARKER: str(tmp_path / "elsewhere")})
+    unmarked = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k != stack.STACK_MARKER})
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and ours.pid not in {q.pid for q in stack.marked_processes(home)}:
+            time.sleep(0.05)  # until the child has exec'd with its environment
+        assert [q.pid for q in stack.marked_processes(home)] == [ours.pid]
+        assert stack.status(Settings(home=home))["orphans"] == [ours.pid]
+        stopped = stack.stop_orphans(home, timeout=5)
+        assert len(stopped) == 1 and str(ours.pid) in stopped[0]
+        assert ours.wait(10) is not None
+        assert other_home.poll() is None and unmarked.poll() is None
+        assert list(stack.marked_processes(home)) == []
+    finally:
+        for p in (ours, other_home, unmarked):
+            p.kill()
+            p.wait(10)
