@@ -101,6 +101,7 @@ async def connect(settings: Settings, **extra: Any) -> NATS:
 
 MAX_REPLICAS = 3
 CLUSTER_READY_TIMEOUT_S = 60.0
+PLACEMENT_RETRY_S = 5.0  # how long a creation waits for a missing node before using fewer replicas
 
 
 def cluster_size(nc: NATS) -> int:
@@ -163,6 +164,29 @@ async def _retry_cluster(op: Any, what: str, timeout: float = CLUSTER_READY_TIME
             delay = min(2.0, delay * 2)
 
 
+def _placement_failed(exc: BaseException) -> bool:
+    from nats.js import errors as js_errors
+
+    text = f"{getattr(exc, 'description', '') or ''}".lower()
+    return isinstance(exc, js_errors.APIError) and ("no suitable peers" in text or "insufficient resources" in text)
+
+
+async def _create_placed(create: Any, replicas: int, what: str, *, result: Any) -> Any:
+    """Create with `replicas`; when the cluster cannot place that many (a node is down right
+    now), retry briefly, then step down one replica at a time rather than fail: a run must not
+    stop because one node of three is being restarted. Logged at WARNING."""
+    n = replicas
+    while True:
+        try:
+            return result(n, await _retry_cluster(lambda n=n: create(n), what, PLACEMENT_RETRY_S))
+        except Exception as exc:
+            if n <= 1 or not _placement_failed(exc):
+                raise
+            log.warning("%s: cannot place %d replicas now (%s); creating it with %d", what, n,
+                        getattr(exc, "description", exc), n - 1)
+            n -= 1
+
+
 async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) -> int:
     """Create or update the stream (idempotent: every service may call it at start); returns
     its replica count. Without an explicit VERIBUS_STREAM_REPLICAS the count never goes down:
@@ -176,8 +200,8 @@ async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) 
         try:
             info = await js.stream_info(events.STREAM)
         except NotFoundError:
-            await js.add_stream(stream_config(wanted))
-            return wanted
+            return int(await _create_placed(lambda n: js.add_stream(stream_config(n)), wanted,
+                                            "stream " + events.STREAM, result=lambda n, _: n))
         have = info.config.num_replicas or 1
         replicas = wanted if explicit else max(wanted, have)
         await js.update_stream(stream_config(replicas))
@@ -187,8 +211,11 @@ async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) 
 
 
 async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None = None) -> Any:
-    """The KV bucket `config.bucket`, created with the stream's replica rule on first use
-    (another process may create it at the same moment: then it is opened)."""
+    """The KV bucket `config.bucket`, created on first use with the stream's replica rule and
+    not fewer replicas than the stream has (a node that is down while a bucket is created is
+    missing from the cluster's INFO, not from the cluster), unless the cluster cannot place them
+    right now (see `_create_placed`). Another process may create it at the same moment: then it
+    is opened."""
     from nats.js.errors import BucketNotFoundError
 
     async def op() -> Any:
@@ -196,9 +223,19 @@ async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None
             return await js.key_value(config.bucket)
         except (BucketNotFoundError, NotFoundError):
             pass
-        config.replicas = desired_replicas(js._nc, settings)  # type: ignore[attr-defined]
-        try:
+        replicas = desired_replicas(js._nc, settings)  # type: ignore[attr-defined]
+        if replicas_override(settings) is None:
+            try:
+                replicas = max(replicas, (await js.stream_info(events.STREAM)).config.num_replicas or 1)
+            except NotFoundError:
+                pass
+
+        async def create(n: int) -> Any:
+            config.replicas = n
             return await js.create_key_value(config)
+
+        try:
+            return await _create_placed(create, replicas, "bucket " + config.bucket, result=lambda _, kv: kv)
         except Exception as exc:  # noqa: BLE001 - lost the creation race, or the cluster is not ready
             if _cluster_not_ready(exc):
                 raise

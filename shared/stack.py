@@ -253,14 +253,21 @@ def plan_nats_nodes(home: Path, cluster: int, port: int | None = None) -> list[N
                      home / "nats" / f"nats-{i}", free_port()) for i in range(1, cluster + 1)]
 
 
-def nats_healthy(p: Proc, timeout: float = 1.0) -> bool:
-    """The node's /healthz says ok: it listens and its JetStream is up (in a cluster: it knows
-    the meta leader and its streams are current)."""
+def nats_healthy(p: Proc, cluster: int = 1, timeout: float = 1.0) -> bool:
+    """The node's /healthz says ok (it listens and its JetStream is up: in a cluster it knows the
+    meta leader and its streams are current) and, in a cluster of `cluster` nodes, it has learnt
+    every member's client URL (what clients read the cluster size from)."""
     if p.http_port is None:
         return p.port is not None and _listening(p.port)
+    base = f"http://127.0.0.1:{p.http_port}"
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{p.http_port}/healthz", timeout=timeout) as resp:
-            return resp.status == 200
+        with urllib.request.urlopen(f"{base}/healthz", timeout=timeout) as resp:
+            if resp.status != 200:
+                return False
+        if cluster > 1:
+            with urllib.request.urlopen(f"{base}/varz", timeout=timeout) as resp:
+                return len(set(json.loads(resp.read()).get("connect_urls") or [])) >= cluster
+        return True
     except (OSError, ValueError):
         return False
 
@@ -273,7 +280,7 @@ def _listening(port: int) -> bool:
         return False
 
 
-def wait_nats_healthy(nodes: list[Proc], timeout: float = 60.0) -> None:
+def wait_nats_healthy(nodes: list[Proc], timeout: float = 60.0, cluster: int = 1) -> None:
     deadline = time.monotonic() + timeout
     pending = list(nodes)
     while pending and time.monotonic() < deadline:
@@ -281,7 +288,7 @@ def wait_nats_healthy(nodes: list[Proc], timeout: float = 60.0) -> None:
             if not p.alive():
                 tail = "\n".join(p.log_text().splitlines()[-10:])
                 raise RuntimeError(f"nats node {p.name} exited during start-up; log {p.log}:\n{tail}")
-            if nats_healthy(p):
+            if nats_healthy(p, cluster):
                 pending.remove(p)
         if pending:
             time.sleep(0.1)
@@ -349,7 +356,7 @@ def up(
                             home / "logs", port=node.port, http_port=node.http_port))
     state.save()
     try:
-        wait_nats_healthy(state.nats_procs())
+        wait_nats_healthy(state.nats_procs(), cluster=nats_cluster)
         if nats_cluster > 1:
             create_stream(settings, state.nats_url)
         if simulator:
@@ -399,7 +406,7 @@ def heal(state: StackState, *, extra_env: dict[str, str] | None = None, timeout:
             raise RuntimeError(f"cannot restart {old.name}: port {old.port} is taken by another program")
     new_nats = [_respawn(state, old, env) for old in nats_dead]  # all at once: a cluster needs its quorum
     if new_nats:
-        wait_nats_healthy(new_nats, timeout)
+        wait_nats_healthy(new_nats, timeout, cluster=len(state.nats_procs()))
     for old in (p for p in dead if p.name == "simulator"):
         new = _respawn(state, old, env)
         if new.port is not None:
@@ -653,7 +660,7 @@ def restart_proc(state: StackState, name: str, *, extra_env: dict[str, str] | No
     new = _respawn(state, old, env)
     if is_nats(name):
         if new.http_port is not None:
-            wait_nats_healthy([new], timeout)
+            wait_nats_healthy([new], timeout, cluster=len(state.nats_procs()))
         else:  # a stack.json from before monitoring ports were recorded
             wait_for_port("127.0.0.1", int(new.port or state.nats_url.split(",")[0].rsplit(":", 1)[1]), timeout)
     elif name == "simulator" and state.simulator_url:

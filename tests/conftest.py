@@ -115,13 +115,12 @@ class NatsCluster:
         return self.procs[name].poll() is None
 
     def healthy(self, name: str) -> bool:
-        import urllib.request
+        """/healthz ok and every member's client URL known (see `stack.nats_healthy`)."""
+        from shared.stack import Proc, nats_healthy
 
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.node(name).http_port}/healthz", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        n = self.node(name)
+        probe = Proc(name=name, pid=self.procs[name].pid, cmd=[], log="", port=n.port, http_port=n.http_port)
+        return nats_healthy(probe, len(self.nodes))
 
     def wait_healthy(self, names: list[str] | None = None, timeout: float = 60.0) -> None:
         import time

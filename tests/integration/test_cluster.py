@@ -111,3 +111,28 @@ async def test_the_stream_survives_its_leader_and_keeps_deduplicating(nats_clust
         assert sorted(e.event_id for e in got) == sorted(e.event_id for e in first + [_env(i) for i in range(100, 200)])
     finally:
         await nc.close()
+
+
+async def test_a_bucket_can_be_made_while_a_node_is_down(nats_cluster: NatsCluster) -> None:
+    """With one node dead the servers' INFO lists two nodes; the stream keeps 3 replicas, and a
+    KV bucket created now asks for 3 (it follows the stream). Whether the cluster can place 3
+    right now depends on whether it has noticed the node is gone; if not, the bucket is made
+    with 2 rather than failing. Either way it works at once."""
+    settings = Settings(nats_url=nats_cluster.url)
+    nc = await bus.connect(settings)
+    try:
+        assert await bus.ensure_stream(nc.jetstream(), settings) == 3
+    finally:
+        await nc.close()
+    nats_cluster.kill("nats-3")
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        assert bus.cluster_size(nc) == 2
+        assert await bus.ensure_stream(js, settings) == 3
+        kv = await bus.ensure_kv(js, KeyValueConfig(bucket="vb_made_degraded"), settings)
+        assert (await kv.status()).stream_info.config.num_replicas in (2, 3)
+        await kv.put("k", b"v")
+        assert (await kv.get("k")).value == b"v"
+    finally:
+        await nc.close()

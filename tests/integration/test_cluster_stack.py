@@ -121,7 +121,7 @@ def _kill_and_restart(st: Stack, name: str, *, leader: bool = False) -> None:
     time.sleep(1.0)  # the run goes on with the node gone
     assert stack.status(st.settings)["dead"] == [name]
     new = st.restart(name)
-    assert new.pid != old and stack.nats_healthy(new)
+    assert new.pid != old and stack.nats_healthy(new, cluster=3)
 
 
 def test_kill_one_nats_node_mid_run(cluster_stack, baseline) -> None:

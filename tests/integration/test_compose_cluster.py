@@ -77,7 +77,7 @@ async def test_the_compose_nats_commands_form_a_three_replica_cluster(compose_no
     procs, clients, https = compose_nodes
     probes = [stack.Proc(name=f"nats-{i + 1}", pid=p.pid, cmd=psutil.Process(p.pid).cmdline(), log="", port=c,
                          http_port=h) for i, (p, c, h) in enumerate(zip(procs, clients, https, strict=True))]
-    await asyncio.to_thread(stack.wait_nats_healthy, probes, 60.0)
+    await asyncio.to_thread(stack.wait_nats_healthy, probes, 60.0, 3)
     settings = Settings(nats_url=",".join(f"nats://127.0.0.1:{c}" for c in clients))
     nc = await bus.connect(settings)
     try:

@@ -178,3 +178,28 @@ def test_orphans_are_found_by_the_stack_marker_and_only_ours(tmp_path: Path) -> 
         for p in (ours, other_home, unmarked):
             p.kill()
             p.wait(10)
+
+
+async def test_creation_steps_down_replicas_only_when_placement_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster that cannot place 3 replicas now (a node is down) gets the bucket/stream with
+    fewer rather than a failed run; any other error is raised as it is."""
+    from nats.js import errors as js_errors
+
+    monkeypatch.setattr(bus, "PLACEMENT_RETRY_S", 0.3)
+    tried: list[int] = []
+
+    async def create(n: int) -> str:
+        tried.append(n)
+        if n > 2:
+            raise js_errors.BadRequestError(code=400, err_code=10005,
+                                            description="no suitable peers for placement, peer offline")
+        return f"made with {n}"
+
+    assert await bus._create_placed(create, 3, "bucket t", result=lambda n, made: (n, made)) == (2, "made with 2")
+    assert set(tried) == {3, 2} and tried[-1] == 2
+
+    async def refused(n: int) -> str:
+        raise js_errors.BadRequestError(code=400, err_code=10058, description="stream name already in use")
+
+    with pytest.raises(js_errors.BadRequestError, match="already in use"):
+        await bus._create_placed(refused, 3, "stream t", result=lambda n, made: made)
