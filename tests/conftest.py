@@ -36,14 +36,14 @@ class NatsServer:
 
     def start(self) -> None:
         """(Re)start on the same port and store: JetStream state survives a restart."""
-        from shared.bus import wait_for_port
+        from shared.runtime.bus import wait_for_port
 
         self.proc = _spawn_nats(self.port, self.store)
         wait_for_port("127.0.0.1", self.port, 10)
 
 
 def _spawn_nats(port: int, store: Path) -> subprocess.Popen[bytes]:
-    from shared.stack import nats_server_binary
+    from shared.control.stack import nats_server_binary
 
     return subprocess.Popen(
         [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
@@ -53,8 +53,8 @@ def _spawn_nats(port: int, store: Path) -> subprocess.Popen[bytes]:
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    from shared.bus import wait_for_port
-    from shared.stack import free_port
+    from shared.control.stack import free_port
+    from shared.runtime.bus import wait_for_port
 
     port = free_port()
     store = tmp_path / "nats"
@@ -76,12 +76,12 @@ def python() -> str:
 
 @dataclass
 class NatsCluster:
-    """Real nats-server nodes routed into one cluster, configured by `shared.stack.nats_config`
+    """Real nats-server nodes routed into one cluster, configured by `shared.control.stack.nats_config`
     (the same function `veribus up --nats-cluster N` uses). Nodes can be killed (-9) and
     started again on the same ports and stores."""
 
     home: Path
-    nodes: list  # list[shared.stack.NatsNode]
+    nodes: list  # list[shared.control.stack.NatsNode]
     procs: dict[str, subprocess.Popen[bytes]]
     confs: dict[str, Path]
 
@@ -98,7 +98,7 @@ class NatsCluster:
         return next(n for n in self.nodes if n.name == name)
 
     def start(self, name: str) -> None:
-        from shared.stack import nats_server_binary
+        from shared.control.stack import nats_server_binary
 
         log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         self.procs[name] = subprocess.Popen([str(nats_server_binary()), "-c", str(self.confs[name])],
@@ -116,7 +116,7 @@ class NatsCluster:
 
     def healthy(self, name: str) -> bool:
         """/healthz ok and every member's client URL known (see `stack.nats_healthy`)."""
-        from shared.stack import Proc, nats_healthy
+        from shared.control.stack import Proc, nats_healthy
 
         n = self.node(name)
         probe = Proc(name=name, pid=self.procs[name].pid, cmd=[], log="", port=n.port, http_port=n.http_port)
@@ -140,8 +140,8 @@ class NatsCluster:
 
 
 def start_nats_cluster(home: Path, size: int = 3) -> NatsCluster:
-    from shared.config import Settings
-    from shared.stack import plan_nats_nodes, write_nats_configs
+    from shared.control.stack import plan_nats_nodes, write_nats_configs
+    from shared.core.config import Settings
 
     home.mkdir(parents=True, exist_ok=True)
     nodes = plan_nats_nodes(home, size)

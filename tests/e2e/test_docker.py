@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 
-from shared import bus, events, lifecycle, runner, stack
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, Settings, VerificationConfig
+from shared.control import lifecycle, runner, stack, wait
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.runtime import bus
 from tests.integration.test_durability import expected_verdicts, generated_benchmark, verdicts
 
 pytestmark = pytest.mark.docker
@@ -139,7 +141,7 @@ def test_one_run_end_to_end_on_containers(services: tuple[Settings, str], tmp_pa
         evaluation_mode="template_and_rubric")
     plan = runner.plan_run(Benchmark.load(path), config)
     asyncio.run(runner.submit(settings, plan))
-    done, timed_out = asyncio.run(lifecycle.wait_for_results(settings, plan.run_id, count=N, timeout=180))
+    done, timed_out = asyncio.run(wait.wait_for_results(settings, plan.run_id, count=N, timeout=180))
     assert not timed_out and done == N
     got = asyncio.run(lifecycle.run_results(settings, plan.run_id))
     assert verdicts(got) == expected_verdicts(N)

@@ -10,8 +10,10 @@ from typing import Any
 
 from nats.js.api import KeyValueConfig
 
-from shared import bus, events, lifecycle
-from shared.config import Settings
+from shared.control import streams
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus, runcontrol
 from tests.conftest import NatsCluster, NatsServer
 
 
@@ -36,7 +38,7 @@ async def test_stream_and_buckets_get_three_replicas(nats_cluster: NatsCluster) 
         info = await js.stream_info(events.STREAM)
         peers = {info.cluster.leader, *(p.name for p in info.cluster.replicas or [])}
         assert info.config.num_replicas == 3 and peers == {"nats-1", "nats-2", "nats-3"}
-        kv = await lifecycle.usage_bucket(js)
+        kv = await runcontrol.usage_bucket(js)
         assert (await kv.status()).stream_info.config.num_replicas == 3
         cache = await bus.ensure_kv(js, KeyValueConfig(bucket="vb_cluster_test", history=1), settings)
         assert (await cache.status()).stream_info.config.num_replicas == 3
@@ -107,7 +109,7 @@ async def test_the_stream_survives_its_leader_and_keeps_deduplicating(nats_clust
             await asyncio.sleep(0.2)
         else:
             raise AssertionError(f"restarted node {leader} did not catch up: {info.cluster}")
-        got = await lifecycle.read_events(js, "vb.run.requested.clu-run.*")
+        got = await streams.read_events(js, "vb.run.requested.clu-run.*")
         assert sorted(e.event_id for e in got) == sorted(e.event_id for e in first + [_env(i) for i in range(100, 200)])
     finally:
         await nc.close()

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import bus, events, lifecycle, stack
+from shared.control import stack, wait
+from shared.core import events
+from shared.runtime import bus
 from tests.integration.test_durability import (
     Stack,
     expected_verdicts,
@@ -91,7 +93,7 @@ def _start_and_wait_in_flight(st: Stack, path: Path) -> str:
     plan = plan_and_submit(st, path, _config(st))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        done = len(sync(lifecycle.finalized_counts(st.settings, plan.run_id)))
+        done = len(sync(wait.finalized_counts(st.settings, plan.run_id)))
         if done >= KILL_AT * N:
             assert done < N, "the run finished before the kill: make it slower"
             return plan.run_id

@@ -15,8 +15,9 @@ import psutil
 import pytest
 import yaml
 
-from shared import bus, stack
-from shared.config import Settings
+from shared.control import stack
+from shared.core.config import Settings
+from shared.runtime import bus
 from tests.conftest import REPO
 
 COMPOSE = REPO / "docker-compose.yml"

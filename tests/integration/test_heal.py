@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shared import stack
+from shared.control import stack
 from tests.conftest import REPO
 from tests.integration.test_durability import (
     Stack,

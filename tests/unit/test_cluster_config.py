@@ -14,8 +14,9 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
-from shared import bus, stack
-from shared.config import Settings
+from shared.control import stack
+from shared.core.config import Settings
+from shared.runtime import bus
 
 
 def test_nats_url_takes_a_comma_separated_server_list() -> None:
