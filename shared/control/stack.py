@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from typing import Any
 import psutil
 
 from shared.core.config import Settings
+from shared.runtime import bus
 from shared.runtime.bus import wait_for_port
 
 READY_MARKERS = (" ready", "app started successfully")  # StageService / FastStream start-up lines
@@ -67,6 +69,7 @@ class Proc:
     pgid: int | None = None  # its own process group (started in a new session)
     port: int | None = None  # NATS nodes: client port
     http_port: int | None = None  # NATS nodes: monitoring port (/healthz)
+    metrics_port: int | None = None  # services: /healthz /readyz /metrics (shared.runtime.observability)
 
     def log_text(self) -> str:
         """What this process has logged so far (not earlier runs that used the same log file)."""
@@ -78,11 +81,15 @@ class Proc:
             return fh.read().decode(errors="replace")
 
     def ready(self) -> bool:
-        """True once the service logged that it is ready; raises if it died during start-up."""
-        text = self.log_text()
-        if any(marker in text for marker in READY_MARKERS):
+        """True once the service's /readyz says so (or, without a metrics port, once it logged
+        that it is ready); raises if it died during start-up."""
+        if self.metrics_port is not None:
+            if readyz(self.metrics_port):
+                return True
+        elif any(marker in self.log_text() for marker in READY_MARKERS):
             return True
         if not self.alive():
+            text = self.log_text()
             tail = "\n".join(text.splitlines()[-15:])
             raise RuntimeError(f"service {self.name} exited during start-up; log {self.log}:\n{tail}")
         return False
@@ -155,6 +162,15 @@ def running_stack(settings: Settings) -> StackState | None:
     if not any(p.alive() for p in state.nats_procs()):
         return None
     return state
+
+
+def readyz(port: int, timeout: float = 1.0) -> bool:
+    """GET /readyz on a service's metrics port: True on 200."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=timeout) as resp:  # noqa: S310
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def _spawn(name: str, cmd: list[str], env: dict[str, str], logdir: Path, **extra: Any) -> Proc:
@@ -305,8 +321,6 @@ def _in_thread(coro: Any) -> Any:
 def create_stream(settings: Settings, nats_url: str) -> int:
     """Create (or update) the stream on a fresh cluster before services start, so its replica
     count is decided once, with every node up; returns the replica count."""
-    from shared.runtime import bus
-
     async def go() -> int:
         nc = await bus.connect(settings.model_copy(update={"nats_url": nats_url}), name="veribus-up")
         try:
@@ -372,7 +386,9 @@ def up(
         for name in SERVICES:
             for i in range((replicas or {}).get(name, 1)):
                 label = name if i == 0 else f"{name}-{i + 1}"
-                procs.append(_spawn(label, [sys.executable, "-m", f"services.{name}"], env, home / "logs"))
+                mport = free_port()
+                procs.append(_spawn(label, [sys.executable, "-m", f"services.{name}"],
+                                    {**env, "VERIBUS_METRICS_PORT": str(mport)}, home / "logs", metrics_port=mport))
         state.restarted = [p.name for p in procs]
         state.save()
         wait_ready(state)
@@ -422,7 +438,12 @@ def heal(state: StackState, *, extra_env: dict[str, str] | None = None, timeout:
 def _respawn(state: StackState, old: Proc, env: dict[str, str]) -> Proc:
     """Start `old` again as it was started: same command (nats: same config, port and store),
     same log (appended), same ports recorded; replaces it in `state` and saves."""
-    new = _spawn(old.name, list(old.cmd), env, Path(old.log).parent, port=old.port, http_port=old.http_port)
+    env = dict(env)
+    env.pop("VERIBUS_METRICS_PORT", None)  # read from a sibling: each process has its own
+    if old.metrics_port is not None:
+        env["VERIBUS_METRICS_PORT"] = str(old.metrics_port)
+    new = _spawn(old.name, list(old.cmd), env, Path(old.log).parent, port=old.port, http_port=old.http_port,
+                 metrics_port=old.metrics_port)
     state.procs[state.procs.index(old)] = new
     state.save()
     return new
@@ -575,7 +596,7 @@ def status(settings: Settings) -> dict[str, Any]:
         return {"running": False, "state": "orphans" if orphans else "stopped", "procs": [], "orphans": orphans}
     procs = []
     for p in state.procs:
-        info: dict[str, Any] = {"name": p.name, "pid": p.pid, "alive": False}
+        info: dict[str, Any] = {"name": p.name, "pid": p.pid, "alive": False, "metrics_port": p.metrics_port}
         live = p.process()
         if live is not None:
             try:

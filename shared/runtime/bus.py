@@ -18,8 +18,9 @@ import nats
 from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js import errors as js_errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.core import events
 from shared.core.config import Settings
@@ -133,9 +134,6 @@ def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
 def _cluster_not_ready(exc: BaseException) -> bool:
     """Errors a forming or failing-over cluster gives for a while (no meta leader yet, too few
     peers, a request lost on a node that went away): worth retrying, not reporting."""
-    from nats import errors as nats_errors
-    from nats.js import errors as js_errors
-
     if isinstance(exc, js_errors.ServiceUnavailableError | js_errors.NoStreamResponseError
                   | nats_errors.TimeoutError | TimeoutError | nats_errors.NoRespondersError
                   | nats_errors.ConnectionReconnectingError):
@@ -162,8 +160,6 @@ async def _retry_cluster(op: Any, what: str, timeout: float = CLUSTER_READY_TIME
 
 
 def _placement_failed(exc: BaseException) -> bool:
-    from nats.js import errors as js_errors
-
     text = f"{getattr(exc, 'description', '') or ''}".lower()
     return isinstance(exc, js_errors.APIError) and ("no suitable peers" in text or "insufficient resources" in text)
 
@@ -213,8 +209,6 @@ async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None
     missing from the cluster's INFO, not from the cluster), unless the cluster cannot place them
     right now (see `_create_placed`). Another process may create it at the same moment: then it
     is opened."""
-    from nats.js.errors import BucketNotFoundError
-
     async def op() -> Any:
         try:
             return await js.key_value(config.bucket)

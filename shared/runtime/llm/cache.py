@@ -15,6 +15,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError
 
 from shared.core.events import ModelSpec
+from shared.runtime.bus import ensure_kv
 
 log = logging.getLogger("veribus.llm")
 
@@ -64,10 +65,9 @@ class NatsKVCache:
         if self._kv is None:
             async with self._lock:
                 if self._kv is None:
-                    from shared.runtime.bus import ensure_kv  # replicated like the stream
-
-                    self._kv = await ensure_kv(self.js, KeyValueConfig(
-                        bucket=self.bucket, ttl=self.ttl_s, history=1, description="veribus LLM response cache"))
+                    config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
+                                            description="veribus LLM response cache")
+                    self._kv = await ensure_kv(self.js, config)  # replicated like the stream
         return self._kv
 
     async def get(self, key: str) -> dict[str, Any] | None:
