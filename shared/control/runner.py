@@ -136,7 +136,7 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
     nc = await bus.connect(settings)
     try:
         js = nc.jetstream()
-        await bus.ensure_stream(js)
+        await bus.ensure_stream(js, settings)
         producer = "cli/0.1.0"
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))
@@ -192,7 +192,7 @@ async def collect(
     done = asyncio.Event()
     try:
         js = nc.jetstream()
-        await bus.ensure_stream(js)
+        await bus.ensure_stream(js, settings)
 
         async def on_msg(msg) -> None:  # noqa: ANN001
             env = events.decode(msg.data)

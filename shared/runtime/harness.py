@@ -130,7 +130,7 @@ class StageService:
     async def _startup(self) -> None:
         nc = await bus.connect(self.settings, name=f"veribus-{self.name}-admin")
         try:
-            await bus.ensure_stream(nc.jetstream())
+            await bus.ensure_stream(nc.jetstream(), self.settings)
         finally:
             await nc.close()
 
