@@ -54,11 +54,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings()
     sim_args = _simulator_args(args)
     state = stack.up(settings, replicas=_parse_replicas(args.replicas), simulator=not args.no_simulator,
-                     simulator_args=sim_args,
+                     simulator_args=sim_args, nats_cluster=args.nats_cluster,
                      extra_env={"VERIBUS_LOG_FORMAT": args.log_format} if args.log_format else None)
     print(f"stack up: nats {state.nats_url}" + (f", simulator {state.simulator_url}" if state.simulator_url else ""))
+    restarted = set(state.restarted)
+    if args.nats_cluster != state.nats_cluster and len(restarted) < len(state.procs):
+        print(f"  note: the running stack has {state.nats_cluster} NATS node(s), not {args.nats_cluster}; "
+              "`veribus down` first to change that")
+    if len(restarted) < len(state.procs):
+        print("  already running; " + (f"restarted: {', '.join(state.restarted)}" if restarted else "nothing to restart"))
     for p in state.procs:
-        print(f"  {p.name:<16} pid {p.pid}")
+        print(f"  {p.name:<16} pid {p.pid}" + ("  (started)" if p.name in restarted else ""))
     return EXIT_OK
 
 
@@ -88,15 +94,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         from shared.control.deployment import select
 
         print(select().describe())
-    elif not st["running"]:
+    elif not st["procs"]:
         print("stack: not running")
     else:
-        print(f"stack: running (nats {st['nats_url']}, home {st['home']})")
+        print(f"stack: {st['state']} (nats {st['nats_url']}, home {st['home']})")
         for p in st["procs"]:
             extra = f" rss {p.get('rss_mb')} MB cpu {p.get('cpu_s')} s" if p["alive"] else ""
             if p.get("metrics_port"):
                 extra += f" metrics http://127.0.0.1:{p['metrics_port']}/metrics"
-            print(f"  {p['name']:<16} pid {p['pid']:<8} {'up' if p['alive'] else 'DOWN'}{extra}")
+            print(f"  {p['name']:<16} pid {p['pid']:<8} {'up' if p['alive'] else 'DEAD'}{extra}")
+        if st["dead"]:
+            print(f"  dead: {', '.join(st['dead'])}; `veribus up` restarts them")
+    if st["orphans"]:
+        print(f"  orphans (not in stack.json): pids {', '.join(map(str, st['orphans']))}; `veribus down` stops them")
     if args.run:
         from shared.control.runref import RunNotFound, list_runs
         from shared.control.status import format_run_problems, run_problems
@@ -551,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the local stack (nats-server, simulator, every service)")
     up.add_argument("--replicas", nargs="*", metavar="SERVICE=N", help="replicas per service, e.g. parsing=3")
     up.add_argument("--no-simulator", action="store_true", help="do not start the LLM simulator")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="run N NATS nodes as one cluster (routes on loopback); stream replicas min(3, N)")
     up.add_argument("--sim-latency-ms", type=float, help="simulator latency per call")
     up.add_argument("--sim-error-rate", type=float, help="simulator injected error rate")
     up.add_argument("--log-format", choices=["text", "json"], help="service log lines: text (default) or JSON")

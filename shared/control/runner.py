@@ -135,7 +135,7 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
     """Publish the run and its answer requests; returns how many requests were new."""
     async with bus.session(settings) as nc:
         js = nc.jetstream()
-        await bus.ensure_stream(js)
+        await bus.ensure_stream(js, settings)
         producer = "cli/0.1.0"
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))

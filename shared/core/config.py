@@ -134,11 +134,41 @@ class VerificationConfig(StageOptions):
         return StageOptions(**{k: getattr(self, k) for k in StageOptions.model_fields})
 
 
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def parse_server_list(value: str) -> list[str]:
+    """Split a comma-separated list of NATS URLs; a bad entry is named in the error. A bare
+    `host:port` is read as `nats://host:port` (nats-py does the same)."""
+    from urllib.parse import urlparse
+
+    out: list[str] = []
+    for raw in value.split(","):
+        url = raw.strip()
+        if not url:
+            continue
+        if "://" not in url:
+            url = f"nats://{url}"
+        parsed = urlparse(url)
+        try:
+            port = parsed.port
+        except ValueError:
+            port = -1
+        if parsed.scheme not in NATS_SCHEMES or not parsed.hostname or port == -1:
+            raise ValueError(f"VERIBUS_NATS_URL: {raw.strip()!r} is not a NATS server URL "
+                             f"(expected e.g. nats://host:4222; several are separated by commas)")
+        out.append(url)
+    if not out:
+        raise ValueError("VERIBUS_NATS_URL: no server URL given")
+    return out
+
+
 class Settings(BaseModel):
     """Where things are. Every field has a `VERIBUS_*` env var; see the README."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # one URL or a comma-separated list (a cluster)
     nats_url_from_flag: str | None = None  # set by the CLI when --nats-url gave the URL (not configuration)
+    stack: str | None = None  # set by `veribus up` on every process it starts: the stack home (not configuration)
     nats_user: str | None = None
     nats_password: str | None = None
     nats_token: str | None = None
@@ -190,6 +220,18 @@ class Settings(BaseModel):
     projector_batch: int = Field(default=1000, ge=1)
     projector_batch_timeout: float = Field(default=0.5, gt=0)
     search_corpus: Path | None = None  # the built-in "local" search tool's corpus
+    stream_replicas: int | None = Field(default=None, ge=1, le=5)  # None: min(3, cluster size)
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_nats_url(cls, value: str) -> str:
+        parse_server_list(value)
+        return value
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """The NATS server URLs (VERIBUS_NATS_URL may list several, comma-separated)."""
+        return parse_server_list(self.nats_url)
 
     @property
     def chdb_path(self) -> Path:
