@@ -40,7 +40,7 @@ def test_stream_replicas_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert Settings.from_env().stream_replicas == 2
     assert bus.replicas_override(None) == 2
     monkeypatch.setenv("VERIBUS_STREAM_REPLICAS", "0")
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValueError, match="VERIBUS_STREAM_REPLICAS='0'"):  # from_env names the variable
         Settings.from_env()
     with pytest.raises(ValueError, match="VERIBUS_STREAM_REPLICAS"):
         bus.replicas_override(None)
