@@ -195,7 +195,19 @@ class Benchmark(BaseModel):
         except Exception as e:  # a loader bug must still reach the user as a named, readable problem
             raise BenchmarkError(f"{p}: could not load benchmark: {type(e).__name__}: {e}", path=str(p)) from e
         bench.source = p
+        bench.check_sizes()
         return bench
+
+    def check_sizes(self) -> None:
+        """Refuse questions, templates or answers over the wire limits (`shared.limits`), all of
+        them named at once, before anything is published."""
+        from shared.limits import question_problems
+
+        problems = [x for q in self.questions for x in question_problems(q.id, q.text, q.template_code, q.raw_answer)]
+        if problems:
+            where = f"{self.source}: " if self.source else ""
+            raise BenchmarkError(f"{where}refused before publishing, over the size limits:\n  " + "\n  ".join(problems),
+                                 path=str(self.source) if self.source else None)
 
     # ---- saving --------------------------------------------------------------------------
 

@@ -117,6 +117,9 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         path = Path(args.config)
         if not path.exists():
             raise ValueError(f"run config {path} does not exist")
+        from shared.limits import check_config_size
+
+        check_config_size(path.stat().st_size, f"run config {path}")  # InputTooLarge is a ValueError
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
@@ -138,7 +141,13 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         data.setdefault("parsing_models", [{"model_name": "sim-judge"}])
     for key in ("answering_models", "parsing_models"):
         models = []
-        for m in data.get(key, []):
+        entries = data.get(key, [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{key}: expected a list of models, got {type(entries).__name__} {str(entries)[:40]!r}")
+        for i, m in enumerate(entries):
+            if not isinstance(m, str | dict):
+                raise ValueError(f"{key}[{i}]: expected a model name or a mapping of ModelConfig fields, "
+                                 f"got {type(m).__name__} {str(m)[:40]!r}")
             m = {"model_name": m} if isinstance(m, str) else dict(m)
             if args.api_base:
                 m.setdefault("api_base", args.api_base)

@@ -12,6 +12,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from shared.ids import event_id_for
+from shared.limits import MAX_EVENT_BYTES, InvalidEvent, check_envelope, check_payload
+from shared.scrub import scrub_bytes
 
 T = TypeVar("T")
 
@@ -210,7 +212,7 @@ def make_envelope(
         result_id=result_id,
         occurred_at=time.time(),
         producer=producer,
-        payload=msgspec.Raw(_encoder.encode(payload)),
+        payload=msgspec.Raw(scrub_bytes(_encoder.encode(payload))),  # no secret value is ever published
         attempt=attempt,
     )
 
@@ -219,20 +221,32 @@ def encode(env: Envelope) -> bytes:
     return _encoder.encode(env)
 
 
-def decode(data: bytes) -> Envelope:
+def decode(data: bytes, subject: str | None = None) -> Envelope:
+    """Decode and validate an envelope (ids, sizes; with `subject`, that it arrived where it
+    says it belongs): raises for a bad one, which is then dead-lettered, never handled."""
+    if len(data) > MAX_EVENT_BYTES + 65_536:
+        raise InvalidEvent(f"message is {len(data):,} bytes")
     env = _env_decoder.decode(data)
     if env.schema_version != SCHEMA_VERSION:
         raise SchemaVersionError(
-            f"event {env.event_id} has schema_version {env.schema_version}, expected {SCHEMA_VERSION}"
+            f"event {env.event_id[:100]} has schema_version {env.schema_version}, expected {SCHEMA_VERSION}"
         )
+    check_envelope(env, subject)
     return env
 
 
 def payload_as(env: Envelope, kind: type[T]) -> T:
+    """Decode the payload as `kind`; jobs it carries are checked against the limits."""
     dec = _payload_decoders.get(kind)
     if dec is None:
         dec = _payload_decoders[kind] = msgspec.json.Decoder(kind)
-    return dec.decode(env.payload)
+    payload = dec.decode(env.payload)
+    check_payload(env, payload)
+    return payload
+
+
+def to_json(obj: Any) -> bytes:
+    return _encoder.encode(obj)
 
 
 def to_builtins(obj: Any) -> Any:

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from shared.endpoints import EndpointRefused
+from shared.endpoints import check_model as check_endpoint
 from shared.events import ModelSpec
 
 log = logging.getLogger("veribus.llm")
@@ -111,7 +113,8 @@ class LLMReply:
     raw_message: dict[str, Any] | None = None
 
 
-ERROR_KINDS = ("rate_limit", "server_error", "timeout", "connection", "bad_output", "auth", "bad_request")
+ERROR_KINDS = ("rate_limit", "server_error", "timeout", "connection", "bad_output", "auth", "bad_request",
+               "endpoint_refused")
 RETRYABLE = frozenset({"rate_limit", "server_error", "timeout", "connection"})
 
 
@@ -563,6 +566,11 @@ class LLMClient:
         use_cache: bool = True,
     ) -> LLMReply:
         """One model reply; structured (`parsed`) when `response_schema` or `validate` is given."""
+        try:  # before anything else: a job may not point a key at an endpoint the operator did not allow
+            check_endpoint(model)
+        except EndpointRefused as exc:
+            raise LLMError("endpoint_refused", f"endpoint_refused: model {model.model_name} at stage {stage}: {exc}",
+                           model=model.model_name, stage=stage, attempts=0) from None
         key = None
         if use_cache and self.cache is not None:
             key = cache_key(model, messages, response_schema=response_schema, schema_name=schema_name,

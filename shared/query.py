@@ -20,6 +20,7 @@ import msgspec
 from shared.bus import connect_options, server_reachable
 from shared.config import Settings
 from shared.events import QUERY_SUBJECT
+from shared.sql_guard import reader_settings
 from shared.store import QueryResult, ReadOnlyError, open_store, read_only_refusal
 
 
@@ -113,7 +114,7 @@ def _run_coro(coro: Any) -> Any:
 
 
 def run_query(
-    settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float = 10
+    settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float | None = None
 ) -> QueryResult:
     """Run one read-only query against the configured store (see module docstring)."""
     reason = read_only_refusal(sql)
@@ -121,6 +122,8 @@ def run_query(
         raise QueryError(f"refused: {reason}")
     if settings.clickhouse_url:
         return query_direct(settings, sql, params)
+    if timeout is None:  # the engine's own limit, plus time to answer
+        timeout = float(reader_settings()["max_execution_time"]) + 5.0
     try:
         return _run_coro(query_via_nats(settings, sql, params, timeout))
     except NoProjector:

@@ -17,6 +17,7 @@ from shared import bus, events
 from shared.benchmark import Benchmark
 from shared.config import Settings, VerificationConfig
 from shared.ids import answer_id_for, compute_result_id, template_id_for
+from shared.limits import MAX_EVENT_BYTES, question_problems
 from shared.models import VerificationResult
 from shared.templates import compile_check
 
@@ -62,6 +63,7 @@ def plan_run(
     problems = []
     mode = config.evaluation_mode
     for q in selected:
+        problems += question_problems(q.id, q.text, q.template_code, q.raw_answer)
         if mode != "rubric_only":
             if not q.template_code:
                 problems.append(f"question {q.id!r} ({q.text[:50]!r}): no answer template (mode {mode} needs one)")
@@ -107,6 +109,9 @@ def plan_run(
                     ))
                 if jobs:
                     requests.append(events.AnswerRequested(jobs=jobs))
+    oversized = _oversized(requests)
+    if oversized:
+        raise RunInputError("refused before publishing:\n  " + "\n  ".join(oversized))
     unfinished = [] if include_unfinished else [q.id for q in benchmark.unfinished_questions()]
     run_event = events.RunRequested(
         run_id=run_id, timestamp=timestamp, job_count=sum(len(r.jobs) for r in requests),
@@ -114,6 +119,23 @@ def plan_run(
         evaluation_mode=mode, config=public_config(config), unfinished_skipped=unfinished,
     )
     return RunPlan(run_id, timestamp, config.run_name, requests, run_event, unfinished)
+
+
+def _oversized(requests: list[events.AnswerRequested]) -> list[str]:
+    """Requests whose event would exceed the bus's message size (one job per judge rides in
+    each), measured as encoded, once per question."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for r in requests:
+        qid = r.jobs[0].question_id
+        if qid in seen:
+            continue
+        size = len(events.to_json(r))
+        if size > MAX_EVENT_BYTES:
+            seen.add(qid)
+            out.append(f"question {qid!r}: its answer request is {size:,} bytes with {len(r.jobs)} judge(s), over the "
+                       f"limit of {MAX_EVENT_BYTES:,}; shorten the question/template/rubric or use fewer judges")
+    return out
 
 
 def public_config(config: VerificationConfig) -> dict:

@@ -29,6 +29,7 @@ from shared.bus import connect as bus_connect
 from shared.bus import connect_options, ensure_stream
 from shared.config import Settings
 from shared.events import QUERY_SUBJECT, STREAM, decode
+from shared.scrub import install_log_scrubber
 from shared.service import broker_auth_kwargs
 from shared.store import (
     PROJECTION_FAILED,
@@ -224,7 +225,9 @@ def create_app(
         for m in nak:
             await m.nak(delay=RETRY_DELAY)
 
-    @broker.subscriber(QUERY_SUBJECT, queue=DURABLE, decoder=lambda msg: msg.body)
+    # concurrent queries, each on its own read-only handle: a heavy one holds one worker, not the endpoint
+    @broker.subscriber(QUERY_SUBJECT, queue=DURABLE, decoder=lambda msg: msg.body,
+                       max_workers=int(os.environ.get("VERIBUS_QUERY_CONCURRENCY", "4")))
     async def on_query(body: bytes) -> bytes:
         return await asyncio.to_thread(projector.answer_query, body)
 
@@ -255,6 +258,7 @@ def create_app(
 def main() -> None:
     """Entry point of `python -m services.projector` (settings from VERIBUS_* env vars)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    install_log_scrubber()
     settings = Settings.from_env()
     if not settings.clickhouse_url:
         preload_chdb()

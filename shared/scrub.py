@@ -1,0 +1,121 @@
+"""Scrub secret-looking values out of text before it is published, logged or stored.
+
+Two layers, because neither alone is enough:
+- *exact values*: the value of every environment variable of this process whose name looks like
+  a credential (`*KEY*`, `*TOKEN*`, `*SECRET*`, `*PASSWORD*`, ...). Whatever path a key takes
+  (a template returning it in a parsed field, an exception quoting a request header), its exact
+  text is replaced, in events (payload bytes, JSON-escaped forms included), logs and errors;
+- *patterns*: common key shapes (`sk-...`, `Bearer ...`, `api_key=...`, AWS/GitHub/Slack
+  tokens) in free text (error messages, tracebacks, log lines), for keys this process never
+  had in its environment.
+
+Patterns are applied only to free text, never to whole event payloads, where they could cut
+JSON apart; exact values are safe everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+REDACTED = "[REDACTED]"
+
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|AUTH|PRIVATE)", re.I)
+_MIN_LEN = 8  # shorter values ("1", "true") would redact ordinary text
+_NOT_SECRET = frozenset({"true", "false", "none", "null", "1", "0", "yes", "no"})
+
+_PATTERNS = re.compile(
+    r"sk-(?:ant-|proj-)?[A-Za-z0-9_\-]{12,}"  # OpenAI / Anthropic style keys
+    r"|AKIA[0-9A-Z]{16}"  # AWS access key id
+    r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub tokens
+    r"|xox[abprs]-[A-Za-z0-9\-]{10,}"  # Slack tokens
+    r"|AIza[0-9A-Za-z_\-]{30,}"  # Google API keys
+    r"|(?<=[Bb]earer )[A-Za-z0-9_\-\.=+/]{8,}"  # Authorization: Bearer <token>
+    r"|(?<=[Bb]asic )[A-Za-z0-9+/=]{12,}"
+    r"|(?i:(?<=api_key=)|(?<=api-key=)|(?<=apikey=)|(?<=token=)|(?<=password=)|(?<=secret=))[^\s&\"',;]{6,}"
+    r"|(?i:(?<=\"api_key\": \")|(?<='api_key': ')|(?<=\"authorization\": \")|(?<='authorization': '))"
+    r"[^\"']{6,}",
+)
+
+
+def is_secret_name(name: str) -> bool:
+    """True for an environment variable name that looks like it holds a credential."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def secret_values(environ: os._Environ[str] | dict[str, str] | None = None) -> list[str]:
+    """Values of the credential-like variables of `environ` (this process's by default),
+    longest first (so a key that contains another is replaced whole)."""
+    env = os.environ if environ is None else environ
+    vals = {v for k, v in env.items()
+            if is_secret_name(k) and len(v) >= _MIN_LEN and v.lower() not in _NOT_SECRET}
+    return sorted(vals, key=len, reverse=True)
+
+
+def _variants(value: str) -> list[str]:
+    """The value and its JSON-escaped form (different when it holds quotes, backslashes...)."""
+    escaped = json.dumps(value)[1:-1]
+    return [value] if escaped == value else [value, escaped]
+
+
+def scrub_text(text: str, extra: list[str] | None = None) -> str:
+    """`text` with known secret values and secret-looking tokens replaced by REDACTED."""
+    if not text:
+        return text
+    for secret in [*(extra or []), *secret_values()]:
+        for v in _variants(secret):
+            if v in text:
+                text = text.replace(v, REDACTED)
+    return _PATTERNS.sub(REDACTED, text)
+
+
+def scrub_values(text: str) -> str:
+    """Only the exact-value layer (safe on structured text such as JSON)."""
+    for secret in secret_values():
+        for v in _variants(secret):
+            if v in text:
+                text = text.replace(v, REDACTED)
+    return text
+
+
+def scrub_bytes(data: bytes) -> bytes:
+    """Exact secret values (and their JSON-escaped forms) out of encoded bytes, e.g. an event
+    payload: the JSON stays valid because REDACTED needs no escaping."""
+    for secret in secret_values():
+        for v in _variants(secret):
+            b = v.encode()
+            if b in data:
+                data = data.replace(b, REDACTED.encode())
+    return data
+
+
+class ScrubFilter(logging.Filter):
+    """A logging filter that scrubs each record's final message (args included) and its
+    exception text, so no handler ever writes a secret."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string is logged as is
+            msg = str(record.msg)
+        record.msg = scrub_text(msg)
+        record.args = None
+        if record.exc_info:
+            import traceback
+
+            record.exc_text = scrub_text("".join(traceback.format_exception(*record.exc_info)))
+            record.exc_info = None
+        if record.stack_info:
+            record.stack_info = scrub_text(record.stack_info)
+        return True
+
+
+def install_log_scrubber(logger: logging.Logger | None = None) -> None:
+    """Attach ScrubFilter to every handler of `logger` (the root logger by default); call after
+    logging is configured. Handlers filter records from every logger that propagates to them."""
+    target = logger or logging.getLogger()
+    for handler in target.handlers:
+        if not any(isinstance(f, ScrubFilter) for f in handler.filters):
+            handler.addFilter(ScrubFilter())
