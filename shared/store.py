@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from infra.clickhouse import TABLES, VIEWS, check_identifier, statements
-from shared.sql_guard import engine_check, reader_settings, table_functions
 from shared.events import (
     ANSWER_GENERATED,
     DEAD_LETTER,
@@ -47,6 +46,7 @@ from shared.events import (
     StageRecord,
 )
 from shared.models import VerificationResult
+from shared.sql_guard import engine_check, reader_settings, table_functions
 
 if TYPE_CHECKING:
     import pandas as pd
