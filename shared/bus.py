@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from shared import events
+from shared import bus_auth, events
 from shared.config import Settings
 
 log = logging.getLogger("veribus.bus")
@@ -77,11 +77,12 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         "reconnect_time_wait": 0.5,
         "connect_timeout": 5,
     }
-    if settings.nats_user:
-        opts["user"] = settings.nats_user
-        opts["password"] = settings.nats_password or ""
-    if settings.nats_token:
-        opts["token"] = settings.nats_token
+    user, password, token = bus_auth.resolve(settings)  # explicit settings, else this role's credentials
+    if user:
+        opts["user"] = user
+        opts["password"] = password or ""
+    if token:
+        opts["token"] = token
     if settings.nats_tls_ca:
         import ssl
 
@@ -100,10 +101,50 @@ async def ensure_stream(js: JetStreamContext) -> None:
     """Create or update the stream (idempotent: every service may call it at start)."""
     cfg = stream_config()
     try:
-        await js.stream_info(cfg.name)
-        await js.update_stream(cfg)
+        info = await js.stream_info(cfg.name)
     except NotFoundError:
         await js.add_stream(cfg)
+        return
+    have = info.config
+    if (sorted(have.subjects or []) != sorted(cfg.subjects or []) or have.max_msg_size != cfg.max_msg_size
+            or have.duplicate_window != cfg.duplicate_window or have.allow_direct != cfg.allow_direct):
+        await js.update_stream(cfg)  # only when it differs: service roles may read, not change, the stream
+
+
+def ensure_stream_blocking(settings: Settings, timeout: float = 30.0) -> None:
+    """Create or update the stream from synchronous code (`veribus up`, as the operator's role,
+    before any service, whose role may not create it)."""
+
+    async def go() -> None:
+        nc = await connect(settings, name="veribus-up")
+        try:
+            await ensure_stream(nc.jetstream())
+        finally:
+            await nc.close()
+
+    async def bounded() -> None:
+        await asyncio.wait_for(go(), timeout)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(bounded())
+        return
+    import threading
+
+    box: list[BaseException] = []
+    t = threading.Thread(target=lambda: _capture(box, bounded))
+    t.start()
+    t.join()
+    if box:
+        raise box[0]
+
+
+def _capture(box: list[BaseException], coro_fn: Any) -> None:
+    try:
+        asyncio.run(coro_fn())
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+        box.append(exc)
 
 
 def msg_headers(env: events.Envelope) -> dict[str, str]:

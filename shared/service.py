@@ -33,7 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from shared import bus, events
+from shared import bus, bus_auth, events
 from shared.config import Settings
 from shared.lifecycle import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
 from shared.limits import safe_token
@@ -62,11 +62,11 @@ def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
     from faststream.nats.security import NatsSecurity, NatsToken, NatsUserPassword
 
     ssl_context = bus.connect_options(settings).get("tls")
-    if settings.nats_user:
-        return {"security": NatsUserPassword(settings.nats_user, settings.nats_password or "",
-                                             ssl_context=ssl_context)}
-    if settings.nats_token:
-        return {"security": NatsToken(settings.nats_token, ssl_context=ssl_context)}
+    user, password, token = bus_auth.resolve(settings)
+    if user:
+        return {"security": NatsUserPassword(user, password or "", ssl_context=ssl_context)}
+    if token:
+        return {"security": NatsToken(token, ssl_context=ssl_context)}
     if ssl_context is not None:
         return {"security": NatsSecurity(ssl_context=ssl_context)}
     return {}

@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 
+from shared import bus, bus_auth
 from shared.bus import wait_for_port
 from shared.config import Settings
 
@@ -83,7 +84,9 @@ class StackState:
 
     def save(self) -> None:
         path = Path(self.home) / "stack.json"
-        path.write_text(json.dumps(asdict(self), indent=2))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, home: Path) -> StackState | None:
@@ -115,9 +118,12 @@ def running_stack(settings: Settings) -> StackState | None:
 def _spawn(name: str, cmd: list[str], env: dict[str, str], logdir: Path) -> Proc:
     log = logdir / f"{name}.log"
     offset = log.stat().st_size if log.exists() else 0
-    fh = open(log, "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    fh = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")  # handed to the child
+    os.chmod(log, 0o600)
+    env = {**env, **bus_auth.role_env(name)}  # each service connects as its own role
+    proc = subprocess.Popen(  # umask 077: logs, the NATS store and the chdb folder are private to the stack's user
+        cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        umask=0o077,
     )
     fh.close()
     return Proc(name=name, pid=proc.pid, cmd=cmd, log=str(log), log_offset=offset)
@@ -148,20 +154,24 @@ def up(
     existing = running_stack(settings)
     if existing is not None:
         return existing
-    (home / "logs").mkdir(parents=True, exist_ok=True)
-    (home / "nats").mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(home, 0o700)  # stack.json, credentials, logs, NATS store, chdb: the stack's user only
+    (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
+    (home / "nats").mkdir(parents=True, exist_ok=True, mode=0o700)
     port = nats_port or free_port()
     procs: list[Proc] = []
     base_env = dict(os.environ)
     base_env.update(extra_env or {})
     nats_cmd = [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(home / "nats")]
-    nats_cmd += nats_auth_args(settings, home)  # enforce the configured user/password or token
+    # the configured user/password or token; else per-role users and subject permissions (shared.bus_auth)
+    nats_cmd += nats_auth_args(settings, home) or ["-c", str(bus_auth.generate(home))]
     procs.append(_spawn("nats", nats_cmd, base_env, home / "logs"))
     state = StackState(home=str(home), nats_url=f"nats://127.0.0.1:{port}", simulator_url=None, procs=procs,
                        started_at=time.time())
     state.save()
     try:
         wait_for_port("127.0.0.1", port, 10)
+        bus.ensure_stream_blocking(Settings(**{**settings.model_dump(), "home": home, "nats_url": state.nats_url}))
         if simulator:
             sport = free_port()
             cmd = [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(sport),
@@ -170,6 +180,8 @@ def up(
             state.simulator_url = f"http://127.0.0.1:{sport}/v1"
             wait_for_port("127.0.0.1", sport, 20)
         env = {**base_env, **state.env()}
+        if state.simulator_url:  # the stack's own simulator may receive any key variable (endpoints.py)
+            env["VERIBUS_ENDPOINTS"] = f"{env.get('VERIBUS_ENDPOINTS', '')} {state.simulator_url}=*".strip()
         if settings.clickhouse_url:
             env["VERIBUS_CLICKHOUSE_URL"] = settings.clickhouse_url
         for name in SERVICES:
