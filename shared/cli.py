@@ -267,8 +267,9 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
                                "dead_lettered": len(outcome.dead_letters)}
     gate_code = cli_analysis.apply_gates(args, results, summary, trait_ranges)
     if outcome.timed_out:
-        missing = len(plan.result_ids) - len(results) - len(outcome.dead_letters)
-        _err(f"timed out after {args.timeout}s with {missing} job(s) unfinished; "
+        missing = len(plan.result_ids) - len(results)  # only result.finalized ends a job
+        dead = f" ({len(outcome.dead_letters)} dead letter(s))" if outcome.dead_letters else ""
+        _err(f"timed out after {args.timeout}s with {missing} job(s) unfinished{dead}; "
              f"results so far are stored; `veribus status {plan.run_id}` shows progress")
     _await_projection(settings, plan.run_id, len(results))
     if args.quiet:

@@ -192,17 +192,28 @@ async def collect(
         await bus.ensure_stream(js)
 
         async def on_msg(msg) -> None:  # noqa: ANN001
-            env = events.decode(msg.data)
+            try:
+                env = events.decode(msg.data, msg.subject)
+            except Exception:  # noqa: BLE001 - not a valid event: never a result
+                return
             if env.event_type == events.RESULT_FINALIZED:
                 if env.result_id in expected and env.result_id not in results:
-                    payload = events.payload_as(env, events.ResultFinalized)
-                    results[env.result_id] = VerificationResult.model_validate(payload.result)
+                    try:
+                        payload = events.payload_as(env, events.ResultFinalized)
+                        results[env.result_id] = VerificationResult.model_validate(payload.result)
+                    except Exception:  # noqa: BLE001 - an unreadable result does not end the job
+                        return
             elif env.event_type == events.DEAD_LETTER and env.result_id not in dead_ids:
+                # reported with the run; only result.finalized ends a job (a service turns a dead
+                # letter for a job that cannot finish into that job's finalized error result)
                 dead_ids.add(env.result_id)
-                dead.append(events.payload_as(env, events.DeadLetter))
+                try:
+                    dead.append(events.payload_as(env, events.DeadLetter))
+                except Exception:  # noqa: BLE001
+                    pass
             if progress:
                 progress(len(results), len(expected))
-            if expected <= set(results) | dead_ids:
+            if expected <= set(results):
                 done.set()
 
         subs = []

@@ -27,6 +27,9 @@ from typing import Any
 ALLOWED_ROOTS = frozenset({"SelectWithUnionQuery", "SelectQuery", "ShowTables", "ShowTablesQuery", "DescribeQuery",
                            "ShowCreateTableQuery", "ShowCreateViewQuery", "ExistsTableQuery", "ExistsViewQuery",
                            "Explain", "ShowColumns", "ShowDatabases", "ShowFunctions", "ShowSettings"})
+# statement nodes whose direct Literal child is an INTO OUTFILE path (a LIMIT's literal hangs
+# under SelectQuery, a SHOW ... LIKE pattern is not a child node)
+OUTFILE_PARENTS = ALLOWED_ROOTS - {"SelectQuery"}
 # pure generators: no storage, no network (readonly allows them; bounded by the query limits)
 SAFE_TABLE_FUNCTIONS = frozenset({"numbers", "numbers_mt", "zeros", "zeros_mt", "values", "generate_series",
                                   "generateseries", "null", "view", "merge", "primes", "sqlstandardvalues"})
@@ -86,7 +89,7 @@ def refusal_from_ast(ast_lines: list[str], engine_table_functions: frozenset[str
         parent = parents[-1][1] if parents else ""
         node, arg = m.group(1), (m.group(2) or "").strip()
         parents.append((indent, node))
-        if node == "Literal" and (parent in ALLOWED_ROOTS or parent == "SelectWithUnionQuery"):
+        if node == "Literal" and parent in OUTFILE_PARENTS:
             return "INTO OUTFILE is not allowed in a query (it writes a file)"
         if node == "Function":
             name = arg.split(" ", 1)[0].strip("`\"").lower()

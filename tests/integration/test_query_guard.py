@@ -70,6 +70,9 @@ def test_dollar_string_bypass_is_refused_by_the_engine_parser(store: Store, secr
     "SELECT $$'$$ AS a, * FROM remote('127.0.0.1:9000', system.one)",
     "SELECT $$'$$ AS a, * FROM system.processes",
     "SELECT $$'$$ AS a INTO OUTFILE '{out}'",
+    "SELECT $$'$$ AS a UNION ALL SELECT 'b' INTO OUTFILE '{out}'",
+    "DESCRIBE TABLE runs INTO OUTFILE '{out}'",
+    "SHOW TABLES INTO OUTFILE '{out}'",
     "SELECT $$'$$ AS a; SELECT file('{f}'); SELECT 'x'",
     "SELECT $$'$$ AS a; DROP TABLE runs; SELECT 'x'",
     "SELECT $$'$$ AS a SETTINGS readonly = 0",
@@ -90,6 +93,11 @@ def test_ordinary_queries_still_work(store: Store) -> None:
     assert store.query_read_only("SELECT {r:String} AS r", {"r": "x'y"}).rows == [("x'y",)]
     assert store.query_read_only("SELECT sum(number) FROM numbers(10)").rows == [(45,)]
     assert ("runs",) in store.query_read_only("SHOW TABLES").rows
+    assert store.query_read_only("SHOW TABLES LIKE '%run%'").rows
+    assert store.query_read_only("SELECT number FROM numbers(10) ORDER BY number DESC LIMIT 2 OFFSET 1").rows == [
+        (8,), (7,)]
+    assert store.query_read_only("SELECT run_id FROM runs FINAL WHERE run_id = {r:String} LIMIT 20",
+                                 {"r": "x"}).rows == []
 
 
 def test_heavy_query_is_bounded_and_does_not_block_others(store: Store) -> None:
