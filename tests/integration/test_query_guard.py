@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from shared.config import Settings
-from shared.store import ReadOnlyError, Store, open_store, read_only_refusal
 from shared.sql_guard import engine_check
+from shared.store import ReadOnlyError, Store, open_store, read_only_refusal
 
 
 @pytest.fixture(scope="module")
