@@ -256,3 +256,76 @@ async def test_long_reply_truncated_with_flag() -> None:
                                events.StageEvent(job, state), "generation")
     decoded = events.decode(events.encode(env), env.subject)  # it publishes, and decodes downstream
     events.payload_as(decoded, events.StageEvent)
+
+
+# ------------------------------------------------------------- dead letters -> a result
+
+
+def _stage_event(job: events.Job) -> events.StageEvent:
+    return events.StageEvent(job=job, state=events.State(template={"raw_llm_response": "4"}, started_at=1.0))
+
+
+async def test_dead_letter_of_a_stuck_job_becomes_its_error_result() -> None:
+    from services.finalization.stage import finalize_dead_letter
+
+    job = _job()
+    generated = events.subject(events.ANSWER_GENERATED, job.run_id, job.result_id)
+    parsed = events.subject(events.TEMPLATE_PARSED, job.run_id, job.result_id)
+    stream: dict[str, events.StageEvent] = {generated: _stage_event(job)}
+
+    async def valid_on(subject: str) -> events.StageEvent | None:
+        return stream.get(subject)
+
+    async def not_finalized(rid: str) -> bool:
+        return False
+
+    dl = events.DeadLetter(subject=parsed, consumer="verification", error="InvalidEvent: payload is 2,000,000 bytes",
+                           deliveries=1)
+    result = await finalize_dead_letter(dl, job.run_id, job.result_id, valid_on, not_finalized)
+    assert result is not None and result.metadata.result_id == job.result_id
+    assert not result.metadata.completed_without_errors and "dead-lettered by verification" in result.metadata.error
+
+    # a valid message on the dead-lettered subject carries the job on: a bad copy changes nothing
+    stream[parsed] = _stage_event(job)
+    assert await finalize_dead_letter(dl, job.run_id, job.result_id, valid_on, not_finalized) is None
+    del stream[parsed]
+
+    async def finalized(rid: str) -> bool:
+        return True
+
+    assert await finalize_dead_letter(dl, job.run_id, job.result_id, valid_on, finalized) is None
+    # a job whose only message was unreadable cannot be known: nothing to finalize
+    dl_req = events.DeadLetter(subject=events.subject(events.ANSWER_REQUESTED, job.run_id, "fedcba9876543210"),
+                               consumer="generation", error="DecodeError", deliveries=1)
+    assert await finalize_dead_letter(dl_req, job.run_id, "fedcba9876543210", valid_on, not_finalized) is None
+    assert await finalize_dead_letter(dl, "invalid.run", job.result_id, valid_on, not_finalized) is None
+
+
+# ------------------------------------------------------------------- bus roles (config)
+
+
+def test_role_permissions_are_least_privilege(tmp_path: Path) -> None:
+    import stat
+
+    from shared import bus_auth
+
+    conf = bus_auth.generate(tmp_path / "home")
+    creds = json.loads(bus_auth.credentials_path(tmp_path / "home").read_text())
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600 and stat.S_IMODE(conf.parent.stat().st_mode) == 0o700
+    assert len({c["password"] for c in creds.values()}) == len(creds)  # one random password per role
+    roles = bus_auth.roles()
+    gen = roles["generation"]
+    assert "vb.answer.generated.*.*" in gen.publish and "vb.result.finalized.*.*" not in gen.publish
+    assert not any(p in ("$JS.API.>", ">", "vb.>") for p in gen.publish)
+    assert "$JS.API.CONSUMER.MSG.NEXT.VERIBUS.generation" in gen.publish
+    assert "$JS.API.CONSUMER.MSG.NEXT.VERIBUS.parsing" not in gen.publish  # not another service's queue
+    assert roles["finalization"].publish.count("vb.result.finalized.*.*") == 1
+    cli = roles["cli"]
+    assert "vb.answer.requested.*.*" in cli.publish and events.QUERY_SUBJECT in cli.publish
+    for denied in ("vb.result.finalized.>", "vb.dead.letter.>", "vb.template.verified.>", "vb.stage.failed.>"):
+        assert denied in cli.deny_publish
+    assert roles["projector"].subscribe == ("_INBOX.>", events.QUERY_SUBJECT)
+    assert events.QUERY_SUBJECT not in gen.subscribe and events.QUERY_SUBJECT not in gen.publish
+    text = conf.read_text()
+    assert all(c["password"] in text for c in creds.values())
+    assert bus_auth.role_env("parsing-2") == {"VERIBUS_NATS_ROLE": "parsing"} and bus_auth.role_env("nats") == {}
