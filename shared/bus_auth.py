@@ -189,6 +189,20 @@ def resolve(settings: object) -> tuple[str | None, str | None, str | None]:
     return found[0], found[1], None
 
 
+NO_MODEL_CALLS = frozenset({"projector", "finalization"})
+
+
+def service_env(process_name: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment of one stack process: its role, and no provider keys for the services
+    that never call a model (keys live only where the calls are made); VERIBUS_* settings stay."""
+    from shared.scrub import is_secret_name
+
+    out = {**env, **role_env(process_name)}
+    if out.get("VERIBUS_NATS_ROLE") in NO_MODEL_CALLS:
+        out = {k: v for k, v in out.items() if k.startswith("VERIBUS_") or not is_secret_name(k)}
+    return out
+
+
 def role_env(process_name: str) -> dict[str, str]:
     """VERIBUS_NATS_ROLE for a stack process (`parsing-2` is a `parsing` replica); {} for
     processes that do not connect (nats, simulator)."""

@@ -120,7 +120,7 @@ def _spawn(name: str, cmd: list[str], env: dict[str, str], logdir: Path) -> Proc
     offset = log.stat().st_size if log.exists() else 0
     fh = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")  # handed to the child
     os.chmod(log, 0o600)
-    env = {**env, **bus_auth.role_env(name)}  # each service connects as its own role
+    env = bus_auth.service_env(name, env)  # its own bus role; provider keys only where models are called
     proc = subprocess.Popen(  # umask 077: logs, the NATS store and the chdb folder are private to the stack's user
         cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         umask=0o077,

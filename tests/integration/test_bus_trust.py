@@ -153,6 +153,8 @@ def test_stack_files_are_private(tstack: Stack) -> None:
         env = psutil.Process(p.pid).environ()
         assert "VERIBUS_NATS_PASSWORD" not in env and "VERIBUS_NATS_TOKEN" not in env
         assert env.get("VERIBUS_NATS_ROLE") == p.name.split("-")[0]
+        # provider keys only where model calls are made
+        assert (env.get("OPENAI_API_KEY") == PLANTED) is (p.name not in ("projector", "finalization")), p.name
 
 
 def test_no_credentials_no_bus(tstack: Stack) -> None:
