@@ -285,7 +285,10 @@ def _stack_env(state: StackState, skip_pid: int | None = None) -> dict[str, str]
     """The environment `up` gave the stack's processes: read from a live sibling (its environ at
     exec is what `up` passed, extra_env included), else this process's, plus the stack's own."""
     env: dict[str, str] | None = None
-    for p in sorted(state.procs, key=lambda q: q.name in ("nats", "simulator")):  # services first
+    # services that call models first: the others run without provider keys (bus_auth.service_env)
+    for p in sorted(state.procs, key=lambda q: (q.name in ("nats", "simulator"),
+                                                 bus_auth.role_env(q.name).get("VERIBUS_NATS_ROLE")
+                                                 in bus_auth.NO_MODEL_CALLS)):
         if p.pid == skip_pid or not p.alive():
             continue
         try:
