@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 import yaml
 from nats.js.errors import NotFoundError
 
-from shared import bus, bus_auth, events, lifecycle, runner
+from shared import bus, bus_auth, events, lifecycle, runner, stack
 from shared.benchmark import Benchmark
 from shared.config import ModelConfig, Settings, VerificationConfig
 from shared.export import export_run
@@ -428,3 +429,47 @@ def test_planted_key_is_nowhere(tstack: Stack, tmp_path: Path) -> None:
     traits = [json.dumps(r.model_dump(mode="json")) for r in res.values()]
     assert any("callable stole" in t for t in traits)
     assert all("callable stole" not in t or "[REDACTED]" in t or "Error(" in t for t in traits)
+
+
+def test_dead_letter_of_a_running_job_becomes_its_finalized_error(tstack: Stack, tmp_path: Path) -> None:
+    """A corrupt stage event for a running job (here: a `template.parsed` whose job belongs to
+    another run, published where only a service could) is dead-lettered by verification; the
+    job cannot finish through it, so the finalizer makes the job's finalized error result, and
+    `collect` gets it. The other job of the run is untouched."""
+    path, script = generated_benchmark(tmp_path / "b.yaml", 2, rubric=False, prefix="Stuck")
+    tstack.post_script(script)
+    plan = runner.plan_run(Benchmark.load(path), tstack.config(mode="template_only"))
+    stuck, other = plan.result_ids
+    stack.stop_proc(tstack.proc("parsing"))  # hold the jobs after the guards
+    try:
+        sync(runner.submit(tstack.settings, plan))
+        checked = events.subject(events.GUARDS_CHECKED, plan.run_id, stuck)
+        deadline = time.monotonic() + 120
+        while not sync(_stored(tstack, checked)):
+            assert time.monotonic() < deadline, "the guards never checked the job"
+            threading.Event().wait(0.25)
+        job = next(j for r in plan.requests for j in r.jobs if j.result_id == stuck)
+        bad = msgspec.structs.replace(job, run_id="someone-elses-run")
+        env = events.make_envelope(events.TEMPLATE_PARSED, plan.run_id, stuck,
+                                   events.StageEvent(bad, events.State()), "corrupt")
+
+        async def publish_corrupt() -> None:
+            nc = await bus.connect(_as(tstack, "admin"))
+            try:
+                await bus.publish(nc.jetstream(), env)
+            finally:
+                await nc.close()
+
+        sync(publish_corrupt())
+        outcome = sync(runner.collect(tstack.settings, plan.run_id, {stuck}, timeout=120))
+    finally:
+        tstack.restart("parsing")
+    assert not outcome.timed_out
+    err = outcome.results[stuck].metadata
+    assert not err.completed_without_errors and "dead-lettered by verification" in (err.error or "")
+    wait_results(tstack, plan.run_id, 2)
+    res = results_of(tstack, plan.run_id)
+    assert res[other].metadata.completed_without_errors
+    assert not res[stuck].metadata.completed_without_errors  # one finalized result, the error
+    counts = sync(lifecycle.finalized_counts(tstack.settings, plan.run_id))
+    assert set(counts.values()) == {1}
