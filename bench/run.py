@@ -14,11 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+import yaml
 
-from shared import runner, stack
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, Settings, VerificationConfig
+from shared.control import runner, stack
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
 
 TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
 from pydantic import Field
@@ -44,7 +46,6 @@ def generated_benchmark(n: int, path: Path) -> tuple[Path, dict[str, Any]]:
                           "template": TEMPLATE.format(n=2 * i)})
         value = 2 * i if i % 10 else 2 * i + 1
         script.append({"match": text, "answer": f"The sum is {value}.", "parsed": {"value": value}})
-    import yaml
 
     path.write_text(yaml.safe_dump({"name": f"bench-{n}", "questions": questions}, sort_keys=False))
     return path, {"questions": script}
@@ -89,8 +90,6 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
         state = stack.up(settings, replicas=replicas, simulator_args=["--latency-ms", str(latency_ms)])
         settings.nats_url = state.nats_url
         try:
-            import httpx
-
             httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
             # C is the total number of model calls in flight: each result makes two sequential
             # calls (answer, then parse) in two services, so each model gets C/2.

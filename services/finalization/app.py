@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 from services.finalization.stage import finalize_dead_letter, try_finalize
-from shared import bus, events
-from shared.fold import fold_result
-from shared.service import StageService, stage_error
+from shared.core import events
+from shared.core.fold import fold_result
+from shared.runtime import bus
+from shared.runtime.harness import StageService, stage_error
 
 service = StageService("finalization")
 

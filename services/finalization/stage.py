@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from shared import events
-from shared.fold import fold_result, needs_rubric, needs_template
-from shared.limits import valid_id
-from shared.models import VerificationResult
+from shared.core import events
+from shared.core.fold import fold_result, needs_rubric, needs_template
+from shared.core.limits import valid_id
+from shared.core.models import VerificationResult
 
 Lookup = Callable[[str], Awaitable[events.StageEvent | None]]
 

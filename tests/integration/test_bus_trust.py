@@ -25,11 +25,13 @@ import pytest
 import yaml
 from nats.js.errors import NotFoundError
 
-from shared import bus, bus_auth, events, lifecycle, runner, stack
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, Settings, VerificationConfig
-from shared.export import export_run
-from shared.query import QueryError, run_query
+from shared.analysis.export import export_run
+from shared.control import runner, stack, streams, wait
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.runtime import bus, bus_auth
+from shared.store.reads import QueryError, run_query
 from tests.integration.test_durability import (
     Stack,
     generated_benchmark,
@@ -298,7 +300,7 @@ def test_oversized_result_id_is_dead_lettered_once_and_nothing_wedges(tstack: St
     async def dead_letters() -> list[events.Envelope]:
         nc = await bus.connect(tstack.settings)
         try:
-            return await lifecycle.read_events(nc.jetstream(), events.subject(events.DEAD_LETTER, plan.run_id, "*"))
+            return await streams.read_events(nc.jetstream(), events.subject(events.DEAD_LETTER, plan.run_id, "*"))
         finally:
             await nc.close()
 
@@ -375,7 +377,7 @@ def test_heavy_query_blocks_neither_queries_nor_a_run(tstack: Stack, tmp_path: P
                "run_id = {r:String}")  # a cheap query that must answer while the heavy one runs
     light = run_query(tstack.settings, running, {"r": "x"}).rows
     plan = _run(tstack, path, tstack.config(mode="template_only"))
-    done, timed_out = sync(lifecycle.wait_for_results(tstack.settings, plan.run_id, count=4, timeout=120,
+    done, timed_out = sync(wait.wait_for_results(tstack.settings, plan.run_id, count=4, timeout=120,
                                                       poll_s=0.25))
     wait_projected(tstack, plan.run_id, 4)  # ingestion went on
     heavy_still_running = t.is_alive()
@@ -471,5 +473,5 @@ def test_dead_letter_of_a_running_job_becomes_its_finalized_error(tstack: Stack,
     res = results_of(tstack, plan.run_id)
     assert res[other].metadata.completed_without_errors
     assert not res[stuck].metadata.completed_without_errors  # one finalized result, the error
-    counts = sync(lifecycle.finalized_counts(tstack.settings, plan.run_id))
+    counts = sync(wait.finalized_counts(tstack.settings, plan.run_id))
     assert set(counts.values()) == {1}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Settings
-from shared.sql_guard import engine_check
-from shared.store import ReadOnlyError, Store, open_store, read_only_refusal
+from shared.core.config import Settings
+from shared.store.engine import Store, open_store
+from shared.store.sql_guard import ReadOnlyError, engine_check, read_only_refusal
 
 
 @pytest.fixture(scope="module")

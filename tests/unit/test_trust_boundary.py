@@ -15,15 +15,17 @@ import pytest
 import yaml
 
 from services.generation.stage import generate_answer
-from shared import events
-from shared.benchmark import Benchmark, BenchmarkError
-from shared.config import ModelConfig, VerificationConfig
-from shared.endpoints import EndpointRefused, Policy, normalize_url
-from shared.limits import MAX_QUESTION_CHARS, MAX_REPLY_CHARS, MAX_TEMPLATE_CHARS, InvalidEvent
-from shared.llm import LLMClient, LLMError
-from shared.runner import RunInputError, plan_run
-from shared.scrub import REDACTED, ScrubFilter, scrub_bytes, scrub_text
-from shared.service import stage_error
+from shared.control.runner import RunInputError, plan_run
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.benchmark.question import BenchmarkError
+from shared.core.config import ModelConfig, VerificationConfig
+from shared.core.limits import MAX_QUESTION_CHARS, MAX_REPLY_CHARS, MAX_TEMPLATE_CHARS, InvalidEvent
+from shared.core.scrub import REDACTED, ScrubFilter, scrub_bytes, scrub_text
+from shared.runtime.endpoints import EndpointRefused, Policy, normalize_url
+from shared.runtime.harness import stage_error
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError
 
 PLANTED = "sk-planted-" + os.urandom(12).hex()
 TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
@@ -216,7 +218,7 @@ def test_oversized_benchmark_refused_at_load(tmp_path: Path, field: str, size: i
 
 def test_plan_refuses_events_over_the_bus_limit() -> None:
     """Each field under its limit, but one answer request carries a job per judge: measured."""
-    from shared.benchmark import Question
+    from shared.core.benchmark.question import Question
 
     q = Question(id="fat", text="q" * (MAX_QUESTION_CHARS - 10), raw_answer="4",
                  template_code=TEMPLATE + "#" * (MAX_TEMPLATE_CHARS - len(TEMPLATE) - 10))
@@ -231,7 +233,7 @@ def test_plan_refuses_events_over_the_bus_limit() -> None:
 def test_answering_models_not_a_model_is_a_clear_error(tmp_path: Path) -> None:
     import argparse
 
-    from shared.cli import _load_config
+    from shared.cli.commands import _load_config
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("answering_models: [42]\nparsing_models: [j]\n")
@@ -307,7 +309,7 @@ async def test_dead_letter_of_a_stuck_job_becomes_its_error_result() -> None:
 def test_role_permissions_are_least_privilege(tmp_path: Path) -> None:
     import stat
 
-    from shared import bus_auth
+    from shared.runtime import bus_auth
 
     conf = bus_auth.generate(tmp_path / "home")
     creds = json.loads(bus_auth.credentials_path(tmp_path / "home").read_text())
