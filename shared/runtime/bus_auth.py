@@ -211,14 +211,14 @@ def role_env(process_name: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m shared.bus_auth DIR`: generate role credentials and the server config in DIR/auth
+    """`python -m shared.runtime.bus_auth DIR`: generate role credentials and the server config in DIR/auth
     (for docker-compose or a cluster: mount the config into nats-server, the credentials file
     into each service with VERIBUS_NATS_ROLE set)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m shared.bus_auth HOME_DIR", file=sys.stderr)
+        print("usage: python -m shared.runtime.bus_auth HOME_DIR", file=sys.stderr)
         return 2
     conf = generate(Path(args[0]))
     print(conf)
