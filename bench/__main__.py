@@ -1,5 +1,5 @@
 """`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
-the real stack; `--backpressure` and `--analysis` select the other two benchmarks.
+the real stack; `--backpressure`, `--analysis` and `--sandbox` select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
 module as a child process and passes its exit code through.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import analysis, backpressure, run
+from bench import analysis, backpressure, run, sandbox
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hold-s", type=float, default=20.0, help="seconds to hold the queue for --backpressure")
     b.add_argument("--analysis", action="store_true",
                    help="instead: time summaries and a streamed export over a synthetic results table")
+    b.add_argument("--sandbox", action="store_true",
+                   help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
+    sandbox.add_arguments(b)
     return b
 
 
@@ -35,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         return backpressure.main(args)
     if args.analysis:
         return analysis.main(args)
+    if args.sandbox:
+        return sandbox.main(args)
     return run.main(args)
 
 

@@ -5,6 +5,7 @@ message ids, durable pull consumers.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import ssl
 import time
@@ -22,6 +23,8 @@ from nats.js.errors import NotFoundError
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus_auth
+
+log = logging.getLogger("veribus.bus")
 
 
 def _patch_pull_fetch_timeout() -> None:
@@ -65,10 +68,17 @@ def stream_config() -> StreamConfig:
     )
 
 
+async def _quiet_error_cb(exc: Exception) -> None:
+    """nats-py's default error callback logs a traceback per failed (re)connect attempt; one
+    line at debug is enough (callers report what failed)."""
+    log.debug("nats: %s: %s", type(exc).__name__, exc)
+
+
 def connect_options(settings: Settings) -> dict[str, Any]:
     """nats-py connect kwargs from settings (auth and TLS included)."""
     opts: dict[str, Any] = {
         "servers": [settings.nats_url],
+        "error_cb": _quiet_error_cb,
         "name": "veribus",
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
