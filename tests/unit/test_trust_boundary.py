@@ -238,7 +238,7 @@ def test_answering_models_not_a_model_is_a_clear_error(tmp_path: Path) -> None:
     cfg = tmp_path / "run.yaml"
     cfg.write_text("answering_models: [42]\nparsing_models: [j]\n")
     args = argparse.Namespace(config=str(cfg), model=None, judge=None, api_base=None, replicates=None, mode=None,
-                              run_name=None, strategy=None)
+                              run_name=None, strategy=None, simulate=False)
     with pytest.raises(ValueError, match=r"answering_models\[0\].*int"):
         _load_config(args, None)
     cfg.write_text("x: '" + "y" * 300_000 + "'\n")
