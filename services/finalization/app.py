@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
-from services.finalization.stage import try_finalize
+from services.finalization.stage import finalize_dead_letter, try_finalize
 from shared.core import events
 from shared.core.fold import fold_result
 from shared.core.stage import stage_error
+from shared.runtime import bus
 from shared.runtime.harness import StageService
 
 service = StageService("finalization")
@@ -41,3 +42,34 @@ async def on_template_verified(env: events.Envelope, ev: events.StageEvent) -> l
 @service.handles(events.RUBRIC_EVALUATED, events.StageEvent, durable="finalization-rubric", give_up=_give_up)
 async def on_rubric_evaluated(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
     return await _handle(events.RUBRIC_EVALUATED, ev)
+
+
+async def _first_valid(subject: str) -> events.StageEvent | None:
+    """The first message on `subject` that decodes and passes the wire limits."""
+    seq = 1
+    for _ in range(16):  # a handful of copies at most (redeliveries are deduplicated)
+        try:
+            msg = await service.js.get_msg(events.STREAM, seq=seq, subject=subject, next=True)
+        except Exception:  # noqa: BLE001 - NotFoundError: no (further) message on the subject
+            return None
+        try:
+            env = events.decode(msg.data, subject)
+            return events.payload_as(env, events.StageEvent)
+        except Exception:  # noqa: BLE001 - a bad copy: look at the next
+            seq = (msg.seq or seq) + 1
+    return None
+
+
+async def _is_finalized(run_id: str, result_id: str) -> bool:
+    return await bus.last_event(service.js, events.subject(events.RESULT_FINALIZED, run_id, result_id)) is not None
+
+
+@service.handles(events.DEAD_LETTER, events.DeadLetter, durable="finalization-dead")
+async def on_dead_letter(env: events.Envelope, dl: events.DeadLetter) -> list[events.Envelope]:
+    """A dead letter for a job that can no longer finish becomes that job's finalized error result."""
+    result = await finalize_dead_letter(dl, env.run_id, env.result_id, _first_valid,
+                                        lambda rid: _is_finalized(env.run_id, rid))
+    if result is None:
+        return []
+    return [events.make_envelope(events.RESULT_FINALIZED, env.run_id, env.result_id,
+                                 events.ResultFinalized(result=result.model_dump(mode="json")), service.producer)]

@@ -13,6 +13,7 @@ from typing import Any
 from services.generation import agent
 from shared.core import prompts
 from shared.core.events import Job, State
+from shared.core.limits import truncate_reply
 from shared.core.stage import record, stage_error
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
@@ -34,6 +35,21 @@ def _manual_answer(job: Job) -> tuple[str, list[dict[str, Any]]]:
         ai = [m for m in msgs if m.get("role") in ("assistant", "ai")]
         return (str(ai[-1].get("content", "")) if ai else ""), msgs
     raise TypeError(f"manual trace for question {job.question_id!r} must be a string or a message list")
+
+
+def _cap_reply(tmpl: dict[str, Any]) -> None:
+    """Cut an over-long reply (and trace message) to the limit and flag it: a long answer is a
+    result, never a publish error."""
+    text, cut = truncate_reply(tmpl.get("raw_llm_response") or "")
+    if cut:
+        tmpl["raw_llm_response_chars"] = len(tmpl["raw_llm_response"])
+        tmpl["raw_llm_response"] = text
+        tmpl["raw_llm_response_truncated"] = True
+    for m in tmpl.get("trace_messages") or []:
+        if isinstance(m, dict) and isinstance(m.get("content"), str):
+            m["content"], m_cut = truncate_reply(m["content"])
+            if m_cut:
+                tmpl["raw_llm_response_truncated"] = True
 
 
 async def generate_answer(job: Job, llm: LLMClient, mcp: MCPPool | None = None) -> State:
@@ -73,6 +89,7 @@ async def generate_answer(job: Job, llm: LLMClient, mcp: MCPPool | None = None) 
             tmpl["raw_llm_response"] = reply.text
             tmpl["trace_messages"] = []
             state.usage["answer_generation"] = usage_entry(reply)
+        _cap_reply(tmpl)
         record(state, STAGE, "performed", started)
     except (LLMError, KeyError, TypeError, MCPConnectionError) as exc:
         state.error = stage_error(STAGE, exc)

@@ -78,7 +78,9 @@ def create_app(
         for m in nak:
             await m.nak(delay=RETRY_DELAY)
 
-    @broker.subscriber(QUERY_SUBJECT, queue=DURABLE, decoder=lambda msg: msg.body)
+    # concurrent queries, each on its own read-only handle: a heavy one holds one worker, not the endpoint
+    @broker.subscriber(QUERY_SUBJECT, queue=DURABLE, decoder=lambda msg: msg.body,
+                       max_workers=settings.query_concurrency)
     async def on_query(body: bytes) -> bytes:
         return await asyncio.to_thread(projector.answer_query, body)
 
@@ -114,7 +116,7 @@ def create_app(
 
 def main() -> None:
     """Entry point of `python -m services.projector` (settings from VERIBUS_* env vars)."""
-    observability.configure_logging("projector")
+    observability.configure_logging("projector")  # its handler scrubs secrets (shared.core.scrub)
     settings = Settings.from_env()
     if not settings.clickhouse_url:
         preload_chdb()

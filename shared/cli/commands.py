@@ -14,6 +14,7 @@ import yaml
 
 from shared.control.credentials import PROVIDER_KEYS
 from shared.core.config import Settings
+from shared.core.limits import check_config_size
 from shared.core.outcome import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -173,6 +174,7 @@ def _read_config_file(args: argparse.Namespace) -> dict[str, Any]:
     path = Path(args.config)
     if not path.exists():
         raise ValueError(f"run config {path} does not exist")
+    check_config_size(path.stat().st_size, f"run config {path}")  # InputTooLarge is a ValueError
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -213,7 +215,13 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         data.setdefault("parsing_models", [{"model_name": "sim-judge"}])
     for key in ("answering_models", "parsing_models"):
         models = []
-        for m in data.get(key, []):
+        entries = data.get(key, [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{key}: expected a list of models, got {type(entries).__name__} {str(entries)[:40]!r}")
+        for i, m in enumerate(entries):
+            if not isinstance(m, str | dict):
+                raise ValueError(f"{key}[{i}]: expected a model name or a mapping of ModelConfig fields, "
+                                 f"got {type(m).__name__} {str(m)[:40]!r}")
             m = {"model_name": m} if isinstance(m, str) else dict(m)
             if args.api_base and not args.simulate and m.get("interface") != "simulator":
                 m.setdefault("api_base", args.api_base)
@@ -427,13 +435,16 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
                                "dead_lettered": len(outcome.dead_letters)}
     cli_analysis.apply_gates(args, results, summary, trait_ranges)
     failed_gates = [g["label"] for g in summary.get("gates") or [] if not g["passed"]]
-    dead = len(outcome.dead_letters)
     verdict = judge(results, expected=plan.job_count, timed_out=outcome.timed_out, failed_gates=failed_gates,
-                    max_errors=max_errors, run_ref=plan.run_name or plan.run_id, dead_lettered=dead)
+                    max_errors=max_errors, run_ref=plan.run_name or plan.run_id)
+    # dead letters are reported, never counted as results or errors: only result.finalized ends a
+    # job (a service turns a dead letter of a job that cannot finish into its error result), so a
+    # forged bad message can neither complete nor fail someone else's run
     summary["outcome"] = verdict.as_dict()
     if outcome.timed_out:
-        missing = plan.job_count - len(results) - dead
-        _err(f"timed out after {args.timeout}s with {missing} job(s) unfinished; "
+        missing = len(plan.result_ids) - len(results)  # only result.finalized ends a job
+        dead = f" ({len(outcome.dead_letters)} dead letter(s))" if outcome.dead_letters else ""
+        _err(f"timed out after {args.timeout}s with {missing} job(s) unfinished{dead}; "
              f"results so far are stored; `veribus status {plan.run_id}` shows progress")
     _await_projection(settings, plan.run_id, len(results))
     if args.quiet:

@@ -18,6 +18,7 @@ from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import Settings, VerificationConfig
 from shared.core.ids import answer_id_for, compute_result_id, template_id_for
+from shared.core.limits import MAX_EVENT_BYTES, question_problems
 from shared.core.models import VerificationResult
 from shared.runtime import bus
 from shared.templates.calls import compile_check
@@ -64,6 +65,7 @@ def plan_run(
     problems = []
     mode = config.evaluation_mode
     for q in selected:
+        problems += question_problems(q.id, q.text, q.template_code, q.raw_answer)
         if mode != "rubric_only":
             if not q.template_code:
                 problems.append(f"question {q.id!r} ({q.text[:50]!r}): no answer template (mode {mode} needs one)")
@@ -112,6 +114,9 @@ def plan_run(
                     ))
                 if jobs:
                     requests.append(events.AnswerRequested(jobs=jobs))
+    oversized = _oversized(requests)
+    if oversized:
+        raise RunInputError("refused before publishing:\n  " + "\n  ".join(oversized))
     unfinished = [] if include_unfinished else [q.id for q in benchmark.unfinished_questions()]
     run_event = events.RunRequested(
         run_id=run_id, timestamp=timestamp, job_count=sum(len(r.jobs) for r in requests),
@@ -119,6 +124,23 @@ def plan_run(
         evaluation_mode=mode, config=public_config(config), unfinished_skipped=unfinished,
     )
     return RunPlan(run_id, timestamp, config.run_name, requests, run_event, unfinished)
+
+
+def _oversized(requests: list[events.AnswerRequested]) -> list[str]:
+    """Requests whose event would exceed the bus's message size (one job per judge rides in
+    each), measured as encoded, once per question."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for r in requests:
+        qid = r.jobs[0].question_id
+        if qid in seen:
+            continue
+        size = len(events.to_json(r))
+        if size > MAX_EVENT_BYTES:
+            seen.add(qid)
+            out.append(f"question {qid!r}: its answer request is {size:,} bytes with {len(r.jobs)} judge(s), over the "
+                       f"limit of {MAX_EVENT_BYTES:,}; shorten the question/template/rubric or use fewer judges")
+    return out
 
 
 def public_config(config: VerificationConfig) -> dict:
@@ -190,19 +212,30 @@ async def collect(
         js = nc.jetstream()
 
         async def on_msg(msg) -> None:  # noqa: ANN001
-            env = events.decode(msg.data)
+            try:
+                env = events.decode(msg.data, msg.subject)
+            except Exception:  # noqa: BLE001 - not a valid event: never a result
+                return
             if env.event_type == events.RESULT_FINALIZED:
                 if env.result_id in expected and env.result_id not in results:
-                    payload = events.payload_as(env, events.ResultFinalized)
-                    results[env.result_id] = VerificationResult.model_validate(payload.result)
+                    try:
+                        payload = events.payload_as(env, events.ResultFinalized)
+                        results[env.result_id] = VerificationResult.model_validate(payload.result)
+                    except Exception:  # noqa: BLE001 - an unreadable result does not end the job
+                        return
                     if on_result:
                         on_result(results[env.result_id])
             elif env.event_type == events.DEAD_LETTER and env.result_id not in dead_ids:
+                # reported with the run; only result.finalized ends a job (a service turns a dead
+                # letter for a job that cannot finish into that job's finalized error result)
                 dead_ids.add(env.result_id)
-                dead.append(events.payload_as(env, events.DeadLetter))
+                try:
+                    dead.append(events.payload_as(env, events.DeadLetter))
+                except Exception:  # noqa: BLE001
+                    pass
             if progress:
                 progress(len(results), len(expected))
-            if expected <= set(results) | dead_ids:
+            if expected <= set(results):
                 done.set()
 
         subs = []

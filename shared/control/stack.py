@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from shared.core.config import Settings
-from shared.runtime import bus
+from shared.runtime import bus, bus_auth
 from shared.runtime.bus import wait_for_port
 
 READY_MARKERS = (" ready", "app started successfully")  # StageService / FastStream start-up lines
@@ -128,7 +128,9 @@ class StackState:
     def save(self) -> None:
         path = Path(self.home) / "stack.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private: ports, PIDs, the home
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(asdict(self), indent=2))
         tmp.replace(path)
 
     @classmethod
@@ -176,9 +178,12 @@ def readyz(port: int, timeout: float = 1.0) -> bool:
 def _spawn(name: str, cmd: list[str], env: dict[str, str], logdir: Path, **extra: Any) -> Proc:
     log = logdir / f"{name}.log"
     offset = log.stat().st_size if log.exists() else 0
-    fh = open(log, "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    fh = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")  # handed to the child
+    os.chmod(log, 0o600)
+    env = bus_auth.service_env(name, env)  # its own bus role; provider keys only where models are called
+    proc = subprocess.Popen(  # umask 077: logs, the NATS store and the chdb folder are private to the stack's user
+        cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        umask=0o077,
     )
     fh.close()
     try:
@@ -223,7 +228,7 @@ def nats_auth_block(settings: Settings) -> str:
     return ""
 
 
-def nats_config(settings: Settings, node: NatsNode, peers: list[NatsNode]) -> str:
+def nats_config(settings: Settings, node: NatsNode, peers: list[NatsNode], role_auth: str = "") -> str:
     """The nats-server configuration of one node: client listener, monitoring (for /healthz),
     JetStream store, auth, and for a cluster the route listener and routes to its peers (all on
     loopback). The one place a node's configuration is made: hook further server settings
@@ -238,13 +243,14 @@ def nats_config(settings: Settings, node: NatsNode, peers: list[NatsNode]) -> st
         routes = ", ".join(f"\"nats-route://127.0.0.1:{p.cluster_port}\"" for p in peers if p.name != node.name)
         lines.append(f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: \"127.0.0.1:{node.cluster_port}\"\n"
                      f"  routes: [{routes}]\n}}")
-    auth = nats_auth_block(settings)
+    auth = nats_auth_block(settings) or role_auth
     if auth:
         lines.append(auth)
     return "\n".join(lines) + "\n"
 
 
-def write_nats_configs(settings: Settings, home: Path, nodes: list[NatsNode]) -> dict[str, Path]:
+def write_nats_configs(settings: Settings, home: Path, nodes: list[NatsNode],
+                       role_auth: str = "") -> dict[str, Path]:
     """Write each node's config to `<home>/conf/<node>.conf`, mode 0600 (it may hold a secret,
     which therefore never appears on a command line)."""
     out = {}
@@ -253,7 +259,7 @@ def write_nats_configs(settings: Settings, home: Path, nodes: list[NatsNode]) ->
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(nats_config(settings, node, nodes))
+            fh.write(nats_config(settings, node, nodes, role_auth))
         os.chmod(path, 0o600)
         out[node.name] = path
     return out
@@ -354,11 +360,15 @@ def up(
             return heal(existing, extra_env=extra_env)
         (home / "stack.json").unlink()  # nothing of it runs: start afresh below
     stop_orphans(home)
-    (home / "logs").mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(home, 0o700)  # stack.json, credentials, logs, NATS store, chdb: the stack's user only
+    (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
     nodes = plan_nats_nodes(home, nats_cluster, nats_port)
     for node in nodes:
         node.store.mkdir(parents=True, exist_ok=True)
-    confs = write_nats_configs(settings, home, nodes)
+    # the configured user/password or token; else per-role users and subject permissions (bus_auth)
+    role_auth = "" if nats_auth_block(settings) else bus_auth.generate(home).read_text()
+    confs = write_nats_configs(settings, home, nodes, role_auth)
     base_env = dict(os.environ)
     base_env.update(extra_env or {})
     base_env[STACK_MARKER] = str(home)
@@ -371,8 +381,8 @@ def up(
     state.save()
     try:
         wait_nats_healthy(state.nats_procs(), cluster=nats_cluster)
-        if nats_cluster > 1:
-            create_stream(settings, state.nats_url)
+        # created here, as the operator's role, before any service (whose role may not create it)
+        create_stream(settings.model_copy(update={"home": home}), state.nats_url)
         if simulator:
             sport = free_port()
             cmd = [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(sport),
@@ -381,6 +391,8 @@ def up(
             state.simulator_url = f"http://127.0.0.1:{sport}/v1"
             wait_for_port("127.0.0.1", sport, 20)
         env = {**base_env, **state.env()}
+        if state.simulator_url:  # the stack's own simulator may receive any key variable (endpoints.py)
+            env["VERIBUS_ENDPOINTS"] = f"{env.get('VERIBUS_ENDPOINTS', '')} {state.simulator_url}=*".strip()
         if settings.clickhouse_url:
             env["VERIBUS_CLICKHOUSE_URL"] = settings.clickhouse_url
         for name in SERVICES:
@@ -645,7 +657,10 @@ def _stack_env(state: StackState, skip_pid: int | None = None) -> dict[str, str]
     """The environment `up` gave the stack's processes: read from a live sibling (its environ at
     exec is what `up` passed, extra_env included), else this process's, plus the stack's own."""
     env: dict[str, str] | None = None
-    for p in sorted(state.procs, key=lambda q: is_nats(q.name) or q.name == "simulator"):  # services first
+    # services that call models first: the others run without provider keys (bus_auth.service_env)
+    for p in sorted(state.procs, key=lambda q: (is_nats(q.name) or q.name == "simulator",
+                                                 bus_auth.role_env(q.name).get("VERIBUS_NATS_ROLE")
+                                                 in bus_auth.NO_MODEL_CALLS)):
         if p.pid == skip_pid or not p.alive():
             continue
         try:

@@ -173,6 +173,8 @@ class Settings(BaseModel):
     nats_password: str | None = None
     nats_token: str | None = None
     nats_tls_ca: str | None = None
+    nats_role: str = "cli"  # which role's credentials to use (shared.bus_auth)
+    nats_credentials: str | None = None  # the role credentials file (default <home>/auth/credentials.json)
     home: Path = Path(".veribus")
     clickhouse_url: str | None = None  # e.g. http://user:pass@host:8123/db ; unset -> embedded chdb
     clickhouse_database: str = "veribus"
@@ -220,6 +222,14 @@ class Settings(BaseModel):
     projector_batch: int = Field(default=1000, ge=1)
     projector_batch_timeout: float = Field(default=0.5, gt=0)
     search_corpus: Path | None = None  # the built-in "local" search tool's corpus
+    # the query endpoint's per-query limits (shared.store reads them where the handles are made)
+    query_timeout_s: float = Field(default=10.0, gt=0)
+    query_memory_mb: int = Field(default=512, ge=1)
+    query_concurrency: int = Field(default=4, ge=1)
+    query_threads: int = Field(default=1, ge=1)
+    # the operator's allow-list of URL=KEY_VARIABLE pairs (shared.runtime.endpoints parses them)
+    endpoints: str | None = None
+    endpoints_file: str | None = None
     stream_replicas: int | None = Field(default=None, ge=1, le=5)  # None: min(3, cluster size)
 
     @field_validator("nats_url")

@@ -12,6 +12,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from shared.core.ids import event_id_for
+from shared.core.limits import MAX_EVENT_BYTES, InvalidEvent, check_envelope, check_job
+from shared.core.scrub import scrub_bytes
 from shared.core.signals import Signals
 
 T = TypeVar("T")
@@ -229,7 +231,7 @@ def make_envelope(
         result_id=result_id,
         occurred_at=time.time(),
         producer=producer,
-        payload=msgspec.Raw(_encoder.encode(payload)),
+        payload=msgspec.Raw(scrub_bytes(_encoder.encode(payload))),  # no secret value is ever published
         attempt=attempt,
         attempt_key=attempt_key,
     )
@@ -239,18 +241,47 @@ def encode(env: Envelope) -> bytes:
     return _encoder.encode(env)
 
 
-def decode(data: bytes) -> Envelope:
+def decode(data: bytes, subject: str | None = None) -> Envelope:
+    """Decode and validate an envelope (ids, sizes; with `subject`, that it arrived where it
+    says it belongs): raises for a bad one, which is then dead-lettered, never handled."""
+    if len(data) > MAX_EVENT_BYTES + 65_536:
+        raise InvalidEvent(f"message is {len(data):,} bytes")
     env = _env_decoder.decode(data)
     if env.schema_version != SCHEMA_VERSION:
         raise SchemaVersionError(
-            f"event {env.event_id} has schema_version {env.schema_version}, expected {SCHEMA_VERSION}"
+            f"event {env.event_id[:100]} has schema_version {env.schema_version}, expected {SCHEMA_VERSION}"
         )
+    check_envelope(env, subject)
     return env
 
 
 def payload_as(env: Envelope, kind: type[T]) -> T:
+    """Decode the payload as `kind`; jobs it carries are checked against the limits."""
     dec = _payload_decoders.get(kind)
     if dec is None:
         dec = _payload_decoders[kind] = msgspec.json.Decoder(kind)
-    return dec.decode(env.payload)
+    payload = dec.decode(env.payload)
+    check_payload(env, payload)
+    return payload
+
+
+def check_payload(env: Envelope, payload: Any) -> None:
+    """Payload checks for the kinds that carry jobs (the ones handlers act on): each job within
+    the limits, of the event's run, and under the event's id."""
+    if isinstance(payload, AnswerRequested):
+        if not 0 < len(payload.jobs) <= 1_000:
+            raise InvalidEvent(f"answer.requested carries {len(payload.jobs)} jobs")
+        for job in payload.jobs:
+            check_job(job, env)
+            if job.answer_id != env.result_id:
+                raise InvalidEvent(f"job.answer_id {job.answer_id[:40]!r} is not the event's id")
+    elif isinstance(payload, StageEvent):
+        check_job(payload.job, env)
+        if payload.job.result_id != env.result_id:
+            raise InvalidEvent(f"job.result_id {payload.job.result_id[:40]!r} is not the event's result "
+                               f"{env.result_id!r}")
+
+
+def to_json(obj: Any) -> bytes:
+    return _encoder.encode(obj)
 

@@ -12,15 +12,16 @@ import time
 import traceback
 
 from shared.core.events import StageError, StageRecord, State
+from shared.core.scrub import scrub_text
 
 
 def stage_error(stage: str, exc: BaseException, attempt: int = 1) -> StageError:
-    """The error a stage reports for `exc` (message and traceback bounded for the wire)."""
+    """The error a stage reports for `exc` (secrets scrubbed, message and traceback bounded for the wire)."""
     return StageError(
         stage=stage,
         type=type(exc).__name__,
-        message=str(exc)[:2000] or type(exc).__name__,
-        traceback="".join(traceback.format_exception(exc))[-4000:],
+        message=scrub_text(str(exc))[:2000] or type(exc).__name__,
+        traceback=scrub_text("".join(traceback.format_exception(exc)))[-4000:],
         attempt=attempt,
     )
 

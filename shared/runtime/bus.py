@@ -25,6 +25,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.core import events
 from shared.core.config import Settings
+from shared.runtime import bus_auth
 
 log = logging.getLogger("veribus.bus")
 
@@ -88,11 +89,12 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         "reconnect_time_wait": 0.5,
         "connect_timeout": 5,
     }
-    if settings.nats_user:
-        opts["user"] = settings.nats_user
-        opts["password"] = settings.nats_password or ""
-    if settings.nats_token:
-        opts["token"] = settings.nats_token
+    user, password, token = bus_auth.resolve(settings)  # explicit settings, else this role's credentials
+    if user:
+        opts["user"] = user
+        opts["password"] = password or ""
+    if token:
+        opts["token"] = token
     if settings.nats_tls_ca:
         ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
         opts["tls"] = ctx
@@ -203,9 +205,11 @@ async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) 
         except NotFoundError:
             return int(await _create_placed(lambda n: js.add_stream(stream_config(n)), wanted,
                                             "stream " + events.STREAM, result=lambda n, _: n))
-        have = info.config.num_replicas or 1
-        replicas = wanted if explicit else max(wanted, have)
-        await js.update_stream(stream_config(replicas))
+        have = info.config
+        replicas = wanted if explicit else max(wanted, have.num_replicas or 1)
+        cfg = stream_config(replicas)
+        if _stream_differs(have, cfg):
+            await js.update_stream(cfg)  # only when it differs: service roles may read, not change, the stream
         return replicas
 
     return int(await _retry_cluster(op, "stream " + events.STREAM))
@@ -241,6 +245,48 @@ async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None
             return await js.key_value(config.bucket)
 
     return await _retry_cluster(op, "bucket " + config.bucket)
+
+
+def _stream_differs(have: StreamConfig, want: StreamConfig) -> bool:
+    return (sorted(have.subjects or []) != sorted(want.subjects or []) or have.max_msg_size != want.max_msg_size
+            or have.duplicate_window != want.duplicate_window or have.allow_direct != want.allow_direct
+            or (have.num_replicas or 1) != (want.num_replicas or 1))
+
+
+def ensure_stream_blocking(settings: Settings, timeout: float = 30.0) -> None:
+    """Create or update the stream from synchronous code (`veribus up`, as the operator's role,
+    before any service, whose role may not create it)."""
+
+    async def go() -> None:
+        nc = await connect(settings, name="veribus-up")
+        try:
+            await ensure_stream(nc.jetstream(), settings)
+        finally:
+            await nc.close()
+
+    async def bounded() -> None:
+        await asyncio.wait_for(go(), timeout)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(bounded())
+        return
+    import threading
+
+    box: list[BaseException] = []
+    t = threading.Thread(target=lambda: _capture(box, bounded))
+    t.start()
+    t.join()
+    if box:
+        raise box[0]
+
+
+def _capture(box: list[BaseException], coro_fn: Any) -> None:
+    try:
+        asyncio.run(coro_fn())
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+        box.append(exc)
 
 
 @asynccontextmanager

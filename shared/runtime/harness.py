@@ -35,8 +35,10 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.core import events
 from shared.core.config import Settings
+from shared.core.limits import safe_token
+from shared.core.scrub import scrub_text
 from shared.core.stage import stage_error
-from shared.runtime import bus, observability
+from shared.runtime import bus, bus_auth, observability
 from shared.runtime.llm.cache import CACHE_SCOPE, NatsKVCache
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.transport import close_transports
@@ -76,11 +78,11 @@ def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
     """NATS auth and TLS for a FastStream `NatsBroker` (`security=`): FastStream 0.7 takes no
     `user`/`password`/`tls` keyword arguments, unlike nats-py's `connect`."""
     ssl_context = bus.connect_options(settings).get("tls")
-    if settings.nats_user:
-        return {"security": NatsUserPassword(settings.nats_user, settings.nats_password or "",
-                                             ssl_context=ssl_context)}
-    if settings.nats_token:
-        return {"security": NatsToken(settings.nats_token, ssl_context=ssl_context)}
+    user, password, token = bus_auth.resolve(settings)
+    if user:
+        return {"security": NatsUserPassword(user, password or "", ssl_context=ssl_context)}
+    if token:
+        return {"security": NatsToken(token, ssl_context=ssl_context)}
     if ssl_context is not None:
         return {"security": NatsSecurity(ssl_context=ssl_context)}
     return {}
@@ -250,15 +252,20 @@ class StageService:
         raw = msg.raw_message
         delivered = raw.metadata.num_delivered if raw.metadata else 1
         try:
-            env = events.decode(body)
+            env = events.decode(body, raw.subject)
             payload = events.payload_as(env, payload_type)
-        except Exception as exc:  # undecodable or wrong schema: cannot be processed, ever
-            if delivered >= max_deliver:
+        except Exception as exc:  # undecodable, wrong schema or over the limits: never processable
+            # dead-lettered at once (a retry cannot fix the bytes); if even that fails, the next
+            # delivery tries again, and the message is acked in any case once deliveries run out
+            try:
                 await self._dead_letter(raw.subject, body, exc, delivered)
-                await msg.ack()
-                OUTCOME.set("dead_letter")
-            else:
-                await msg.nack(delay=backoff_s(delivered))
+            except Exception:  # noqa: BLE001
+                log.exception("%s: could not dead-letter a message on %s", self.name, raw.subject[:200])
+                if delivered < max_deliver:
+                    await msg.nack(delay=backoff_s(delivered))
+                    return
+            await msg.ack()
+            OUTCOME.set("dead_letter")
             return
         CACHE_SCOPE.set(env.run_id)
         key = attempt_key(env)
@@ -323,17 +330,19 @@ class StageService:
 
     async def _dead_letter(self, subject: str, body: bytes, exc: BaseException, delivered: int) -> None:
         parts = subject.split(".")
-        run_id = parts[3] if len(parts) >= 5 else "unknown"
-        result_id = parts[4] if len(parts) >= 5 else "unknown"
+        # ids from the subject only when they are valid tokens: a forged 5,000-character id must
+        # not become the subject of the dead letter (nats-server drops such a connection)
+        run_id = safe_token(parts[3]) if len(parts) == 5 else "unknown"
+        result_id = safe_token(parts[4]) if len(parts) == 5 else "unknown"
         dl = events.DeadLetter(
-            subject=subject, consumer=self.name, error=f"{type(exc).__name__}: {exc}",
-            deliveries=delivered, data=body[:4096].decode("utf-8", "replace"),
+            subject=subject[:512], consumer=self.name, error=scrub_text(f"{type(exc).__name__}: {exc}")[:2000],
+            deliveries=delivered, data=scrub_text(body[:4096].decode("utf-8", "replace")),
         )
         env = events.make_envelope(events.DEAD_LETTER, run_id, result_id, dl, self.producer, delivered)
         digest = hashlib.sha256(subject.encode() + b"\0" + body).hexdigest()[:16]  # same id in every process
         env.event_id = f"{result_id}:{events.DEAD_LETTER}:{self.name}:{digest}"
         await bus.publish(self.js, env)
-        log.error("%s: dead-lettered %s after %d deliveries: %s", self.name, subject, delivered, dl.error)
+        log.error("%s: dead-lettered %s (delivery %d): %s", self.name, subject[:200], delivered, dl.error[:500])
 
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from shared.core.config import Settings
 from shared.core.events import STREAM
+from shared.core.scrub import ScrubFilter
 
 log = logging.getLogger("veribus.observability")
 
@@ -245,6 +246,8 @@ class JsonFormatter(logging.Formatter):
                "logger": record.name, "message": record.getMessage()}
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # already formatted (and scrubbed) by ScrubFilter
+            out["exception"] = record.exc_text
         return json.dumps(out, ensure_ascii=False)
 
 
@@ -259,6 +262,7 @@ def configure_logging(service: str, fmt: str | None = None, level: str | None = 
         handler.setFormatter(JsonFormatter(service))
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(message)s"))
+    handler.addFilter(ScrubFilter())  # no secret value or key-shaped token reaches a log (issue 10)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel((level or (settings.log_level if settings else "INFO")).upper())

@@ -12,6 +12,7 @@ read-only query may run is decided in `shared.store.sql_guard`.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,13 @@ from shared.core.events import (
     RunRequested,
 )
 from shared.store.rows import EVENT_COLUMNS, RESULT_COLUMNS, RUN_COLUMNS, Projection, event_row, run_row
-from shared.store.sql_guard import ReadOnlyError, read_only_refusal
+from shared.store.sql_guard import (
+    ReadOnlyError,
+    engine_check,
+    read_only_refusal,
+    reader_settings,
+    table_functions,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -73,6 +80,11 @@ class Store:
         self.backend = backend
         self._reader = reader
         self._reader_factory: Any = None
+        self.reader_pool_size = int(os.environ.get("VERIBUS_QUERY_CONCURRENCY", "4"))
+        self._pool_lock = threading.Lock()
+        self._idle: queue.Queue[Any] = queue.Queue()
+        self._made = 0
+        self._table_functions: frozenset[str] | None = None
 
     # ---- schema ----
     def migrate(self) -> None:
@@ -123,12 +135,51 @@ class Store:
         return self._query(self.client, sql, params)
 
     def query_read_only(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
-        """Run an untrusted query: refused unless `is_read_only_sql`, and on chdb executed on a
-        separate handle with `readonly = 1` (no writes, no DDL, no settings, no table functions)."""
+        """Run an untrusted query: the engine parses it and `shared.sql_guard` refuses file,
+        network and program access; on chdb it runs on one of a pool of read-only handles
+        (`readonly = 1`, time/memory/thread limits), so a heavy query holds only its own handle."""
         reason = read_only_refusal(sql)
         if reason:
             raise ReadOnlyError(f"refused: {reason}")
-        return self._query(self.reader(), sql, params)
+        reader = self._acquire_reader()
+        try:
+            def run(q: str, p: Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
+                return self._query(reader, q, p).rows
+
+            if self._table_functions is None:
+                self._table_functions = table_functions(lambda q: run(q, None))
+            reason, canonical = engine_check(run, sql, params, self._table_functions)
+            if reason:
+                raise ReadOnlyError(f"refused: {reason}")
+            return self._query(reader, canonical, params)
+        finally:
+            self._release_reader(reader)
+
+    def _acquire_reader(self) -> Any:
+        """A read-only handle for one query: an idle one, a new one while under the pool size,
+        else wait for one to come back."""
+        if self._reader_factory is None:
+            return self.reader()
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._pool_lock:
+            make = self._made < self.reader_pool_size
+            if make:
+                self._made += 1
+        if not make:
+            return self._idle.get()
+        try:
+            return self._reader_factory()
+        except BaseException:
+            with self._pool_lock:
+                self._made -= 1
+            raise
+
+    def _release_reader(self, reader: Any) -> None:
+        if self._reader_factory is not None:
+            self._idle.put(reader)
 
     def query_df(self, sql: str, params: Mapping[str, Any] | None = None) -> pd.DataFrame:
         return self.client.query_df(sql, parameters=dict(params) if params else None)
@@ -155,6 +206,8 @@ class Store:
     def close(self) -> None:
         """Close the clients; on chdb this frees the folder lock for another process."""
         clients = [self.client] if self._reader in (None, self.client) else [self._reader, self.client]
+        while not self._idle.empty():
+            clients.insert(0, self._idle.get_nowait())
         for c in clients:
             try:
                 c.close()
@@ -201,8 +254,8 @@ def open_store(settings: Settings, migrate: bool = True) -> Store:
 
         def make_reader() -> Any:
             reader = _chdb_client(path, db)
-            reader.command("SET max_execution_time = 60")
-            reader.command("SET max_result_rows = 1000000")
+            for name, value in reader_settings().items():
+                reader.command(f"SET {name} = {value!r}")
             reader.command("SET readonly = 1")
             return reader
 

@@ -29,7 +29,7 @@ from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT
 from shared.runtime.bus import connect_options, server_reachable
 from shared.store.engine import QueryResult, Store, open_store
-from shared.store.sql_guard import ReadOnlyError, read_only_refusal
+from shared.store.sql_guard import ReadOnlyError, read_only_refusal, reader_settings
 
 
 class QueryError(RuntimeError):
@@ -118,12 +118,15 @@ def _run_coro(coro: Any) -> Any:
 
 
 def run_query(
-    settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float = 10
+    settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float | None = None
 ) -> QueryResult:
-    """Run one read-only query against the configured store (see `open_source`)."""
+    """Run one read-only query against the configured store (see `open_source`); by default it
+    waits for the engine's own time limit plus time to answer."""
     reason = read_only_refusal(sql)
     if reason:
         raise QueryError(f"refused: {reason}")
+    if timeout is None:
+        timeout = float(reader_settings()["max_execution_time"]) + 5.0
     with open_source(settings, timeout=timeout) as source:
         return source.query(sql, params)
 

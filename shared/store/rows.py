@@ -32,6 +32,7 @@ from shared.core.events import (
     StageRecord,
 )
 from shared.core.models import VerificationResult
+from shared.core.scrub import scrub_bytes, scrub_text
 
 if TYPE_CHECKING:
 
@@ -236,8 +237,8 @@ def undecodable_row(
     err_type = type(error).__name__ if isinstance(error, BaseException) else "Error"
     return [
         f"{kind}:{digest}", kind, run_id, result_id, subject, _us(time.time()), "", 0, 0,
-        claimed_type, kind, "", err_type, str(error)[:4000], None, None, None, [], [], [], [],
-        data[:max_bytes],
+        claimed_type, kind, "", err_type, scrub_text(str(error))[:4000], None, None, None, [], [], [], [],
+        scrub_bytes(data[:max_bytes]),  # whatever was on the bus, stored without this process's secrets
     ]
 
 

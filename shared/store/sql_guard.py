@@ -1,10 +1,13 @@
 """The read-only SQL guard: what a query over NATS or `veribus query` may run (reads only, no
-file, network or program table functions)."""
+file, network or program access). Two layers: a quick textual pre-filter (`read_only_refusal`),
+then the engine's own parser (`engine_check`, below), which is the one that decides."""
 
 from __future__ import annotations
 
+import os
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
 
@@ -88,3 +91,132 @@ def is_read_only_sql(sql: str) -> bool:
 
 class ReadOnlyError(ValueError):
     pass
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's own parser decides (issue 10)
+# --------------------------------------------------------------------------------------------
+# The query endpoint's guard, decided by the engine's own parser (`EXPLAIN AST`), not by
+# regular expressions over the SQL text.
+#
+# Regular expressions cannot know what the engine treats as a string: `$$'$$` is a complete
+# string to ClickHouse and the start of an unterminated one to a regex, so `SELECT $$'$$,
+# file('/etc/passwd')` hid a file read from the old guard. Here the engine parses the statement
+# and the guard walks its syntax tree:
+#
+# - the statement is a SELECT/WITH, SHOW, DESCRIBE, EXISTS or EXPLAIN;
+# - no function that reads files, reaches the network or runs programs is called anywhere
+#   (`file`, every table function but a few pure generators, `dictGet*`, `filesystem*`, ...),
+#   whatever its spelling (`FILE`, backquotes, inside a lambda or subquery);
+# - no `system.*` table but a few harmless ones (`system.processes` would show other queries).
+#
+# The query then runs on a reader with `readonly = 1` (no writes, no settings changes, and table
+# functions that touch storage refused by the engine itself), one thread, and limits on time
+# (`max_execution_time`), memory (`max_memory_usage`) and result size: `reader_settings`.
+
+
+ALLOWED_ROOTS = frozenset({"SelectWithUnionQuery", "SelectQuery", "ShowTables", "ShowTablesQuery", "DescribeQuery",
+                           "ShowCreateTableQuery", "ShowCreateViewQuery", "ExistsTableQuery", "ExistsViewQuery",
+                           "Explain", "ShowColumns", "ShowDatabases", "ShowFunctions", "ShowSettings"})
+# statement nodes whose direct Literal child is an INTO OUTFILE path (a LIMIT's literal hangs
+# under SelectQuery, a SHOW ... LIKE pattern is not a child node)
+OUTFILE_PARENTS = ALLOWED_ROOTS - {"SelectQuery"}
+# pure generators: no storage, no network (readonly allows them; bounded by the query limits)
+SAFE_TABLE_FUNCTIONS = frozenset({"numbers", "numbers_mt", "zeros", "zeros_mt", "values", "generate_series",
+                                  "generateseries", "null", "view", "merge", "primes", "sqlstandardvalues"})
+DENIED_FUNCTIONS = frozenset({
+    "file", "filecluster", "url", "urlcluster", "executable", "executablepool", "input", "python", "remote",
+    "remotesecure", "cluster", "clusterallreplicas", "dictionary", "dictget", "joinget", "joingetornull",
+    "filesystemavailable", "filesystemcapacity", "filesystemunreserved", "getserversetting", "getmacro",
+    "currentrequesturl", "eval", "s3", "hdfs", "mysql", "postgresql", "sqlite", "mongodb", "redis", "jdbc", "odbc",
+})
+DENIED_PREFIXES = ("dictget", "joinget", "filesystem", "iceberg", "deltalake", "hudi", "paimon", "azure", "s3",
+                   "timeseries", "prometheus", "mergetree", "fuzz")
+ALLOWED_SYSTEM_TABLES = frozenset({"one", "numbers", "numbers_mt", "zeros", "zeros_mt", "tables", "columns",
+                                   "functions", "table_functions", "data_type_families", "time_zones"})
+
+_NODE = re.compile(r"^\s*(\w+)(?: (.*?))?(?: \(alias [^)]*\))?(?: \(children \d+\))?$")
+
+
+class QueryRefused(ValueError):
+    """The engine parsed the query and found something it may not do."""
+
+
+def reader_settings() -> dict[str, Any]:
+    """Session settings of a read-only query handle (set before `readonly = 1`)."""
+    return {
+        "max_execution_time": float(os.environ.get("VERIBUS_QUERY_TIMEOUT_S", "10")),
+        "timeout_overflow_mode": "throw",
+        "max_memory_usage": int(float(os.environ.get("VERIBUS_QUERY_MEMORY_MB", "512")) * 2**20),
+        "max_threads": int(os.environ.get("VERIBUS_QUERY_THREADS", "1")),
+        "max_result_rows": 1_000_000,
+        "max_result_bytes": 256 * 2**20,
+        "max_bytes_before_external_group_by": 0,
+    }
+
+
+def table_functions(run: Callable[[str], list[tuple[Any, ...]]]) -> frozenset[str]:
+    """Every table function the engine knows, lower-cased (so new ones are denied too)."""
+    return frozenset(str(r[0]).lower() for r in run("SELECT name FROM system.table_functions"))
+
+
+def refusal_from_ast(ast_lines: list[str], engine_table_functions: frozenset[str] = frozenset()) -> str | None:
+    """Why the parsed statement is refused, from `EXPLAIN AST` output lines; None when allowed."""
+    if not ast_lines:
+        return "the engine returned no syntax tree"
+    root = _NODE.match(ast_lines[0])
+    kind = root.group(1) if root else ast_lines[0].split()[0]
+    if kind not in ALLOWED_ROOTS:
+        return f"only SELECT/WITH/SHOW/DESCRIBE/EXISTS/EXPLAIN queries are allowed, not {kind}"
+    denied_tf = engine_table_functions - SAFE_TABLE_FUNCTIONS
+    parents: list[tuple[int, str]] = []  # (indent, node kind) of the open ancestors
+    for line in ast_lines:
+        m = _NODE.match(line)
+        if not m:
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        parent = parents[-1][1] if parents else ""
+        node, arg = m.group(1), (m.group(2) or "").strip()
+        parents.append((indent, node))
+        if node == "Literal" and parent in OUTFILE_PARENTS:
+            return "INTO OUTFILE is not allowed in a query (it writes a file)"
+        if node == "Function":
+            name = arg.split(" ", 1)[0].strip("`\"").lower()
+            if name in DENIED_FUNCTIONS or name in denied_tf or name.startswith(DENIED_PREFIXES):
+                return f"function {arg.split(' ', 1)[0]}() is not allowed in a query (it reads files, reaches " \
+                       "the network or runs programs)"
+        elif node in ("TableIdentifier", "Identifier"):
+            name = arg.split(" ", 1)[0].strip("`\"")
+            db, _, table = name.partition(".")
+            if db.lower() == "system" and table and table.lower() not in ALLOWED_SYSTEM_TABLES:
+                return f"table {name} is not readable through the query endpoint"
+    return None
+
+
+def _engine_message(exc: BaseException) -> str:
+    text = str(exc).strip()
+    m = re.search(r"DB::Exception: (.*?)(?: \(version [\d.]+\))?(?:\. \(\w+\))?$", text, re.S)
+    return (m.group(1) if m else text)[:500]
+
+
+def engine_check(run: Callable[[str, Mapping[str, Any] | None], list[tuple[Any, ...]]], sql: str,
+                 params: Mapping[str, Any] | None, engine_table_functions: frozenset[str]) -> tuple[str | None, str]:
+    """(why `sql` is refused or None, the statement to run).
+
+    `run` executes a statement on a read-only handle and returns its rows. The engine first
+    re-writes the SQL, passed as a bound parameter so it is never executed, as exactly one
+    statement (`formatQuerySingleLine`: several statements are a syntax error); the guard
+    then reads that statement's syntax tree, and only that canonical text is ever run."""
+    if not sql.strip():
+        return "empty query", ""
+    try:
+        canonical = str(run("SELECT formatQuerySingleLine({veribus_sql:String})", {"veribus_sql": sql})[0][0])
+    except Exception as exc:  # noqa: BLE001 - the engine's parse error is the answer
+        return f"the engine does not accept this query: {_engine_message(exc)}", ""
+    try:
+        rows = run(f"EXPLAIN AST {canonical}", params)
+    except Exception as exc:  # noqa: BLE001
+        return f"the engine does not accept this query: {_engine_message(exc)}", ""
+    return refusal_from_ast([str(r[0]) for r in rows], engine_table_functions), canonical

@@ -42,6 +42,8 @@ from tests.support.stack import (
 SECRET = "sk-veribus-FAKE-" + os.urandom(12).hex()  # never a real key
 PARAM_SECRET = "sk-veribus-PARAM-" + os.urandom(12).hex()
 KEY_VAR = "VB_TEST_FAKE_API_KEY"
+DEAD_PORT = stack.free_port()  # nothing listens there; the operator allows the key to be sent to it
+DEAD_BASE = f"http://127.0.0.1:{DEAD_PORT}/v1"
 
 ENV_DUMP_VERIFY = '''from karenina.schemas.entities import BaseAnswer
 from pydantic import Field
@@ -61,7 +63,7 @@ class Answer(BaseAnswer):
 @pytest.fixture(scope="module")
 def sstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("secrets") / "home"
-    st = start_stack(home, extra_env={KEY_VAR: SECRET})
+    st = start_stack(home, extra_env={KEY_VAR: SECRET, "VERIBUS_ENDPOINTS": f"{DEAD_BASE}={KEY_VAR}"})
     try:
         yield st
     finally:
@@ -102,7 +104,7 @@ def secret_runs(sstack: Stack, tmp_path_factory: pytest.TempPathFactory) -> dict
         run_id = run_query(sstack.settings, "SELECT run_id FROM runs FINAL WHERE run_name = 'secrets'").rows[0][0]
     wait_results(sstack, run_id, 7)
     # a model at a dead address, authenticating with the same key: its errors are recorded
-    dead = ModelConfig(model_name="openai/dead", api_base=f"http://127.0.0.1:{stack.free_port()}/v1",
+    dead = ModelConfig(model_name="openai/dead", api_base=DEAD_BASE,
                        api_key_env=KEY_VAR, max_retries=1, timeout=2)
     config = VerificationConfig(answering_models=[dead], parsing_models=[dead])
     small, _ = generated_benchmark(tmp / "small.yaml", 2, rubric=False, prefix="Deadsecret")

@@ -349,6 +349,7 @@ async def test_retries_exhausted_raise_kind(fake, kind: str, expected: str) -> N
 async def test_non_retryable_fail_fast_and_hide_key(fake, monkeypatch: pytest.MonkeyPatch) -> None:
     secret = "sk-proj-SECRETKEY0123456789abcdef"
     monkeypatch.setenv("VB_TEST_KEY", secret)
+    monkeypatch.setenv("VERIBUS_ENDPOINTS", "https://api.openai.com/v1=VB_TEST_KEY")  # the operator binds it
     spec = ModelSpec(model_name="openai/fake-model", api_key_env="VB_TEST_KEY", max_retries=4)
     t = fake([_exc("auth", message=f"Incorrect API key provided: {secret}")])
     with pytest.raises(LLMError) as ei:
@@ -360,6 +361,7 @@ async def test_non_retryable_fail_fast_and_hide_key(fake, monkeypatch: pytest.Mo
 
 async def test_missing_key_env_names_the_variable(fake, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VB_ABSENT_KEY", raising=False)
+    monkeypatch.setenv("VERIBUS_ENDPOINTS", "https://api.openai.com/v1=VB_ABSENT_KEY")
     fake([])
     spec = ModelSpec(model_name="openai/x", api_key_env="VB_ABSENT_KEY")
     with pytest.raises(LLMError, match="VB_ABSENT_KEY") as ei:

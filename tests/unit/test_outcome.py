@@ -319,6 +319,7 @@ async def test_a_missing_api_key_env_warns_once(caplog: pytest.LogCaptureFixture
     from shared.runtime.llm.reply import LLMError
 
     monkeypatch.delenv("VB_HONEST_UNSET_KEY", raising=False)
+    monkeypatch.setenv("VERIBUS_ENDPOINTS", "https://api.openai.com/v1=VB_HONEST_UNSET_KEY")  # bound (issue 10)
     model = ModelSpec(model_name="openai/needs-key", api_key_env="VB_HONEST_UNSET_KEY", max_retries=2)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):

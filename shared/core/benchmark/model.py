@@ -55,6 +55,7 @@ from shared.core.benchmark.jsonld import (
 from shared.core.benchmark.plain import YamlDumper, read_csv, read_plain, rubric_to_plain, yaml_load
 from shared.core.benchmark.question import BenchmarkError, Question
 from shared.core.ids import question_id_for
+from shared.core.limits import question_problems
 from shared.core.rubric import (
     Rubric,
     RubricError,
@@ -115,7 +116,17 @@ class Benchmark(BaseModel):
         except Exception as e:  # a loader bug must still reach the user as a named, readable problem
             raise BenchmarkError(f"{p}: could not load benchmark: {type(e).__name__}: {e}", path=str(p)) from e
         bench.source = p
+        bench.check_sizes()
         return bench
+
+    def check_sizes(self) -> None:
+        """Refuse questions, templates or answers over the wire limits (`shared.core.limits`),
+        all of them named at once, before anything is published."""
+        problems = [x for q in self.questions for x in question_problems(q.id, q.text, q.template_code, q.raw_answer)]
+        if problems:
+            where = f"{self.source}: " if self.source else ""
+            raise BenchmarkError(f"{where}refused before publishing, over the size limits:\n  " + "\n  ".join(problems),
+                                 path=str(self.source) if self.source else None)
 
     # ---- saving --------------------------------------------------------------------------
 

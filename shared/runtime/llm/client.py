@@ -17,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.core.events import ModelSpec
+from shared.runtime.endpoints import EndpointRefused
+from shared.runtime.endpoints import check_model as check_endpoint
 from shared.runtime.llm import transport
 from shared.runtime.llm.cache import ResponseCache, cache_key
 from shared.runtime.llm.reply import (
@@ -100,6 +102,11 @@ class LLMClient:
         use_cache: bool = True,
     ) -> LLMReply:
         """One model reply; structured (`parsed`) when `response_schema` or `validate` is given."""
+        try:  # before anything else: a job may not point a key at an endpoint the operator did not allow
+            check_endpoint(model)
+        except EndpointRefused as exc:
+            raise LLMError("endpoint_refused", f"endpoint_refused: model {model.model_name} at stage {stage}: {exc}",
+                           model=model.model_name, stage=stage, attempts=0) from None
         key = None
         if use_cache and self.cache is not None:
             key = cache_key(model, messages, response_schema=response_schema, schema_name=schema_name,

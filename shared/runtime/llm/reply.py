@@ -28,7 +28,8 @@ class LLMReply:
     retries: dict[str, int] = field(default_factory=dict)  # transient error kind -> retries it cost
 
 
-ERROR_KINDS = ("rate_limit", "server_error", "timeout", "connection", "bad_output", "auth", "bad_request")
+ERROR_KINDS = ("rate_limit", "server_error", "timeout", "connection", "bad_output", "auth", "bad_request",
+               "endpoint_refused")
 RETRYABLE = frozenset({"rate_limit", "server_error", "timeout", "connection"})
 
 

@@ -1,0 +1,229 @@
+"""Bus access by role: NATS users and subject permissions for the local stack (and the same
+roles for docker-compose and a cluster, see the README).
+
+`veribus up` generates, under `<home>/auth/` (0700):
+- `nats-auth.conf` (0600): an `authorization { users: [...] }` block for nats-server, one user
+  per role with its publish/subscribe permissions;
+- `credentials.json` (0600): each role's user and random password.
+
+Roles (what each may publish; every role may subscribe only to its own reply inboxes unless
+stated):
+- `cli` (the operator's commands): run requests, answer requests, cancellations and the stored
+  answers `regrade` re-publishes; queries on
+  `veribus.query`; the JetStream API (to create the stream, read results, resume, rebuild);
+  never a verdict or a give-up (`guards.checked` ... `result.finalized`, `stage.failed`,
+  `dead.letter`), so a forged result or dead letter cannot come from it;
+- one role per service: pull from its own durable consumer(s) and ack them, direct reads of the
+  stream (the finalizer's join, run control), its KV buckets, and publish its own output event
+  types plus `stage.failed` and `dead.letter`; nothing else;
+- `projector`: its own durable consumer, and answering queries on `veribus.query`;
+- `admin`: everything, for maintenance by hand (and tests that replay service events on purpose);
+  no process of the stack uses it.
+
+Processes find their credentials from the file, not from the environment (where template code
+could read them): `VERIBUS_NATS_ROLE` names the role (default `cli`), `VERIBUS_NATS_CREDENTIALS`
+the file (default `<home>/auth/credentials.json`). Explicit `VERIBUS_NATS_USER`/`_PASSWORD` or
+`VERIBUS_NATS_TOKEN` win over the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.core import events
+
+STREAM = events.STREAM
+KV_BUCKETS = ("vb_llm_cache", "vb_run_usage")
+
+
+@dataclass(frozen=True)
+class Role:
+    """One NATS user's permissions."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...] = ("_INBOX.>",)
+    deny_publish: tuple[str, ...] = ()
+    allow_responses: bool = False
+    durables: tuple[str, ...] = field(default=())
+
+
+# (inputs, outputs) of each stage service: the contract of `services/<name>/app.py`
+SERVICE_IO: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    # durable -> input event type
+    "generation": ({"generation": events.ANSWER_REQUESTED}, (events.ANSWER_GENERATED,)),
+    "guards": ({"guards": events.ANSWER_GENERATED}, (events.GUARDS_CHECKED,)),
+    "parsing": ({"parsing": events.GUARDS_CHECKED}, (events.TEMPLATE_PARSED,)),
+    "verification": ({"verification": events.TEMPLATE_PARSED}, (events.TEMPLATE_VERIFIED,)),
+    "rubric": ({"rubric": events.GUARDS_CHECKED}, (events.RUBRIC_EVALUATED,)),
+    "finalization": ({"finalization-template": events.TEMPLATE_VERIFIED,
+                      "finalization-rubric": events.RUBRIC_EVALUATED,
+                      "finalization-dead": events.DEAD_LETTER}, (events.RESULT_FINALIZED,)),
+}
+SERVICE_OUTPUTS_ALL = tuple(sorted({o for _, outs in SERVICE_IO.values() for o in outs}
+                                   | {events.STAGE_FAILED, events.DEAD_LETTER}))
+# answer.generated: `regrade` re-publishes stored answers (no more than a manual trace can say);
+# verdict-bearing events (parsed, verified, rubric, finalized) and give-ups only come from services
+CLI_EVENTS = (events.RUN_REQUESTED, events.ANSWER_REQUESTED, events.RUN_CANCELLED, events.ANSWER_GENERATED)
+
+
+def _consumer_api(durable: str) -> list[str]:
+    return [
+        f"$JS.API.CONSUMER.INFO.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{durable}",
+        f"$JS.ACK.{STREAM}.{durable}.>",
+    ]
+
+
+def _stream_read_api() -> list[str]:
+    out = ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}", f"$JS.API.DIRECT.GET.{STREAM}",
+           f"$JS.API.DIRECT.GET.{STREAM}.>", f"$JS.API.STREAM.MSG.GET.{STREAM}"]
+    for b in KV_BUCKETS:
+        out += [f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.STREAM.CREATE.KV_{b}", f"$KV.{b}.>",
+                f"$JS.API.DIRECT.GET.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}"]
+    return out
+
+
+def roles() -> dict[str, Role]:
+    """Every role of the local stack."""
+    out: dict[str, Role] = {}
+    for name, (inputs, outputs) in SERVICE_IO.items():
+        pub = [events.subscription(t) for t in (*outputs, events.STAGE_FAILED, events.DEAD_LETTER)]
+        for durable in inputs:
+            pub += _consumer_api(durable)
+        out[name] = Role(publish=tuple(pub + _stream_read_api()), durables=tuple(inputs))
+    out["projector"] = Role(
+        publish=tuple(_consumer_api("projector") + ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}"]),
+        subscribe=("_INBOX.>", events.QUERY_SUBJECT), allow_responses=True, durables=("projector",),
+    )
+    out["cli"] = Role(
+        publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, "$JS.API.>", "$JS.ACK.>",
+                 "$JS.FC.>", "$KV.>", "_INBOX.>"),
+        deny_publish=tuple(f"vb.{t}.>" for t in SERVICE_OUTPUTS_ALL if t not in CLI_EVENTS)
+        + ("$JS.API.STREAM.RESTORE.>",),
+    )
+    # maintenance and tests that replay or forge service events on purpose; no process uses it by default
+    out["admin"] = Role(publish=(">",), subscribe=(">",))
+    return out
+
+
+def _perm_block(role: Role) -> dict[str, object]:
+    perms: dict[str, object] = {"publish": {"allow": list(role.publish)}, "subscribe": {"allow": list(role.subscribe)}}
+    if role.deny_publish:
+        perms["publish"]["deny"] = list(role.deny_publish)  # type: ignore[index]
+    if role.allow_responses:
+        perms["allow_responses"] = True
+    return perms
+
+
+def auth_block(creds: dict[str, dict[str, str]]) -> str:
+    """The nats-server `authorization { users: [...] }` block for `creds` (role -> user/password).
+    JSON is valid NATS config syntax, so every value is quoted safely."""
+    rs = roles()
+    users = [{"user": c["user"], "password": c["password"], "permissions": _perm_block(rs[role])}
+             for role, c in creds.items() if role in rs]
+    return "authorization " + json.dumps({"users": users}, indent=2) + "\n"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a 0600 file (created with that mode: never readable by others, even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def auth_dir(home: Path) -> Path:
+    return Path(home) / "auth"
+
+
+def credentials_path(home: Path) -> Path:
+    return auth_dir(home) / "credentials.json"
+
+
+def generate(home: Path) -> Path:
+    """New random credentials for every role and the server config that enforces them; returns
+    the config path (for `nats-server -c`). Existing credentials are replaced: a new stack."""
+    d = auth_dir(home)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(d, 0o700)
+    creds = {role: {"user": f"vb-{role}", "password": secrets.token_urlsafe(24)} for role in roles()}
+    _write_private(credentials_path(home), json.dumps(creds, indent=2))
+    conf = d / "nats-auth.conf"
+    _write_private(conf, auth_block(creds))
+    return conf
+
+
+def load_credentials(path: Path, role: str) -> tuple[str, str] | None:
+    """(user, password) of `role` from a credentials file, or None when there is no file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    if role not in data:
+        raise KeyError(f"no NATS role {role!r} in {path} (have: {', '.join(sorted(data))})")
+    return data[role]["user"], data[role]["password"]
+
+
+def resolve(settings: object) -> tuple[str | None, str | None, str | None]:
+    """(user, password, token) a process connects with: explicit settings first, else its role's
+    entry in the credentials file (`VERIBUS_NATS_CREDENTIALS`, default under the home)."""
+    user = getattr(settings, "nats_user", None)
+    token = getattr(settings, "nats_token", None)
+    if user or token:
+        return user, getattr(settings, "nats_password", None), token
+    role = getattr(settings, "nats_role", None) or "cli"
+    path = getattr(settings, "nats_credentials", None) or credentials_path(Path(getattr(settings, "home", ".veribus")))
+    found = load_credentials(Path(path), role)
+    if found is None:
+        return None, None, None
+    return found[0], found[1], None
+
+
+NO_MODEL_CALLS = frozenset({"projector", "finalization"})
+
+
+def service_env(process_name: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment of one stack process: its role, and no provider keys for the services
+    that never call a model (keys live only where the calls are made); VERIBUS_* settings stay."""
+    from shared.core.scrub import is_secret_name
+
+    out = {**env, **role_env(process_name)}
+    if out.get("VERIBUS_NATS_ROLE") in NO_MODEL_CALLS:
+        out = {k: v for k, v in out.items() if k.startswith("VERIBUS_") or not is_secret_name(k)}
+    return out
+
+
+def role_env(process_name: str) -> dict[str, str]:
+    """VERIBUS_NATS_ROLE for a stack process (`parsing-2` is a `parsing` replica); {} for
+    processes that do not connect (nats, simulator)."""
+    base = process_name.rsplit("-", 1)[0] if process_name.rsplit("-", 1)[-1].isdigit() else process_name
+    return {"VERIBUS_NATS_ROLE": base} if base in roles() else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m shared.runtime.bus_auth DIR`: generate role credentials and the server config in DIR/auth
+    (for docker-compose or a cluster: mount the config into nats-server, the credentials file
+    into each service with VERIBUS_NATS_ROLE set)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m shared.runtime.bus_auth HOME_DIR", file=sys.stderr)
+        return 2
+    conf = generate(Path(args[0]))
+    print(conf)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

