@@ -486,3 +486,16 @@ def test_run_control_changes_are_typed_and_old_ones_decode() -> None:
     with pytest.raises(msgspec.ValidationError, match="budget_tokens"):
         events.payload_as(events.make_envelope(events.RUN_CANCELLED, "run1", events.RUN_KEY,
                                                {"budget_tokens": "lots"}, "x"), events.RunControlChange)
+
+
+@pytest.mark.parametrize("key", ["../../etc", "resume x", "r" * 65, "resume-other"])
+def test_a_forged_attempt_key_is_refused_at_decode(key: str) -> None:
+    """An attempt key is a plain token and the end of the event id: a forged one (a path, spaces,
+    oversized, or one the id does not carry) never reaches a handler."""
+    env = events.make_envelope(events.ANSWER_REQUESTED, "run1", "a1", events.AnswerRequested(jobs=[_job()]), "cli",
+                               attempt_key="resume-ab12")
+    wire = msgspec.json.decode(events.encode(env))
+    wire["attempt_key"] = key
+    with pytest.raises(ValueError, match="attempt_key"):
+        events.decode(msgspec.json.encode(wire))
+    assert events.decode(events.encode(env)).attempt_key == "resume-ab12"
