@@ -33,7 +33,11 @@ class ModelConfig(BaseModel):
     temperature: float = 0.0
     max_tokens: int | None = None
     system_prompt: str | None = None
-    max_concurrency: int = Field(default=32, ge=1)
+    max_concurrency: int = Field(default=32, ge=1, description="calls in flight, for the whole deployment")
+    requests_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
+    tokens_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
+    limit_scope: Literal["model", "endpoint"] = Field(
+        default="model", description="share the limits per model, or per endpoint (api_base) across its models")
     timeout: float = Field(default=120.0, gt=0)
     max_retries: int = Field(default=4, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
@@ -84,6 +88,9 @@ class ModelConfig(BaseModel):
             mcp_servers=dict(self.mcp_urls_dict or {}),
             max_turns=self.max_turns,
             manual_traces=dict(self.manual_traces or {}),
+            requests_per_minute=self.requests_per_minute,
+            tokens_per_minute=self.tokens_per_minute,
+            limit_scope=self.limit_scope,
         )
 
 
@@ -150,6 +157,8 @@ class Settings(BaseModel):
     consumer_ack_wait_s: float = 120.0
     consumer_max_deliver: int = 5
     llm_cache: bool = True
+    model_limits: bool = True  # max_concurrency / rpm / tpm shared by the deployment (shared.limits)
+    limits_lease_s: float = 10.0  # a dead replica's slots are free again after this long
 
     @property
     def chdb_path(self) -> Path:

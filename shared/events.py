@@ -66,6 +66,9 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     mcp_servers: dict[str, str] = {}
     max_turns: int = 10
     manual_traces: dict[str, Any] = {}
+    requests_per_minute: int | None = None  # deployment-wide limits (shared.limits)
+    tokens_per_minute: int | None = None
+    limit_scope: str = "model"  # "model" or "endpoint": what max_concurrency/rpm/tpm are shared by
 
     @property
     def tools(self) -> list[str]:

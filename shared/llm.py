@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import msgspec
 
 from shared.events import ModelSpec
+from shared.limits import LocalLimiter, estimate_tokens
 
 log = logging.getLogger("veribus.llm")
 
@@ -531,14 +532,8 @@ class LLMClient:
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
         self._rng = rng or random.Random()
-        self._semaphores: dict[tuple[str, str | None], asyncio.Semaphore] = {}
-
-    def semaphore(self, model: ModelSpec) -> asyncio.Semaphore:
-        key = (model.canonical_key, model.api_base)
-        sem = self._semaphores.get(key)
-        if sem is None:
-            sem = self._semaphores[key] = asyncio.Semaphore(max(1, model.max_concurrency))
-        return sem
+        # per-process concurrency by default; services attach the deployment-wide `Limiter`
+        self.limiter: Any = LocalLimiter()
 
     def backoff_delay(self, attempt: int, retry_after: float | None = None) -> float:
         """Full-jitter exponential backoff; a server's Retry-After is a floor (capped)."""
@@ -690,22 +685,28 @@ class LLMClient:
         """One reply, retrying transient failures; returns (response, attempts used)."""
         direct = transport_for(model) == "direct"
         litellm = None if direct else _get_litellm()
-        sem = self.semaphore(model)
+        limiter = self.limiter
+        estimate = estimate_tokens(model, messages) if getattr(model, "tokens_per_minute", None) else 0
         attempt = 0
         dropped_format = False
         hard_timeout = model.timeout * 1.5 + 5.0
         while True:
             attempt += 1
+            lease = await limiter.acquire(model, estimate)
             try:
-                async with sem:
-                    async with asyncio.timeout(hard_timeout):
-                        if direct:
-                            return await _direct.complete(model, messages, kwargs, api_key), attempt
-                        return await litellm.acompletion(messages=messages, **kwargs), attempt
+                async with asyncio.timeout(hard_timeout):
+                    if direct:
+                        resp = await _direct.complete(model, messages, kwargs, api_key)
+                    else:
+                        resp = await litellm.acompletion(messages=messages, **kwargs)
+                limiter.release(lease, tokens=_usage_of(resp, model.model_name)["total_tokens"])
+                return resp, attempt
             except asyncio.CancelledError:
+                limiter.release(lease)
                 raise
             except Exception as exc:
                 kind, status = _classify(exc)
+                limiter.release(lease, rate_limited=kind == "rate_limit")
                 if (kind == "bad_request" and "response_format" in kwargs and not dropped_format
                         and _mentions_response_format(exc)):
                     log.info("llm %s rejected response_format; retrying without it", model.model_name)

@@ -36,6 +36,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from shared import bus, events
 from shared.config import Settings
 from shared.lifecycle import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
+from shared.limits import deployment_limiter
 from shared.llm import CACHE_SCOPE, LLMClient, NatsKVCache, close_transports
 
 log = logging.getLogger("veribus.service")
@@ -110,6 +111,10 @@ class StageService:
         async def attach_cache() -> None:
             if self.settings.llm_cache:
                 client.cache = NatsKVCache(self.js)
+            if self.settings.model_limits:
+                client.limiter = deployment_limiter(self.broker.connection, self.producer,
+                                                    self.settings.limits_lease_s)
+                self.app.on_shutdown(client.limiter.close)
 
         self.startup_hooks.append(attach_cache)
         return client
