@@ -129,6 +129,9 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         budget = pop_budget(data)
         if budget is not None and getattr(args, "max_tokens_budget", None) is None:
             args.max_tokens_budget = budget
+    from shared.cli_scale import apply_run_options
+
+    apply_run_options(args, data)  # --cache, --cache-ttl, --max-cost-usd (and budget_cost_usd)
     if args.model:
         data["answering_models"] = [{"model_name": m} for m in args.model]
     if args.judge:
@@ -174,6 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from shared import cli_analysis, report, runner, stack
     from shared.benchmark import Benchmark, BenchmarkError, simulator_script_for
+    from shared.cost_budget import set_cost_budget
     from shared.lifecycle import set_budget
 
     settings = _settings()
@@ -187,8 +191,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         # validate everything before anything starts or is published
         config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
-        set_budget(runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished).run_event,
-                   args.max_tokens_budget)
+        probe = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished).run_event
+        set_budget(probe, args.max_tokens_budget)
+        set_cost_budget(probe, getattr(args, "max_cost_usd", None))
         cli_analysis.validate_run_gates(args)
     except (ValidationError, ValueError) as exc:
         _err(str(exc))
@@ -241,10 +246,12 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
              trait_ranges: dict[str, tuple[float, float]]) -> tuple[list[Any], dict[str, Any], int, Any]:
     """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan)."""
     from shared import cli_analysis, report, runner
+    from shared.cost_budget import set_cost_budget
     from shared.lifecycle import set_budget
 
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     set_budget(plan.run_event, args.max_tokens_budget)
+    set_cost_budget(plan.run_event, getattr(args, "max_cost_usd", None))
     label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
     if not args.quiet:
         print(f"run {plan.run_id}: {plan.job_count} jobs ({len(plan.requests)} answers to generate) "
@@ -256,6 +263,7 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
                                "dead_lettered": len(outcome.dead_letters)}
+
     gate_code = cli_analysis.apply_gates(args, results, summary, trait_ranges)
     if outcome.timed_out:
         missing = len(plan.result_ids) - len(results) - len(outcome.dead_letters)
@@ -370,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for results")
     run.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED")
     cli_analysis.add_run_options(run)
+    from shared import cli_scale
+
+    cli_scale.add_run_options(run)  # --cache, --cache-ttl, --max-cost-usd
     run.set_defaults(fn=cmd_run)
 
     q = sub.add_parser("query", help="read-only SQL over the results in ClickHouse")
@@ -381,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shared import cli_lifecycle
 
     cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
+    cli_scale.register(sub)  # cache clear / info
 
     b = sub.add_parser("bench", help="measure throughput, CPU and memory per service")
     b.add_argument("--questions", type=int, default=300)

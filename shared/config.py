@@ -36,6 +36,10 @@ class ModelConfig(BaseModel):
     max_concurrency: int = Field(default=32, ge=1, description="calls in flight, for the whole deployment")
     requests_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
     tokens_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
+    input_cost_per_million_tokens: float | None = Field(
+        default=None, ge=0, description="USD per million input tokens (overrides litellm's cost map)")
+    output_cost_per_million_tokens: float | None = Field(
+        default=None, ge=0, description="USD per million output tokens (overrides litellm's cost map)")
     limit_scope: Literal["model", "endpoint"] = Field(
         default="model", description="share the limits per model, or per endpoint (api_base) across its models")
     timeout: float = Field(default=120.0, gt=0)
@@ -91,6 +95,8 @@ class ModelConfig(BaseModel):
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
             limit_scope=self.limit_scope,
+            input_cost_per_million_tokens=self.input_cost_per_million_tokens,
+            output_cost_per_million_tokens=self.output_cost_per_million_tokens,
         )
 
 
@@ -117,6 +123,9 @@ class StageOptions(BaseModel):
     use_full_trace_for_rubric: bool = True
     prompt_config: dict[str, str] | None = None
     template_timeout_s: float = Field(default=10.0, gt=0)
+    response_cache: bool = Field(default=False, description="reuse model replies across runs (veribus run --cache)")
+    response_cache_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0,
+                                        description="a cached reply older than this is asked again")
 
 
 class VerificationConfig(StageOptions):
@@ -158,7 +167,8 @@ class Settings(BaseModel):
     consumer_max_deliver: int = 5
     llm_cache: bool = True
     model_limits: bool = True  # max_concurrency / rpm / tpm shared by the deployment (shared.limits)
-    limits_lease_s: float = 10.0  # a dead replica's slots are free again after this long
+    limits_lease_s: float = 10.0
+    response_cache_max_age_s: float = 30 * 24 * 3600.0  # the cross-run cache bucket's max age  # a dead replica's slots are free again after this long
 
     @property
     def chdb_path(self) -> Path:

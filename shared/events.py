@@ -69,6 +69,8 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     requests_per_minute: int | None = None  # deployment-wide limits (shared.limits)
     tokens_per_minute: int | None = None
     limit_scope: str = "model"  # "model" or "endpoint": what max_concurrency/rpm/tpm are shared by
+    input_cost_per_million_tokens: float | None = None  # price overrides (shared.cost)
+    output_cost_per_million_tokens: float | None = None
 
     @property
     def tools(self) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.cost import total_extras
 from shared.events import Job, StageError, State
 from shared.models import (
     ModelIdentity,
@@ -49,10 +50,11 @@ def merge_usage(*states: State | None) -> dict[str, Any] | None:
             usage.update(st.usage)
     if not usage:
         return None
-    total = {k: 0 for k in TOKEN_KEYS}
+    total: dict[str, Any] = {k: 0 for k in TOKEN_KEYS}
     for entry in usage.values():
         for k in TOKEN_KEYS:
             total[k] += int(entry.get(k) or 0)
+    total.update(total_extras(usage.values()))  # model calls, cached replies, cost (shared.cost)
     usage["total"] = total
     return usage
 

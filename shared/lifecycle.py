@@ -347,19 +347,19 @@ class RunControl:
         raise RuntimeError(f"usage counter of run {run_id}: too much contention")
 
 
-async def usage_bucket(js: JetStreamContext) -> Any:
-    """The run-usage KV bucket (created on first use)."""
+async def usage_bucket(js: JetStreamContext, bucket: str = USAGE_BUCKET) -> Any:
+    """A run-usage KV bucket (created on first use): tokens, or micro-dollars (shared.cost_budget)."""
     from nats.js.api import KeyValueConfig
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     try:
-        return await js.key_value(USAGE_BUCKET)
+        return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         try:
             return await js.create_key_value(KeyValueConfig(
-                bucket=USAGE_BUCKET, history=1, ttl=30 * 24 * 3600, description="veribus tokens spent per run"))
+                bucket=bucket, history=1, ttl=30 * 24 * 3600, description="veribus spending per run"))
         except Exception:  # noqa: BLE001 - another process created it meanwhile
-            return await js.key_value(USAGE_BUCKET)
+            return await js.key_value(bucket)
 
 
 async def run_usage(settings: Settings, run_id: str) -> int:

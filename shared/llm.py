@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from shared.cost import add_extras, call_cost, usage_extras
 from shared.events import ModelSpec
 from shared.limits import LocalLimiter, estimate_tokens
 
@@ -110,6 +111,7 @@ class LLMReply:
     cached: bool = False
     attempts: int = 1
     raw_message: dict[str, Any] | None = None
+    cost_usd: float | None = None  # None: the model's price is unknown (shared.cost)
 
 
 ERROR_KINDS = ("rate_limit", "server_error", "timeout", "connection", "bad_output", "auth", "bad_request")
@@ -144,6 +146,7 @@ def usage_entry(reply: LLMReply) -> dict[str, Any]:
     out: dict[str, Any] = {k: int(reply.usage.get(k, 0) or 0) for k in USAGE_KEYS}
     if reply.usage.get("model"):
         out["model"] = reply.usage["model"]
+    out.update(usage_extras(cost_usd=reply.cost_usd, attempts=reply.attempts, cached=reply.cached))
     return out
 
 
@@ -153,7 +156,7 @@ def add_usage(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     models = {m for m in (a.get("model"), b.get("model")) if m}
     if len(models) == 1:
         out["model"] = models.pop()
-    return out
+    return add_extras(out, a, b)
 
 
 # ---------------------------------------------------------------- JSON extraction
@@ -610,7 +613,8 @@ class LLMClient:
         if tool_calls:
             raw_message["tool_calls"] = tool_calls
         reply = LLMReply(text=text, usage=usage, parsed=parsed, tool_calls=tool_calls, attempts=attempts,
-                         raw_message=raw_message)
+                         raw_message=raw_message,
+                         cost_usd=call_cost(model, usage.get("input_tokens", 0), usage.get("output_tokens", 0)))
         if key is not None and self.cache is not None:
             try:
                 await self.cache.put(key, {"text": text, "usage": usage, "tool_calls": tool_calls,

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from shared.cost import run_usage, usage_lines
 from shared.models import VerificationResult
 from shared.stats import Proportion, describe
 
@@ -301,6 +302,7 @@ def summarize(
         "unfinished_questions_skipped": unfinished_skipped,
         "by_metric": {n: metric_summary(samples, n, crit.get(n, DEFAULT_PASS)) for n in names},
         "per_model": per_model,
+        "usage": run_usage(results),  # model calls, cached replies, cost in USD (shared.cost)
     }
 
 
@@ -325,6 +327,8 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
         lines.append(f"  Unfinished questions skipped: {s['unfinished_questions_skipped']}")
     if s.get("dead_lettered"):
         lines.append(f"  Dead-lettered jobs: {s['dead_lettered']}")
+    if isinstance(s.get("usage"), Mapping):  # model calls, cached replies, cost (shared.cost)
+        lines.extend(usage_lines(s["usage"]))
     if gate_lines:
         lines.append("")
         lines.extend(gate_lines)

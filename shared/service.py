@@ -35,9 +35,11 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared import bus, events
 from shared.config import Settings
+from shared.cost_budget import CostControl, cost_before, cost_spent
 from shared.lifecycle import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
 from shared.limits import deployment_limiter
-from shared.llm import CACHE_SCOPE, LLMClient, NatsKVCache, close_transports
+from shared.llm import CACHE_SCOPE, LLMClient, close_transports
+from shared.response_cache import scope_for, service_cache
 
 log = logging.getLogger("veribus.service")
 
@@ -100,6 +102,7 @@ class StageService:
         self._stream = JStream(name=events.STREAM, declare=False)
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
         self.control = RunControl(lambda: self.js)
+        self.cost_control = CostControl(lambda: self.js)
         # events whose handling is dispatch of new model work: skipped for a stopped run
         self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
 
@@ -109,8 +112,8 @@ class StageService:
         client = LLMClient()
 
         async def attach_cache() -> None:
-            if self.settings.llm_cache:
-                client.cache = NatsKVCache(self.js)
+            client.cache = service_cache(self.js, run_scoped=self.settings.llm_cache,
+                                         max_age_s=self.settings.response_cache_max_age_s)
             if self.settings.model_limits:
                 client.limiter = deployment_limiter(self.broker.connection, self.producer,
                                                     self.settings.limits_lease_s)
@@ -134,6 +137,7 @@ class StageService:
 
     async def _close_control(self) -> None:
         await self.control.close()
+        await self.cost_control.close()
 
     async def _after_startup(self) -> None:
         self._js = self.broker.connection.jetstream()
@@ -230,12 +234,13 @@ class StageService:
             else:
                 await msg.nack(delay=backoff_s(delivered))
             return
-        CACHE_SCOPE.set(env.run_id)
+        CACHE_SCOPE.set(scope_for(env.run_id, payload))
         suffix = chain_suffix(env)
         CHAIN.set(suffix)
         if give_up is not None and env.event_type in self.gated_event_types:
             try:
-                stop = await self.control.stop_reason(env.run_id, env.occurred_at)
+                stop = (await self.control.stop_reason(env.run_id, env.occurred_at)
+                        or await self.cost_control.stop_reason(env.run_id, env.occurred_at))
             except Exception as exc:  # noqa: BLE001 - the gate fails open
                 log.warning("%s: run control check failed: %r", self.name, exc)
                 stop = None
@@ -244,6 +249,7 @@ class StageService:
                 await msg.ack()
                 return
         before = await self._tokens_before(env, payload)
+        cost_before_ = await self._cost_before(env, payload)
         try:
             outs = await fn(env, payload)
             await self.publish(apply_suffix(suffix, outs))
@@ -269,6 +275,21 @@ class StageService:
                 self.control.record_usage(env.run_id, tokens_spent(before, outs))
             except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
                 log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
+        if cost_before_ is not None and outs:
+            try:
+                self.cost_control.record_usage(env.run_id, cost_spent(cost_before_, outs))
+            except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+                log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
+
+    async def _cost_before(self, env: events.Envelope, payload: Any) -> int | None:
+        """For a run with a money budget: micro-dollars already on the incoming event (else None)."""
+        try:
+            if await self.cost_control.budget(env.run_id) is None:
+                return None
+            return cost_before(payload)
+        except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+            log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
+            return None
 
     async def _tokens_before(self, env: events.Envelope, payload: Any) -> int | None:
         """For a run with a token budget: the tokens already on the incoming event (None: no budget)."""
