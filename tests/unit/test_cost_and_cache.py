@@ -126,3 +126,15 @@ async def test_scoped_cache_routes_and_expires() -> None:
     CACHE_SCOPE.set("run-2")
     await no_run.put("z", {"text": "x"})
     assert await no_run.get("z") is None
+
+
+def test_event_rows_carry_the_stage_cost() -> None:
+    from shared.store import EVENT_COLUMNS, event_row
+
+    ev = _job()
+    ev.state.usage = {"parsing": {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10, "cost_usd": 0.125}}
+    row = event_row(events.make_envelope(events.TEMPLATE_PARSED, "r", "x", ev, "p"))
+    assert row[EVENT_COLUMNS.index("cost_usd")] == 0.125
+    ev.state.usage = {"parsing": {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10, "model_calls": 1}}
+    row = event_row(events.make_envelope(events.TEMPLATE_PARSED, "r", "x", ev, "p"))
+    assert row[EVENT_COLUMNS.index("cost_usd")] is None  # unknown price: NULL, not 0
