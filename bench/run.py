@@ -80,6 +80,17 @@ def cpu_seconds(procs: list[stack.Proc]) -> dict[str, float]:
     return out
 
 
+async def stream_bytes(settings: Settings) -> int:
+    """Bytes the event stream holds now (its growth over a run / results = the log's cost)."""
+    from shared import bus, events
+
+    nc = await bus.connect(settings)
+    try:
+        return int((await nc.jetstream().stream_info(events.STREAM)).state.bytes or 0)
+    finally:
+        await nc.close()
+
+
 def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
         home = Path(tmp)
@@ -106,6 +117,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             asyncio.run(runner.collect(settings, "warmup", set(warm.result_ids), timeout=120))
 
             plan = runner.plan_run(benchmark, config)
+            bytes0 = asyncio.run(stream_bytes(settings))
             sampler = Sampler(state.procs)
             sampler.start()
             cpu0 = cpu_seconds(state.procs)
@@ -118,6 +130,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             cpu1 = cpu_seconds(state.procs)
             sampler.stop.set()
             done = len(outcome.results)
+            stream_delta = asyncio.run(stream_bytes(settings)) - bytes0
             per_service = {name: round(1000 * (cpu1[name] - cpu0.get(name, 0.0)) / max(done, 1), 3)
                            for name in cpu1}
             pipeline_cpu = sum(v for k, v in per_service.items() if k not in ("nats", "simulator"))
@@ -132,6 +145,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "cpu_ms_per_result_services_total": round(pipeline_cpu, 3),
                 "peak_rss_mb": {k: round(v, 1) for k, v in sampler.peak.items()},
                 "passed": sum(1 for r in outcome.results.values() if r.template and r.template.verify_result),
+                "stream_bytes_per_result": round(stream_delta / max(done, 1)),
             }
         finally:
             stack.down(settings)
@@ -151,6 +165,7 @@ def main(args: argparse.Namespace) -> int:
               + (f"  (bound C/(2L) = {row['bound_results_per_s']}/s, {100 * row['fraction_of_bound']:.1f}% of it)"
                  if row["bound_results_per_s"] else ""))
         print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
+        print(f"  event stream: {row['stream_bytes_per_result']} bytes per result (target <= 6144)")
         for name, ms in row["cpu_ms_per_result"].items():
             print(f"    {name:<14} {ms:>8.3f} ms/result   peak RSS {row['peak_rss_mb'].get(name, 0):>7.1f} MB")
     print("\n" + json.dumps(rows, indent=2))

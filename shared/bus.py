@@ -54,8 +54,15 @@ _patch_pull_fetch_timeout()
 DUPLICATE_WINDOW_S = 600.0
 
 
-def stream_config() -> StreamConfig:
-    """The single source-of-truth stream: every `vb.>` event, on disk, deduplicated by msg id."""
+def stream_config(settings: Settings | None = None) -> StreamConfig:
+    """The single source-of-truth stream: every `vb.>` event, on disk, deduplicated by msg id.
+    Retention (`VERIBUS_STREAM_MAX_AGE_S`, `VERIBUS_STREAM_MAX_BYTES`) drops the oldest events."""
+    limits: dict[str, Any] = {}
+    if settings is not None:
+        if settings.stream_max_age_s and settings.stream_max_age_s > 0:
+            limits["max_age"] = float(settings.stream_max_age_s)
+        if settings.stream_max_bytes and settings.stream_max_bytes > 0:
+            limits["max_bytes"] = int(settings.stream_max_bytes)
     return StreamConfig(
         name=events.STREAM,
         subjects=events.STREAM_SUBJECTS,
@@ -65,6 +72,7 @@ def stream_config() -> StreamConfig:
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
         max_msg_size=8 * 1024 * 1024,
+        **limits,
     )
 
 
@@ -96,11 +104,17 @@ async def connect(settings: Settings, **extra: Any) -> NATS:
     return await nats.connect(**opts)
 
 
-async def ensure_stream(js: JetStreamContext) -> None:
-    """Create or update the stream (idempotent: every service may call it at start)."""
-    cfg = stream_config()
+async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) -> None:
+    """Create or update the stream (idempotent: every service may call it at start). A retention
+    limit is set by whoever configures one; a process without one keeps the stream's (so a CLI
+    without the variables does not lift an operator's limits)."""
+    cfg = stream_config(settings)
     try:
-        await js.stream_info(cfg.name)
+        info = await js.stream_info(cfg.name)
+        if not cfg.max_age:
+            cfg.max_age = info.config.max_age
+        if not cfg.max_bytes or cfg.max_bytes < 0:
+            cfg.max_bytes = info.config.max_bytes
         await js.update_stream(cfg)
     except NotFoundError:
         await js.add_stream(cfg)

@@ -123,9 +123,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_projections_rebuild(args: argparse.Namespace) -> int:
-    from shared import lifecycle
+    from shared import lifecycle, retention
+    from shared.query import run_query
 
     settings = _settings()
+    before_runs = retention.results_per_run(lambda sql: run_query(settings, sql))
     try:
         rep = lifecycle.rebuild_projections(settings, timeout=args.timeout, progress=lambda m: print(f"  {m}"))
     except lifecycle.LifecycleError as exc:
@@ -138,6 +140,11 @@ def cmd_projections_rebuild(args: argparse.Namespace) -> int:
         print(f"  {table:<22} rows before {b[0]:>8}  after {a[0]:>8}  {same}")
     if not rep.identical:
         print("  (tables differ: events arrived during the rebuild, or the old tables had lost or extra rows)")
+    kept = asyncio.run(retention.stream_retention(settings))  # what retention left to rebuild from
+    for line in kept.lines():
+        print(line)
+    for line in retention.compare(before_runs, retention.results_per_run(lambda sql: run_query(settings, sql))).lines():
+        print(line)
     return EXIT_OK
 
 

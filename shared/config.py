@@ -168,7 +168,10 @@ class Settings(BaseModel):
     llm_cache: bool = True
     model_limits: bool = True  # max_concurrency / rpm / tpm shared by the deployment (shared.limits)
     limits_lease_s: float = 10.0
-    response_cache_max_age_s: float = 30 * 24 * 3600.0  # the cross-run cache bucket's max age  # a dead replica's slots are free again after this long
+    response_cache_max_age_s: float = 30 * 24 * 3600.0  # the cross-run cache bucket's max age
+    lean_events: bool = True  # jobs carry content hashes, not their question/template/rubric (shared.content)
+    stream_max_age_s: float = 0.0  # the event stream's retention by age (0: keep forever)
+    stream_max_bytes: int = -1  # the event stream's retention by size (-1: unlimited; oldest dropped first)  # a dead replica's slots are free again after this long
 
     @property
     def chdb_path(self) -> Path:

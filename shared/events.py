@@ -102,6 +102,7 @@ class Job(msgspec.Struct, omit_defaults=True):
     replicate: int | None = None
     options: dict[str, Any] = {}  # VerificationConfig stage options (shared.config.StageOptions dump)
     few_shot_examples: list[dict[str, str]] = []
+    refs: dict[str, str] = {}  # content keys of fields left out of the wire (shared.content)
 
 
 class StageError(msgspec.Struct, omit_defaults=True):

@@ -739,14 +739,19 @@ async def plan_regrade(
         await bus.ensure_stream(js)
         parent = await _run_event(js, parent_run_id)
         envs = await read_events(js, events.subject(events.ANSWER_GENERATED, parent_run_id, "*"))
+        latest: dict[str, events.StageEvent] = {}
+        for env in envs:  # a resumed job may have several: the newest is the one its result used
+            try:
+                latest[env.result_id] = events.payload_as(env, events.StageEvent)
+            except Exception:  # noqa: BLE001
+                continue
+        from shared.content import ContentStore
+
+        content = ContentStore(lambda: js)
+        for ev in latest.values():  # lean events: the stored question, template and rubric back in
+            ev.job = msgspec.structs.replace(await content.hydrate(ev.job), refs={})
     finally:
         await nc.close()
-    latest: dict[str, events.StageEvent] = {}
-    for env in envs:  # a resumed job may have several: the newest is the one its result used
-        try:
-            latest[env.result_id] = events.payload_as(env, events.StageEvent)
-        except Exception:  # noqa: BLE001
-            continue
     plan = regrade_jobs(parent, latest.values(), benchmark=benchmark, mode=mode, run_name=run_name)
     plan.jobs_without_answer = max(0, parent.job_count - len(latest))
     return plan

@@ -35,6 +35,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared import bus, events
 from shared.config import Settings
+from shared.content import ContentStore
 from shared.cost_budget import CostControl, cost_before, cost_spent
 from shared.lifecycle import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
 from shared.limits import deployment_limiter
@@ -103,6 +104,7 @@ class StageService:
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
         self.control = RunControl(lambda: self.js)
         self.cost_control = CostControl(lambda: self.js)
+        self.content = ContentStore(lambda: self.js)  # job contents by hash (lean events)
         # events whose handling is dispatch of new model work: skipped for a stopped run
         self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
 
@@ -131,7 +133,7 @@ class StageService:
     async def _startup(self) -> None:
         nc = await bus.connect(self.settings, name=f"veribus-{self.name}-admin")
         try:
-            await bus.ensure_stream(nc.jetstream())
+            await bus.ensure_stream(nc.jetstream(), self.settings)
         finally:
             await nc.close()
 
@@ -154,6 +156,7 @@ class StageService:
         return env
 
     def emit(self, event_type: str, job: events.Job, payload: Any, attempt: int = 1) -> events.Envelope:
+        payload = self.content.lean_payload(payload)  # the job's contents travel as hashes
         return events.make_envelope(event_type, job.run_id, job.result_id, payload, self.producer, attempt)
 
     def fail_forward(self, out_type: str, stage: str) -> GiveUp:
@@ -251,6 +254,7 @@ class StageService:
         before = await self._tokens_before(env, payload)
         cost_before_ = await self._cost_before(env, payload)
         try:
+            payload = await self.content.hydrate_payload(payload)
             outs = await fn(env, payload)
             await self.publish(apply_suffix(suffix, outs))
             await msg.ack()
