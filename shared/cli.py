@@ -399,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0])
     b.add_argument("--concurrency", type=int, default=32)
     b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
+    b.add_argument("--api-base", help="measure against this OpenAI-compatible server instead of the simulator")
+    b.add_argument("--bench-model", help="answering model at --api-base (default openai/bench-answerer)")
+    b.add_argument("--bench-judge", help="judge model at --api-base (default openai/bench-judge)")
     b.add_argument("--backpressure", action="store_true",
                    help="instead: queue --jobs jobs behind a slow model and report every service's RSS")
     b.add_argument("--jobs", type=int, default=10_000, help="jobs for --backpressure")
