@@ -26,7 +26,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
+
+from shared.analysis.export import export_from_source
+from shared.core.config import Settings
+from shared.core.ids import compute_result_id
+from shared.core.models import (
+    ModelIdentity,
+    VerificationResult,
+    VerificationResultMetadata,
+    VerificationResultRubric,
+    VerificationResultTemplate,
+)
+from shared.store.engine import open_store, preload_chdb
+from shared.store.reads import StoreSource
+from shared.store.rows import result_to_row
 
 RUN_ID = "20260101T000000-bench000"
 MODELS = ("openai/gpt-4.1-mini", "anthropic/claude-haiku-4-5", "openai/qwen2.5-7b", "openai/llama-3.1-8b")
@@ -66,14 +81,6 @@ class RssSampler(threading.Thread):
 
 def _prototype() -> dict[str, Any]:
     """One complete result dump; rows are made by changing its identifying fields."""
-    from shared.models import (
-        ModelIdentity,
-        VerificationResult,
-        VerificationResultMetadata,
-        VerificationResultRubric,
-        VerificationResultTemplate,
-    )
-
     r = VerificationResult(
         metadata=VerificationResultMetadata(
             question_id="q", question_text="", answering=ModelIdentity(model_name=MODELS[0]),
@@ -99,10 +106,6 @@ def generate_rows(n: int, batch: int, seed: int = 7) -> Any:
     Each (model, judge, outcome) combination is flattened once by `result_to_row`; every row is
     a copy of its combination's row with the varying fields set, and its JSON columns encoded
     from the same mutated dump, so the typed columns and `result_json` always agree."""
-    import msgspec
-
-    from shared.ids import compute_result_id
-    from shared.store import result_to_row
 
     enc = msgspec.json.Encoder()
     rng = random.Random(seed)
@@ -175,11 +178,6 @@ def run_analysis_bench(rows: int = 1_000_000, *, batch: int = 50_000, page_size:
                        log: Callable[[str], None] = print) -> dict[str, Any]:
     """Generate `rows` results in a temp chdb folder, time the summary queries and a streamed
     export, and return the figures (also logged as they come)."""
-    from shared.config import Settings
-    from shared.export import export_from_source
-    from shared.results import StoreSource
-    from shared.store import open_store, preload_chdb
-
     preload_chdb()
     home = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="veribus-analysis-bench-"))
     settings = Settings(home=home, clickhouse_database="bench")

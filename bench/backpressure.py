@@ -19,11 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+import yaml
 
-from shared import bus, events, lifecycle, runner, stack
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, Settings, VerificationConfig
+from shared.control import lifecycle, runner, stack, streams, wait
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.runtime import bus
 
 TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
 from pydantic import Field
@@ -41,8 +45,6 @@ class Answer(BaseAnswer):
 
 def write_benchmark(n: int, path: Path) -> dict[str, Any]:
     """N int-template questions; returns the simulator script (every answer right)."""
-    import yaml
-
     questions, script = [], []
     for i in range(n):
         text = f"Backpressure question {i}: what is {i} plus {i}?"
@@ -97,7 +99,7 @@ async def consumer_figures(settings: Settings) -> dict[str, dict[str, int]]:
     try:
         js = nc.jetstream()
         out = {}
-        for name in (*lifecycle.STAGE_DURABLES, lifecycle.PROJECTOR_DURABLE):
+        for name in (*streams.STAGE_DURABLES, streams.PROJECTOR_DURABLE):
             try:
                 ci = await js.consumer_info(events.STREAM, name)
             except Exception:  # noqa: BLE001 - not created yet
@@ -129,8 +131,6 @@ def run_backpressure(
         state = stack.up(settings, simulator_args=["--latency-ms", str(latency_ms)], extra_env=extra_env)
         settings.nats_url = state.nats_url
         try:
-            import httpx
-
             assert state.simulator_url
             httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script,
                        timeout=60).raise_for_status()
@@ -149,10 +149,10 @@ def run_backpressure(
                 consumers.append(asyncio.run(consumer_figures(settings)))
                 time.sleep(1.0)
             hold_end = sampler.sample()
-            done_at_cancel = len(asyncio.run(lifecycle.finalized_counts(settings, plan.run_id)))
+            done_at_cancel = len(asyncio.run(wait.finalized_counts(settings, plan.run_id)))
             asyncio.run(lifecycle.cancel(settings, plan.run_id, "backpressure measurement"))
             t1 = time.monotonic()
-            done, timed_out = asyncio.run(lifecycle.wait_for_results(settings, plan.run_id, count=plan.job_count,
+            done, timed_out = asyncio.run(wait.wait_for_results(settings, plan.run_id, count=plan.job_count,
                                                                      timeout=drain_timeout_s, poll_s=1.0))
             drain_s = time.monotonic() - t1
             sampler.stop()

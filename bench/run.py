@@ -14,11 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+import yaml
 
-from shared import runner, stack
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, Settings, VerificationConfig
+from shared.control import runner, stack
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
 
 TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
 from pydantic import Field
@@ -44,7 +46,6 @@ def generated_benchmark(n: int, path: Path) -> tuple[Path, dict[str, Any]]:
                           "template": TEMPLATE.format(n=2 * i)})
         value = 2 * i if i % 10 else 2 * i + 1
         script.append({"match": text, "answer": f"The sum is {value}.", "parsed": {"value": value}})
-    import yaml
 
     path.write_text(yaml.safe_dump({"name": f"bench-{n}", "questions": questions}, sort_keys=False))
     return path, {"questions": script}
@@ -82,7 +83,8 @@ def cpu_seconds(procs: list[stack.Proc]) -> dict[str, float]:
 
 async def stream_bytes(settings: Settings) -> int:
     """Bytes the event stream holds now (its growth over a run / results = the log's cost)."""
-    from shared import bus, events
+    from shared.core import events
+    from shared.runtime import bus
 
     nc = await bus.connect(settings)
     try:
@@ -104,8 +106,6 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                          simulator_args=["--latency-ms", str(latency_ms)])
         settings.nats_url = state.nats_url
         try:
-            import httpx
-
             if api_base is None:
                 httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
             # C is the total number of model calls in flight: each result makes two sequential

@@ -36,14 +36,14 @@ class NatsServer:
 
     def start(self) -> None:
         """(Re)start on the same port and store: JetStream state survives a restart."""
-        from shared.bus import wait_for_port
+        from shared.runtime.bus import wait_for_port
 
         self.proc = _spawn_nats(self.port, self.store)
         wait_for_port("127.0.0.1", self.port, 10)
 
 
 def _spawn_nats(port: int, store: Path) -> subprocess.Popen[bytes]:
-    from shared.stack import nats_server_binary
+    from shared.control.stack import nats_server_binary
 
     return subprocess.Popen(
         [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
@@ -53,8 +53,8 @@ def _spawn_nats(port: int, store: Path) -> subprocess.Popen[bytes]:
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    from shared.bus import wait_for_port
-    from shared.stack import free_port
+    from shared.control.stack import free_port
+    from shared.runtime.bus import wait_for_port
 
     port = free_port()
     store = tmp_path / "nats"

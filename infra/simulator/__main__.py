@@ -7,7 +7,8 @@ import sys
 
 from aiohttp import web
 
-from infra.simulator.server import DEFAULT_ERROR_MIX, LATENCY_DISTS, Script, SimConfig, create_app
+from infra.simulator.script import DEFAULT_ERROR_MIX, LATENCY_DISTS, Script, SimConfig
+from infra.simulator.server import create_app
 
 
 def _mix(text: str) -> dict[str, float]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from services.finalization.stage import try_finalize
-from shared import events
-from shared.fold import fold_result
-from shared.service import StageService, stage_error
+from shared.core import events
+from shared.core.fold import fold_result
+from shared.runtime.harness import StageService, stage_error
 
 service = StageService("finalization")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from shared import events
-from shared.fold import fold_result, needs_rubric, needs_template
-from shared.models import VerificationResult
+from shared.core import events
+from shared.core.fold import fold_result, needs_rubric, needs_template
+from shared.core.models import VerificationResult
 
 Lookup = Callable[[str], Awaitable[events.StageEvent | None]]
 

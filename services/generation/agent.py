@@ -29,10 +29,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared import prompts
-from shared.events import Job
-from shared.llm import LLMClient, add_usage, usage_entry
-from shared.mcp_client import MCPPool, MCPTool, ToolOutcome
+from shared.core import prompts
+from shared.core.events import Job
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import add_usage, usage_entry
+from shared.runtime.mcp import MCPPool, MCPTool, ToolOutcome
 
 # What the model reads of one tool result, and what the trace (and so the event) keeps of it:
 # events travel over NATS (1 MB default max payload) and land in ClickHouse rows.

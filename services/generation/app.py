@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from services.generation.stage import STAGE, generate_answer
-from shared import events
-from shared.mcp_client import default_pool
-from shared.service import StageService, stage_error
+from shared.core import events
+from shared.runtime.harness import StageService, stage_error
+from shared.runtime.mcp import default_pool
 
 service = StageService("generation")
 llm = service.llm_client()

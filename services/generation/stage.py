@@ -1,7 +1,7 @@
 """GenerateAnswer (spec/003 stage 2): one answer per question x answering model x replicate,
 shared by every judge's job. Three paths: a manual trace is used as given (no model call); a
 model with MCP servers runs the tool-using agent (`services.generation.agent`); any other model
-gets one plain completion. All three build the prompt with `shared.prompts.answer_messages`
+gets one plain completion. All three build the prompt with `shared.core.prompts.answer_messages`
 (system prompt, few-shot pairs, question).
 """
 
@@ -11,11 +11,12 @@ import time
 from typing import Any
 
 from services.generation import agent
-from shared import prompts
-from shared.events import Job, State
-from shared.llm import LLMClient, LLMError, usage_entry
-from shared.mcp_client import MCPConnectionError, MCPPool, default_pool
-from shared.service import record, stage_error
+from shared.core import prompts
+from shared.core.events import Job, State
+from shared.runtime.harness import record, stage_error
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, usage_entry
+from shared.runtime.mcp import MCPConnectionError, MCPPool, default_pool
 
 STAGE = "generate_answer"
 

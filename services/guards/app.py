@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from services.guards.stage import check_guards
-from shared import events
-from shared.service import StageService
-from shared.template_cache import TemplateInfoCache
+from shared.core import events
+from shared.runtime.harness import StageService
+from shared.templates.cache import TemplateInfoCache
 
 service = StageService("guards")
 llm = service.llm_client()

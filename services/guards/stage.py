@@ -9,10 +9,11 @@ import logging
 import time
 from typing import Any
 
-from shared import prompts
-from shared.events import Job, State
-from shared.llm import LLMClient, LLMError, usage_entry
-from shared.service import record
+from shared.core import prompts
+from shared.core.events import Job, State
+from shared.runtime.harness import record
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, usage_entry
 
 log = logging.getLogger("veribus.guards")
 

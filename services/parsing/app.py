@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from services.parsing.stage import STAGE, parse_template
-from shared import events
-from shared.service import StageService
-from shared.template_cache import TemplateInfoCache
+from shared.core import events
+from shared.runtime.harness import StageService
+from shared.templates.cache import TemplateInfoCache
 
 service = StageService("parsing")
 llm = service.llm_client()

@@ -3,7 +3,7 @@ parameters, filling every `VerificationResultDeepJudgment` field.
 
 1. **excerpts** - the judge quotes, per template attribute, up to
    `deep_judgment_max_excerpts_per_attribute` verbatim passages with a confidence (low|medium|high).
-   Each quote is checked against the evaluated text with THE fuzzy rule of `shared.search`
+   Each quote is checked against the evaluated text with THE fuzzy rule of `shared.runtime.search`
    (rapidfuzz partial ratio >= `deep_judgment_fuzzy_match_threshold`, the same function rubric deep
    judgment uses). Quotes that are not found are sent back to the judge, named with their match
    scores, up to `deep_judgment_excerpt_retry_attempts` times; what is still not found is dropped.
@@ -37,10 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import prompts
-from shared.events import Job
-from shared.llm import LLMClient, LLMError, LLMReply, add_usage, usage_entry
-from shared.search import (
+from shared.core import prompts
+from shared.core.events import Job
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, LLMReply, add_usage, usage_entry
+from shared.runtime.search import (
     SearchTool,
     SearchToolError,
     assess_hallucination,
@@ -49,7 +50,7 @@ from shared.search import (
     max_risk,
     validate_excerpts,
 )
-from shared.templates import TemplateInfo
+from shared.templates.calls import TemplateInfo
 
 log = logging.getLogger("veribus.deep_judgment")
 

@@ -16,12 +16,13 @@ from typing import Any
 
 from services.guards.stage import evaluation_text
 from services.parsing.deep_judgment import base_section, deep_judgment_parse
-from shared import prompts
-from shared.events import Job, State
-from shared.llm import LLMClient, LLMError, usage_entry
-from shared.search import SearchTool
-from shared.service import record, stage_error
-from shared.templates import TemplateInfo
+from shared.core import prompts
+from shared.core.events import Job, State
+from shared.runtime.harness import record, stage_error
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, usage_entry
+from shared.runtime.search import SearchTool
+from shared.templates.calls import TemplateInfo
 
 STAGE = "parse_template"
 

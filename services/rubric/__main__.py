@@ -1,7 +1,7 @@
 """python -m services.rubric"""
 
 from services.rubric.app import service
-from shared.service import run
+from shared.runtime.harness import run
 
 if __name__ == "__main__":
     run(service)

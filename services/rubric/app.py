@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.rubric.stage import STAGE, evaluate_rubric
-from shared import events
-from shared.service import StageService, stage_error
+from shared.core import events
+from shared.runtime.harness import StageService, stage_error
 
 service = StageService("rubric")
 llm = service.llm_client()

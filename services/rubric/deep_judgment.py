@@ -15,7 +15,7 @@ Which traits, and with which settings (`resolve_trait_configs`, by `deep_judgmen
 
 Per trait (`evaluate_dj_traits`; traits run concurrently, the reference runs them one by one):
 1. excerpts (when excerpt_enabled): verbatim quotes bearing on the trait, validated with THE
-   fuzzy rule of `shared.search` (the one template deep judgment uses); when none is valid the
+   fuzzy rule of `shared.runtime.search` (the one template deep judgment uses); when none is valid the
    judge is told which quotes failed (with scores) and asked again, up to excerpt_retry_attempts.
    Still none -> the trait is not scored and is listed in `traits_without_valid_excerpts`
    (DeepJudgmentRubricAutoFail then fails the result).
@@ -38,10 +38,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shared import prompts
-from shared.events import Job
-from shared.llm import LLMClient, LLMError, LLMReply, add_usage, usage_entry
-from shared.search import (
+from shared.core import prompts
+from shared.core.events import Job
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, LLMReply, add_usage, usage_entry
+from shared.runtime.search import (
     SearchTool,
     SearchToolError,
     assess_hallucination,

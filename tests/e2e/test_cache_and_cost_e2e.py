@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cost_budget import run_cost_spent, set_cost_budget
+from shared.runtime.costcontrol import run_cost_spent, set_cost_budget
 from tests.integration.test_durability import (
     Stack,
     generated_benchmark,
@@ -98,7 +98,7 @@ def test_cost_budget_stops_dispatch(cstack: Stack, tmp_path: Path) -> None:
     assert per_job > 0
     budget = 8 * per_job
     from shared import runner
-    from shared.benchmark import Benchmark
+    from shared.core.benchmark.model import Benchmark
 
     plan = runner.plan_run(Benchmark.load(path), config)
     set_cost_budget(plan.run_event, budget)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import stack
-from shared.config import Settings
-from shared.query import run_query
+from shared.control import stack
+from shared.core.config import Settings
+from shared.store.reads import run_query
 from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
 
 pytestmark = pytest.mark.e2e

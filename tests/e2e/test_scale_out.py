@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from bench.run import generated_benchmark
-from shared import runner, stack
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, Settings, VerificationConfig
-from shared.query import run_query
+from shared.control import runner, stack
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.store.reads import run_query
 
 pytestmark = pytest.mark.e2e
 

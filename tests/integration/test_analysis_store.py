@@ -20,22 +20,23 @@ from typing import Any
 
 import pytest
 
-from shared import events
-from shared.config import Settings
-from shared.export import export_from_source, export_results, export_run
-from shared.models import VerificationResult
-from shared.query import QueryError
-from shared.results import (
+from shared.analysis.export import export_from_source, export_results, export_run
+from shared.analysis.resultset import VerificationResultSet
+from shared.analysis.stats import wilson_interval
+from shared.core import events
+from shared.core.config import Settings
+from shared.core.models import VerificationResult
+from shared.store.engine import QueryResult, Store, open_store
+from shared.store.reads import (
     NatsSource,
+    QueryError,
     ResultFilter,
     StoreSource,
-    VerificationResultSet,
     iter_pages,
     open_source,
     resolve_run,
 )
-from shared.stats import wilson_interval
-from shared.store import QueryResult, Store, open_store, result_to_row
+from shared.store.rows import result_to_row
 from tests.unit.test_results import grid_results, spec_results
 
 RUN_A, RUN_B = "20260101T000000-grid0001", "20260101T000000-spec0001"
@@ -283,8 +284,8 @@ def test_analysis_views(store: Store) -> None:
 def test_reads_through_the_projector_over_nats(settings: Settings, store: Store, nats_server: Any) -> None:
     """open_source picks the projector when one answers on veribus.query; pages shrink to fit
     the projector's reply limit."""
-    from services.projector.app import Projector
-    from shared.events import QUERY_SUBJECT
+    from shared.core.events import QUERY_SUBJECT
+    from shared.store.projection import Projector
 
     nats_settings = settings.model_copy(update={"nats_url": nats_server.url})
     projector = Projector(nats_settings)
@@ -324,7 +325,7 @@ def test_reads_through_the_projector_over_nats(settings: Settings, store: Store,
 
 def test_cli_commands(settings: Settings, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                       capsys: pytest.CaptureFixture[str]) -> None:
-    from shared.cli_analysis import main
+    from shared.cli.analysis import main
 
     monkeypatch.setenv("VERIBUS_HOME", str(settings.home))
     monkeypatch.setenv("VERIBUS_CLICKHOUSE_DATABASE", settings.clickhouse_database)

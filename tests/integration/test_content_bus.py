@@ -8,9 +8,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from shared import content, runner
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, VerificationConfig
+from shared.control import runner
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, VerificationConfig
+from shared.runtime import content
 from tests.integration.test_durability import generated_benchmark
 
 

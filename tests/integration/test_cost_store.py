@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Settings
-from shared.store import Store, open_store, result_to_row
+from shared.core.config import Settings
+from shared.store.engine import Store, open_store
+from shared.store.rows import result_to_row
 from tests.unit.test_flatten import make_result
 
 PAID = {

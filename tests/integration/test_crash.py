@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import lifecycle, stack
+from shared.control import stack, wait
 from tests.integration.test_durability import (
     Stack,
     expected_verdicts,
@@ -69,7 +69,7 @@ def _start_and_wait_in_flight(st: Stack, path: Path) -> str:
     plan = plan_and_submit(st, path, _config(st))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        done = len(sync(lifecycle.finalized_counts(st.settings, plan.run_id)))
+        done = len(sync(wait.finalized_counts(st.settings, plan.run_id)))
         if done >= KILL_AT * N:
             assert done < N, "the run finished before the crash: make it slower"
             return plan.run_id

@@ -25,11 +25,13 @@ import psutil
 import pytest
 import yaml
 
-from shared import bus, events, lifecycle, runner, stack
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, Settings, VerificationConfig
-from shared.models import VerificationResult
-from shared.query import run_query
+from shared.control import lifecycle, rebuild, runner, stack, streams, wait
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.core.models import VerificationResult
+from shared.runtime import bus, runcontrol
+from shared.store.reads import run_query
 from tests.conftest import REPO
 
 # --------------------------------------------------------------------------------------------
@@ -165,14 +167,14 @@ def stop_stack(st: Stack) -> None:
 def plan_and_submit(st: Stack, bench_path: Path, config: VerificationConfig, *,
                     budget: int | None = None) -> runner.RunPlan:
     plan = runner.plan_run(Benchmark.load(bench_path), config)
-    lifecycle.set_budget(plan.run_event, budget)
+    runcontrol.set_budget(plan.run_event, budget)
     sync(runner.submit(st.settings, plan))
     return plan
 
 
 def wait_results(st: Stack, run_id: str, n: int, timeout: float = 120.0) -> dict[str, int]:
-    done, timed_out = sync(lifecycle.wait_for_results(st.settings, run_id, count=n, timeout=timeout, poll_s=0.25))
-    counts = sync(lifecycle.finalized_counts(st.settings, run_id))
+    done, timed_out = sync(wait.wait_for_results(st.settings, run_id, count=n, timeout=timeout, poll_s=0.25))
+    counts = sync(wait.finalized_counts(st.settings, run_id))
     assert not timed_out, f"only {done}/{n} results of run {run_id} after {timeout}s"
     return counts
 
@@ -209,7 +211,7 @@ def wait_projector_idle(st: Stack, timeout: float = 60.0) -> None:
     async def idle() -> bool:
         nc = await bus.connect(st.settings)
         try:
-            return await lifecycle._consumer_caught_up(nc.jetstream(), lifecycle.PROJECTOR_DURABLE)
+            return await rebuild._consumer_caught_up(nc.jetstream(), streams.PROJECTOR_DURABLE)
         finally:
             await nc.close()
 
@@ -238,7 +240,7 @@ async def _republish_all(settings: Settings, run_id: str) -> tuple[int, int]:
     nc = await bus.connect(settings)
     try:
         js = nc.jetstream()
-        envs = await lifecycle.read_events(js, f"vb.*.*.{run_id}.*")
+        envs = await streams.read_events(js, f"vb.*.*.{run_id}.*")
         dup = 0
         for env in envs:
             ack = await js.publish(env.subject, events.encode(env), stream=events.STREAM,
@@ -286,7 +288,7 @@ def test_republished_envelopes_are_deduplicated(dstack: Stack, finished_run) -> 
     assert sent >= N * 6 and dup == sent, "every republished envelope is a duplicate inside the window"
     wait_projector_idle(dstack)
     assert table_snapshot(dstack, plan.run_id) == before
-    counts = sync(lifecycle.finalized_counts(dstack.settings, plan.run_id))
+    counts = sync(wait.finalized_counts(dstack.settings, plan.run_id))
     assert len(counts) == N and set(counts.values()) == {1}
 
 
@@ -296,7 +298,7 @@ def test_replay_by_resetting_the_projector_consumer(dstack: Stack, finished_run)
     before = table_snapshot(dstack, plan.run_id)
     projector = dstack.proc("projector")
     stack.stop_proc(projector)
-    assert sync(lifecycle._delete_consumer(dstack.settings, lifecycle.PROJECTOR_DURABLE))
+    assert sync(rebuild._delete_consumer(dstack.settings, streams.PROJECTOR_DURABLE))
     dstack.restart("projector")
     wait_projector_idle(dstack)
     assert table_snapshot(dstack, plan.run_id) == before
@@ -345,13 +347,13 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
     assert [e for e in after["events"] if not e[0].startswith("republished-")] == before["events"]
     assert sum(e[0].startswith("republished-") for e in after["events"]) == len(again)
     before = after
-    assert set(sync(lifecycle.finalized_counts(dstack.settings, plan.run_id)).values()) == {1}
+    assert set(sync(wait.finalized_counts(dstack.settings, plan.run_id)).values()) == {1}
 
     try:
         sync(republish(0.2, new_ids=False))  # the same envelopes after the window
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            counts = sync(lifecycle.finalized_counts(dstack.settings, plan.run_id))
+            counts = sync(wait.finalized_counts(dstack.settings, plan.run_id))
             if sum(counts.values()) >= N + len(again):
                 break
             time.sleep(0.25)
@@ -371,7 +373,7 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
 async def _queued(settings: Settings) -> dict[str, int]:
     nc = await bus.connect(settings)
     try:
-        return await lifecycle.queued_for_services(nc.jetstream())
+        return await streams.queued_for_services(nc.jetstream())
     finally:
         await nc.close()
 
@@ -397,7 +399,7 @@ def test_projections_rebuild_yields_identical_tables(dstack: Stack, finished_run
     plan, _ = finished_run
     wait_projector_idle(dstack)
     before = table_snapshot(dstack, plan.run_id)
-    rep = lifecycle.rebuild_projections(dstack.settings, timeout=120)
+    rep = rebuild.rebuild_projections(dstack.settings, timeout=120)
     assert rep.mode == "stack"
     assert rep.identical, (rep.before, rep.after)
     assert rep.after["verification_results"][0] >= N
@@ -426,7 +428,7 @@ def test_resume_republishes_only_unfinished_jobs(dstack: Stack, tmp_path: Path) 
     assert with_bench.replanned == n - 12 and with_bench.jobs == n - 12 and with_bench.finalized == 12
     wait_results(dstack, plan.run_id, n)
     assert dstack.sim_stats()["by_model"].get("sim-answerer", 0) - calls_before == n - 12
-    counts = sync(lifecycle.finalized_counts(dstack.settings, plan.run_id))
+    counts = sync(wait.finalized_counts(dstack.settings, plan.run_id))
     assert len(counts) == n and set(counts.values()) == {1}
     assert verdicts(results_of(dstack, plan.run_id)) == expected_verdicts(n)
     again = sync(lifecycle.plan_resume(dstack.settings, plan.run_id))
@@ -445,11 +447,11 @@ def test_cancel_then_resume(dstack: Stack, tmp_path: Path) -> None:
     config = dstack.config(answer_kw={"max_concurrency": 1, "timeout": 0.3, "max_retries": 2})
     plan = plan_and_submit(dstack, path, config)
     deadline = time.monotonic() + 30
-    while len(sync(lifecycle.finalized_counts(dstack.settings, plan.run_id))) < 2 and time.monotonic() < deadline:
+    while len(sync(wait.finalized_counts(dstack.settings, plan.run_id))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     out = sync(lifecycle.cancel(dstack.settings, plan.run_id, "test"))
     assert out.job_count == n
-    with pytest.raises(lifecycle.LifecycleError, match="still queued"):
+    with pytest.raises(streams.LifecycleError, match="still queued"):
         sync(lifecycle.resume(dstack.settings, plan.run_id))  # the run is still in flight
     t0 = time.monotonic()
     wait_results(dstack, plan.run_id, n, timeout=60)
@@ -467,7 +469,7 @@ def test_cancel_then_resume(dstack: Stack, tmp_path: Path) -> None:
     plan2 = sync(lifecycle.resume(dstack.settings, plan.run_id))
     assert plan2.stopped == len(cancelled) and plan2.jobs == len(cancelled)
     before = {rid: 1 for rid in (r.metadata.result_id for r in cancelled)}
-    done, timed_out = sync(lifecycle.wait_for_results(dstack.settings, plan.run_id, result_ids=list(before),
+    done, timed_out = sync(wait.wait_for_results(dstack.settings, plan.run_id, result_ids=list(before),
                                                       baseline=before, timeout=90))
     assert not timed_out, f"{done}/{len(before)} resumed"
     res = results_of(dstack, plan.run_id)
@@ -525,11 +527,12 @@ def test_backpressure_keeps_memory_bounded(tmp_path: Path) -> None:
         assert row["rss_mb_growth"][name] < 300.0, (name, row["rss_mb_growth"][name])
 
 
-# the lifecycle commands through the CLI (wired by `shared.cli_lifecycle.register`; the shim below
+# the lifecycle commands through the CLI (wired by `shared.cli.lifecycle.register`; the shim below
 # registers them when shared.cli does not yet)
 CLI_SHIM = (
     "import argparse, sys\n"
-    "from shared import cli, cli_lifecycle\n"
+    "from shared.cli import commands as cli\n"
+    "from shared.cli import lifecycle as cli_lifecycle\n"
     "p = cli.build_parser()\n"
     "sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))\n"
     "if 'resume' not in sub.choices:\n"
@@ -562,6 +565,6 @@ def test_lifecycle_commands_on_the_cli(dstack: Stack, finished_run, tmp_path: Pa
     assert refused.returncode == 2 and "q0000" in refused.stderr and "Traceback" not in refused.stderr
     wait_services_idle(dstack)
     wait_projector_idle(dstack)
-    rebuild = veribus_cli(dstack, "projections", "rebuild", "--timeout", "120")
-    assert rebuild.returncode == 0, rebuild.stderr
-    assert "CHANGED" not in rebuild.stdout and rebuild.stdout.count("identical") == 3, rebuild.stdout
+    rebuilt = veribus_cli(dstack, "projections", "rebuild", "--timeout", "120")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "CHANGED" not in rebuilt.stdout and rebuilt.stdout.count("identical") == 3, rebuilt.stdout

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from shared import lifecycle, stack
-from shared.models import VerificationResult
+from shared.control import stack, status
+from shared.core.models import VerificationResult
+from shared.runtime import runcontrol
 from tests.integration.test_durability import (
     Stack,
     generated_benchmark,
@@ -190,13 +191,13 @@ def test_token_budget_stops_dispatch(fstack: Stack, tmp_path: Path) -> None:
     # services spent during the counters' flush and read delays (<= ~0.5 s at 100 ms per call)
     assert budget <= spent <= budget + 20 * per_job, (budget, spent, per_job)
     time.sleep(0.6)  # the services flush their counters every 0.2 s
-    assert sync(lifecycle.run_usage(fstack.settings, plan.run_id)) == spent
+    assert sync(runcontrol.run_usage(fstack.settings, plan.run_id)) == spent
     # `veribus status RUN` says so
     wait_projected(fstack, plan.run_id, n)
-    problems = lifecycle.run_problems(fstack.settings, plan.run_id)
+    problems = status.run_problems(fstack.settings, plan.run_id)
     assert (problems["budget_tokens"], problems["tokens_spent"], problems["budget_stopped"]) == \
         (budget, spent, len(stopped))
-    assert f"token budget: {budget}" in lifecycle.format_run_problems(problems)
+    assert f"token budget: {budget}" in status.format_run_problems(problems)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.gates import evaluate_gates, parse_gate
-from shared.html_report import RunData, load_run_data, render_html, write_html
-from shared.results import StoreSource
-from shared.store import Store
+from shared.analysis.gates import evaluate_gates, parse_gate
+from shared.analysis.html_report import RunData, load_run_data, render_html, write_html
+from shared.store.engine import Store
+from shared.store.reads import StoreSource
 from tests.integration.test_analysis_store import RUN_A, analysis_folder, settings, store  # noqa: F401 - fixtures
 from tests.unit.test_results import grid_results
 

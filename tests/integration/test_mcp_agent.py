@@ -22,11 +22,11 @@ import pytest
 
 from services.generation.stage import generate_answer
 from services.guards.stage import check_guards
-from shared import events
-from shared.bus import wait_for_port
-from shared.llm import LLMClient
-from shared.mcp_client import MCPPool
-from shared.stack import free_port
+from shared.control.stack import free_port
+from shared.core import events
+from shared.runtime.bus import wait_for_port
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.mcp import MCPPool
 
 ROOT = Path(__file__).resolve().parents[2]
 STDIO = "stdio:python -m tests.fixtures.mcp_server"

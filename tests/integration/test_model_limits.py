@@ -12,12 +12,13 @@ from typing import Any
 import nats
 from aiohttp import web
 
-from infra.simulator.server import SimConfig, create_app
-from shared import limits
-from shared.events import ModelSpec
-from shared.limits import KVLedgerStore, Limiter
-from shared.llm import LLMClient
-from shared.stack import free_port
+from infra.simulator.script import SimConfig
+from infra.simulator.server import create_app
+from shared.control.stack import free_port
+from shared.core.events import ModelSpec
+from shared.runtime import limits
+from shared.runtime.limits import KVLedgerStore, Limiter
+from shared.runtime.llm.client import LLMClient
 from tests.support.limits import hammer as _hammer
 
 

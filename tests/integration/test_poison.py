@@ -23,10 +23,12 @@ import msgspec
 import pytest
 
 from services.verification.stage import STAGE, verify_template
-from shared import bus, events, lifecycle, runner
-from shared.benchmark import Benchmark
-from shared.sandbox import get_sandbox
-from shared.service import StageService, stage_error
+from shared.control import runner, status, streams
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.runtime import bus
+from shared.runtime.harness import StageService, stage_error
+from shared.templates.sandbox import get_sandbox
 from tests.conftest import REPO
 from tests.integration.test_durability import (
     Stack,
@@ -142,7 +144,7 @@ def _dead_letters(st: Stack, run_id: str) -> dict[str, events.DeadLetter]:
     async def read() -> list[events.Envelope]:
         nc = await bus.connect(st.settings)
         try:
-            return await lifecycle.read_events(nc.jetstream(), events.subject(events.DEAD_LETTER, run_id, "*"))
+            return await streams.read_events(nc.jetstream(), events.subject(events.DEAD_LETTER, run_id, "*"))
         finally:
             await nc.close()
 
@@ -193,7 +195,7 @@ def test_give_ups_are_events_and_visible_in_status(scenario: Scenario) -> None:
     deadline = time.monotonic() + 30
     problems: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        problems = lifecycle.run_problems(st.settings, scenario.run_id)
+        problems = status.run_problems(st.settings, scenario.run_id)
         if problems["stage_failed"] >= 2 and problems["dead_letters"] >= 3:
             break
         time.sleep(0.25)
@@ -201,7 +203,7 @@ def test_give_ups_are_events_and_visible_in_status(scenario: Scenario) -> None:
     assert ("verification", "ZeroDivisionError", scenario.poison_rid) in failures
     assert ("generation", "IndexError", "nojobs0001") in failures
     assert problems["dead_letters"] == 3
-    text = lifecycle.format_run_problems(problems)
+    text = status.format_run_problems(problems)
     assert "ZeroDivisionError" in text and "IndexError" in text and "schema_version 99" in text
     env = {**os.environ, "VERIBUS_HOME": str(st.settings.home)}
     out = subprocess.run([sys.executable, "-m", "shared.cli", "status", scenario.run_id], cwd=REPO, env=env,

@@ -19,9 +19,10 @@ from typing import Any
 import psutil
 import pytest
 
-from shared import bus, events
-from shared.config import Settings
-from shared.query import NoProjector, QueryError, QueryResult, query_via_nats
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.store.reads import NoProjector, QueryError, QueryResult, query_via_nats
 from tests.conftest import REPO, NatsServer
 from tests.unit.test_flatten import USAGE, _stage_env, make_result
 
@@ -200,7 +201,7 @@ async def test_resumes_from_its_durable_consumer_and_frees_the_folder(projector:
     await bus.publish_many(js, second)  # published while the projector is down
 
     # no projector answers: a reader opens the (now unlocked) folder directly, in its own process
-    code = ("import json; from shared.config import Settings; from shared.query import run_query; "
+    code = ("import json; from shared.core.config import Settings; from shared.store.reads import run_query; "
             "r = run_query(Settings.from_env(), 'SELECT count() FROM verification_results FINAL'); "
             "print(json.dumps(r.rows))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=projector.env, capture_output=True,

@@ -8,11 +8,12 @@ import nats
 from aiohttp import web
 
 from infra.simulator.server import create_app
-from shared import response_cache
-from shared.events import ModelSpec
-from shared.llm import CACHE_SCOPE, LLMClient
-from shared.response_cache import SHARED_SCOPE, service_cache
-from shared.stack import free_port
+from shared.control.stack import free_port
+from shared.core.events import ModelSpec
+from shared.runtime import response_cache
+from shared.runtime.llm.cache import CACHE_SCOPE
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.response_cache import SHARED_SCOPE, service_cache
 
 
 async def test_run_scope_and_shared_scope(nats_server) -> None:  # noqa: ANN001

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import nats
 
-from shared import bus, events, retention
-from shared.config import Settings
+from shared.control import retention
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
 
 
 def _env(i: int) -> events.Envelope:

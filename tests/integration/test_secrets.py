@@ -19,10 +19,12 @@ import psutil
 import pytest
 import yaml
 
-from shared import bus, events, stack
-from shared.config import ModelConfig, Settings, VerificationConfig
-from shared.export import export_run
-from shared.query import run_query
+from shared.analysis.export import export_run
+from shared.control import stack
+from shared.core import events
+from shared.core.config import ModelConfig, Settings, VerificationConfig
+from shared.runtime import bus
+from shared.store.reads import run_query
 from tests.conftest import REPO
 from tests.integration.test_durability import (
     Stack,

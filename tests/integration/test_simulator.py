@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.events import ModelSpec
-from shared.llm import LLMClient, LLMError, MemoryCache
+from shared.core.events import ModelSpec
+from shared.runtime.llm.cache import MemoryCache
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -353,7 +355,7 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
 async def test_nats_kv_cache_shared_between_clients(sim: Sim, nats_url: str) -> None:
     import nats
 
-    from shared.llm import NatsKVCache
+    from shared.runtime.llm.cache import NatsKVCache
 
     nc = await nats.connect(nats_url)
     try:

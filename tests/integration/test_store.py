@@ -17,18 +17,12 @@ from typing import Any
 import pytest
 
 from infra.clickhouse import TABLES, VIEWS
-from shared import events
-from shared.config import Settings
-from shared.query import QueryError, format_json, format_table, run_query
-from shared.store import (
-    Store,
-    is_read_only_sql,
-    open_store,
-    project_envelopes,
-    read_only_refusal,
-    result_to_row,
-    row_to_result,
-)
+from shared.core import events
+from shared.core.config import Settings
+from shared.store.engine import Store, open_store
+from shared.store.reads import QueryError, format_json, format_table, run_query
+from shared.store.rows import project_envelopes, result_to_row, row_to_result
+from shared.store.sql_guard import is_read_only_sql, read_only_refusal
 from tests.unit.test_flatten import RUBRIC, USAGE, _stage_env, make_result
 
 
@@ -303,7 +297,7 @@ async def test_projector_records_a_row_the_store_refuses_and_keeps_the_rest(sett
     """A poison message (its row cannot be stored) is recorded and acked; the batch is not blocked."""
     from types import SimpleNamespace
 
-    from services.projector.app import Projector
+    from shared.store.projection import Projector
 
     good = [make_result(question=f"g{i}") for i in range(3)]
     poison = make_result(question="poison").model_dump(mode="json")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-from shared.events import ModelSpec
-from shared.limits import Limiter
+from shared.core.events import ModelSpec
+from shared.runtime.limits import Limiter
 
 
 async def hammer(limiters: list[Limiter], model: ModelSpec, calls: int, seed: int = 0) -> tuple[int, int]:

@@ -16,10 +16,10 @@ import pytest
 from services.generation.agent import SUSPECT_FAILURE, agent_metrics, render_trace
 from services.generation.stage import generate_answer
 from services.guards.stage import check_guards
-from shared import events, prompts
-from shared.fold import fold_result
-from shared.llm import LLMError, LLMReply
-from shared.mcp_client import MCPPool, exposed_tool_name, parse_target
+from shared.core import events, prompts
+from shared.core.fold import fold_result
+from shared.runtime.llm.reply import LLMError, LLMReply
+from shared.runtime.mcp import MCPPool, exposed_tool_name, parse_target
 from tests.conftest import LLM_RESPONSES
 from tests.fixtures.mcp_server import build_server
 
@@ -299,7 +299,7 @@ def test_parse_target() -> None:
 
 
 def test_event_loop_isolation_of_default_pool() -> None:
-    from shared.mcp_client import default_pool
+    from shared.runtime.mcp import default_pool
 
     async def get() -> MCPPool:
         return default_pool()

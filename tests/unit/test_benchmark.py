@@ -14,9 +14,11 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from shared.benchmark import Benchmark, BenchmarkError, simulator_script_for, template_ground_truth
-from shared.ids import question_id_for
-from shared.rubric import (
+from infra.simulator.from_benchmark import simulator_script_for, template_ground_truth
+from shared.core.benchmark.model import Benchmark
+from shared.core.benchmark.question import BenchmarkError
+from shared.core.ids import question_id_for
+from shared.core.rubric import (
     CallableTrait,
     LLMRubricTrait,
     MetricRubricTrait,
@@ -572,8 +574,8 @@ def test_rubric_merge_wire_and_names() -> None:
 
 
 def test_dynamic_traits_load_and_reach_the_job(tmp_path: Path) -> None:
-    from shared.config import ModelConfig, VerificationConfig
-    from shared.runner import plan_run
+    from shared.control.runner import plan_run
+    from shared.core.config import ModelConfig, VerificationConfig
 
     path = tmp_path / "dyn.yaml"
     path.write_text(

@@ -7,9 +7,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared import content, events, runner
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, VerificationConfig
+from shared.control import runner
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, VerificationConfig
+from shared.runtime import content
 from tests.integration.test_durability import generated_benchmark
 
 

@@ -7,34 +7,38 @@ import time
 
 import pytest
 
-from shared import cost, cost_budget, events
-from shared.config import ModelConfig, VerificationConfig
-from shared.events import ModelSpec
-from shared.fold import merge_usage
-from shared.llm import CACHE_SCOPE, LLMReply, MemoryCache, add_usage, usage_entry
-from shared.response_cache import CACHE_TTL, SHARED_SCOPE, ScopedCache, scope_for
+from shared.core import events
+from shared.core import usage as cost
+from shared.core.config import ModelConfig, VerificationConfig
+from shared.core.events import ModelSpec
+from shared.core.fold import merge_usage
+from shared.runtime import costcontrol as cost_budget
+from shared.runtime.llm import pricing
+from shared.runtime.llm.cache import CACHE_SCOPE, MemoryCache
+from shared.runtime.llm.reply import LLMReply, add_usage, usage_entry
+from shared.runtime.response_cache import CACHE_TTL, SHARED_SCOPE, ScopedCache, scope_for
 
 
 def test_prices_come_from_litellms_map() -> None:
     # claude-haiku-4-5: $1 / $5 per million tokens in litellm's shipped map
-    assert cost.call_cost(ModelSpec(model_name="anthropic/claude-haiku-4-5"), 1_000_000, 0) == pytest.approx(1.0)
-    assert cost.call_cost(ModelSpec(model_name="anthropic/claude-haiku-4-5"), 0, 1_000_000) == pytest.approx(5.0)
-    mini = cost.call_cost(ModelSpec(model_name="openai/gpt-4.1-mini"), 1000, 1000)
+    assert pricing.call_cost(ModelSpec(model_name="anthropic/claude-haiku-4-5"), 1_000_000, 0) == pytest.approx(1.0)
+    assert pricing.call_cost(ModelSpec(model_name="anthropic/claude-haiku-4-5"), 0, 1_000_000) == pytest.approx(5.0)
+    mini = pricing.call_cost(ModelSpec(model_name="openai/gpt-4.1-mini"), 1000, 1000)
     assert mini == pytest.approx(1000 * 0.4e-6 + 1000 * 1.6e-6)
 
 
 def test_a_provider_prefix_does_not_borrow_another_providers_price() -> None:
-    assert cost.prices_for(ModelSpec(model_name="openai/claude-haiku-4-5")) is None
-    assert cost.prices_for(ModelSpec(model_name="openai/qwen-private-7b")) is None
+    assert pricing.prices_for(ModelSpec(model_name="openai/claude-haiku-4-5")) is None
+    assert pricing.prices_for(ModelSpec(model_name="openai/qwen-private-7b")) is None
 
 
 def test_config_overrides_win_for_private_endpoints() -> None:
     spec = ModelConfig(model_name="openai/qwen-private-7b", api_base="http://gpu:8000/v1",
                        input_cost_per_million_tokens=0.2, output_cost_per_million_tokens=0.6).to_spec()
-    assert cost.call_cost(spec, 500_000, 100_000) == pytest.approx(0.1 + 0.06)
+    assert pricing.call_cost(spec, 500_000, 100_000) == pytest.approx(0.1 + 0.06)
     haiku = ModelConfig(model_name="anthropic/claude-haiku-4-5", input_cost_per_million_tokens=0.0,
                         output_cost_per_million_tokens=0.0).to_spec()
-    assert cost.call_cost(haiku, 1000, 1000) == 0.0
+    assert pricing.call_cost(haiku, 1000, 1000) == 0.0
 
 
 def test_negative_override_is_refused() -> None:
@@ -129,7 +133,7 @@ async def test_scoped_cache_routes_and_expires() -> None:
 
 
 def test_event_rows_carry_the_stage_cost() -> None:
-    from shared.store import EVENT_COLUMNS, event_row
+    from shared.store.rows import EVENT_COLUMNS, event_row
 
     ev = _job()
     ev.state.usage = {"parsing": {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10, "cost_usd": 0.125}}

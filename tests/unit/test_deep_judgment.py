@@ -19,13 +19,14 @@ import services.rubric.deep_judgment as rubric_dj
 from services.parsing.stage import parse_template
 from services.rubric.stage import evaluate_rubric
 from services.verification.stage import verify_template
-from shared import events, search
-from shared.fold import fold_result
-from shared.ids import template_id_for
-from shared.llm import LLMError, LLMReply, extract_json
-from shared.models import VerificationResultDeepJudgment, VerificationResultDeepJudgmentRubric
-from shared.rubric import LLMRubricTrait, RegexTrait, Rubric
-from shared.templates import validate_template
+from shared.core import events
+from shared.core.fold import fold_result
+from shared.core.ids import template_id_for
+from shared.core.models import VerificationResultDeepJudgment, VerificationResultDeepJudgmentRubric
+from shared.core.rubric import LLMRubricTrait, RegexTrait, Rubric
+from shared.runtime import search
+from shared.runtime.llm.reply import LLMError, LLMReply, extract_json
+from shared.templates.calls import validate_template
 
 # ---------------------------------------------------------------- test doubles and builders
 

@@ -11,11 +11,11 @@ import pytest
 
 from services.verification import embedding
 from services.verification.stage import verify_template
-from shared import events
-from shared.fold import fold_result
-from shared.ids import template_id_for
-from shared.llm import LLMError
-from shared.templates import validate_template
+from shared.core import events
+from shared.core.fold import fold_result
+from shared.core.ids import template_id_for
+from shared.runtime.llm.reply import LLMError
+from shared.templates.calls import validate_template
 from tests.unit.test_deep_judgment import Judge
 
 FUNCTION_TEMPLATE = '''

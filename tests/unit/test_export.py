@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from shared.export import FORMAT_VERSION, export_results, verification_config_of
-from shared.models import VerificationResult
-from shared.results import VerificationResultSet, iter_results_from_file
+from shared.analysis.export import FORMAT_VERSION, export_results, verification_config_of
+from shared.analysis.files import iter_results_from_file
+from shared.analysis.resultset import VerificationResultSet
+from shared.core.models import VerificationResult
 from tests.conftest import REFERENCE
 from tests.unit.test_results import grid_results, spec_results
 

@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from shared import events
-from shared.config import Settings
-from shared.models import (
+from shared.core import events
+from shared.core.config import Settings
+from shared.core.models import (
     ModelIdentity,
     VerificationResult,
     VerificationResultDeepJudgment,
@@ -20,7 +20,7 @@ from shared.models import (
     VerificationResultRubric,
     VerificationResultTemplate,
 )
-from shared.store import (
+from shared.store.rows import (
     EVENT_COLUMNS,
     RESULT_COLUMNS,
     RUN_COLUMNS,
@@ -223,7 +223,7 @@ def test_project_envelopes_folds_results_and_runs() -> None:
 
 
 def test_projector_batch_never_raises_on_bad_messages() -> None:
-    from services.projector.app import Projector
+    from shared.store.projection import Projector
 
     r = make_result()
     good = events.make_envelope(events.RESULT_FINALIZED, "run1", r.metadata.result_id,

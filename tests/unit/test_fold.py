@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from services.finalization.stage import try_finalize
-from shared import events
-from shared.fold import fold_result
-from shared.ids import compute_result_id
-from shared.models import VerificationResultMetadata
+from shared.core import events
+from shared.core.fold import fold_result
+from shared.core.ids import compute_result_id
+from shared.core.models import VerificationResultMetadata
 
 
 def make_job(mode: str = "template_only", **kw) -> events.Job:

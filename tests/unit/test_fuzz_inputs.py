@@ -19,8 +19,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from shared import cli, runner, stack
-from shared.benchmark import Benchmark, BenchmarkError
+from shared.cli import commands as cli
+from shared.control import runner, stack
+from shared.core.benchmark.model import Benchmark
+from shared.core.benchmark.question import BenchmarkError
 from tests.conftest import CHECKPOINTS, EXAMPLE
 
 # no .hypothesis/ folder in the repo (its caches go to the temp dir); database=None: every run
@@ -289,7 +291,7 @@ def _yaml_or_none(text: str) -> Any:
 
 
 def cli_config_fields() -> set[str]:
-    from shared.config import VerificationConfig
+    from shared.core.config import VerificationConfig
 
     return set(VerificationConfig.model_fields)
 

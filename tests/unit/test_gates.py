@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import report
-from shared.cli_analysis import add_run_options, apply_gates, validate_run_gates
-from shared.gates import (
+from shared.analysis import report
+from shared.analysis.gates import (
     EXIT_GATE_FAILED,
     EXIT_OK,
     Gate,
@@ -23,7 +22,8 @@ from shared.gates import (
     parse_gate,
     summary_criterion,
 )
-from shared.report import PassCriterion
+from shared.analysis.report import PassCriterion
+from shared.cli.analysis import add_run_options, apply_gates, validate_run_gates
 from tests.unit.test_results import grid_results, make, spec_results
 
 GRID_PASSED, GRID_ATTEMPTED, GRID_TOTAL = 23, 35, 36

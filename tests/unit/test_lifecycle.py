@@ -13,11 +13,13 @@ import msgspec
 import pytest
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from shared import events, lifecycle
-from shared.benchmark import Benchmark
-from shared.ids import compute_result_id
-from shared.runner import RunInputError
-from shared.service import StageService, stage_error
+from shared.control import lifecycle
+from shared.control.runner import RunInputError
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.ids import compute_result_id
+from shared.runtime import runcontrol
+from shared.runtime.harness import StageService, stage_error
 from tests.conftest import EXAMPLE
 
 # ------------------------------------------------------------------------------ fakes
@@ -121,7 +123,7 @@ def _run_requested(run_id: str = "run1", budget: int | None = None) -> events.En
 
 
 def _control(run_id: str = "run1", **kw: Any) -> events.Envelope:
-    return events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, lifecycle.RunControlPayload(**kw),
+    return events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, runcontrol.RunControlPayload(**kw),
                                 "test")
 
 
@@ -130,22 +132,22 @@ def _control(run_id: str = "run1", **kw: Any) -> events.Envelope:
 
 def test_chain_suffix_of_first_runs_and_resumed_runs() -> None:
     first = events.make_envelope(events.ANSWER_GENERATED, "run1", "r1", events.StageEvent(_job(), events.State()), "t")
-    assert lifecycle.chain_suffix(first) == ""
+    assert runcontrol.chain_suffix(first) == ""
     resumed = msgspec.structs.replace(first, event_id=first.event_id + ":resume-ab12")
-    assert lifecycle.chain_suffix(resumed) == "resume-ab12"
+    assert runcontrol.chain_suffix(resumed) == "resume-ab12"
     foreign = msgspec.structs.replace(first, event_id="republished-" + first.event_id)
-    assert lifecycle.chain_suffix(foreign) == ""
+    assert runcontrol.chain_suffix(foreign) == ""
     run_level = events.make_envelope(events.RUN_REQUESTED, "run1", events.RUN_KEY, _run_requested().payload, "t")
-    assert lifecycle.chain_suffix(run_level) == ""
+    assert runcontrol.chain_suffix(run_level) == ""
 
 
 def test_apply_suffix_marks_each_output_once() -> None:
     outs = [events.make_envelope(events.TEMPLATE_PARSED, "run1", "r1", {}, "t"),
             events.make_envelope(events.TEMPLATE_PARSED, "run1", "r2", {}, "t")]
-    lifecycle.apply_suffix("resume-1", outs)
-    lifecycle.apply_suffix("resume-1", outs)
+    runcontrol.apply_suffix("resume-1", outs)
+    runcontrol.apply_suffix("resume-1", outs)
     assert [o.event_id for o in outs] == ["r1:template.parsed:resume-1", "r2:template.parsed:resume-1"]
-    assert lifecycle.apply_suffix("", outs)[0].event_id == "r1:template.parsed:resume-1"
+    assert runcontrol.apply_suffix("", outs)[0].event_id == "r1:template.parsed:resume-1"
 
 
 # ------------------------------------------------------------------------------ token accounting
@@ -153,10 +155,10 @@ def test_apply_suffix_marks_each_output_once() -> None:
 
 def test_tokens_spent_is_the_growth_of_the_state_usage() -> None:
     ev_in = events.StageEvent(_job(), events.State(usage=_usage(("answer_generation", 30))))
-    before = lifecycle.tokens_before(ev_in)
+    before = runcontrol.tokens_before(ev_in)
     out_state = events.State(usage=_usage(("answer_generation", 30), ("parsing", 120)))
     out = events.make_envelope(events.TEMPLATE_PARSED, "run1", "r1", events.StageEvent(_job(), out_state), "t")
-    assert before == 30 and lifecycle.tokens_spent(before, [out]) == 120
+    assert before == 30 and runcontrol.tokens_spent(before, [out]) == 120
 
 
 def test_fan_out_answer_counts_once_and_other_events_not_at_all() -> None:
@@ -166,28 +168,28 @@ def test_fan_out_answer_counts_once_and_other_events_not_at_all() -> None:
     failed = events.make_envelope(events.STAGE_FAILED, "run1", "r1",
                                   events.StageFailed(error=stage_error("x", ValueError("boom"))), "t")
     req = events.AnswerRequested(jobs=[_job("r1"), _job("r2"), _job("r3")])
-    assert lifecycle.tokens_spent(lifecycle.tokens_before(req), [*outs, failed]) == 40
+    assert runcontrol.tokens_spent(runcontrol.tokens_before(req), [*outs, failed]) == 40
 
 
 def test_usage_tokens_ignores_the_total_entry_and_falls_back_to_in_plus_out() -> None:
     usage = {"parsing": {"input_tokens": 5, "output_tokens": 2}, "total": {"total_tokens": 999}}
-    assert lifecycle.usage_tokens(usage) == 7
-    assert lifecycle.usage_tokens(None) == 0
+    assert runcontrol.usage_tokens(usage) == 7
+    assert runcontrol.usage_tokens(None) == 0
 
 
 def test_budget_helpers_validate() -> None:
     run = events.RunRequested(run_id="r", timestamp="t", job_count=1, answer_count=1, config={"x": 1})
-    lifecycle.set_budget(run, 5000)
+    runcontrol.set_budget(run, 5000)
     assert run.config == {"x": 1, "budget_tokens": 5000}
-    lifecycle.set_budget(run, None)
+    runcontrol.set_budget(run, None)
     assert run.config["budget_tokens"] == 5000
     with pytest.raises(ValueError, match="positive"):
-        lifecycle.set_budget(run, 0)
+        runcontrol.set_budget(run, 0)
     data = {"budget_tokens": 100, "replicate_count": 2}
-    assert lifecycle.pop_budget(data) == 100 and data == {"replicate_count": 2}
+    assert runcontrol.pop_budget(data) == 100 and data == {"replicate_count": 2}
     for bad in (-1, "lots", True, 1.5):
         with pytest.raises(ValueError, match="budget_tokens"):
-            lifecycle.pop_budget({"budget_tokens": bad})
+            runcontrol.pop_budget({"budget_tokens": bad})
 
 
 # ------------------------------------------------------------------------------ the run-control gate
@@ -196,15 +198,15 @@ def test_budget_helpers_validate() -> None:
 async def test_gate_stops_a_cancelled_run_and_a_resume_lifts_it() -> None:
     js = FakeJS()
     js.put_event(_run_requested())
-    ctl = lifecycle.RunControl(lambda: js, ttl_s=60.0)
+    ctl = runcontrol.RunControl(lambda: js, ttl_s=60.0)
     assert await ctl.stop_reason("run1") is None
     js.put_event(_control(cancelled=True, reason="operator"))
     assert await ctl.stop_reason("run1") is None, "cached within the ttl"
     stop = await ctl.stop_reason("run1", published_at=time.time() + 1)  # a request newer than the cache
     assert stop is None, "a not-cancelled view read before a newer request is not re-read"
-    ctl2 = lifecycle.RunControl(lambda: js, ttl_s=60.0)
+    ctl2 = runcontrol.RunControl(lambda: js, ttl_s=60.0)
     stop = await ctl2.stop_reason("run1")
-    assert isinstance(stop, lifecycle.RunCancelled) and "cancelled" in str(stop) and "operator" in str(stop)
+    assert isinstance(stop, runcontrol.RunCancelled) and "cancelled" in str(stop) and "operator" in str(stop)
     js.put_event(_control(cancelled=False, reason="resumed"))
     gets = js.gets
     assert await ctl2.stop_reason("run1", published_at=time.time() - 3600) is not None, "old request: cache holds"
@@ -214,7 +216,7 @@ async def test_gate_stops_a_cancelled_run_and_a_resume_lifts_it() -> None:
 
 async def test_gate_fails_open_when_the_server_is_away() -> None:
     js = FakeJS(fail=True)
-    ctl = lifecycle.RunControl(lambda: js, ttl_s=0.0)
+    ctl = runcontrol.RunControl(lambda: js, ttl_s=0.0)
     assert await ctl.stop_reason("run1") is None
     assert await ctl.budget("run1") is None
 
@@ -222,8 +224,8 @@ async def test_gate_fails_open_when_the_server_is_away() -> None:
 async def test_budget_counter_is_shared_and_stops_dispatch() -> None:
     js = FakeJS(kv=FakeKV(conflicts=2))
     js.put_event(_run_requested(budget=100))
-    a = lifecycle.RunControl(lambda: js, usage_ttl_s=0.0)
-    b = lifecycle.RunControl(lambda: js, usage_ttl_s=0.0)
+    a = runcontrol.RunControl(lambda: js, usage_ttl_s=0.0)
+    b = runcontrol.RunControl(lambda: js, usage_ttl_s=0.0)
     assert await a.budget("run1") == 100
     a.record_usage("run1", 40)
     await a.flush()
@@ -233,18 +235,18 @@ async def test_budget_counter_is_shared_and_stops_dispatch() -> None:
     assert await a.stop_reason("run1") is None
     b.record_usage("run1", 28)  # not flushed yet: b sees it, a does not
     stop = await b.stop_reason("run1")
-    assert isinstance(stop, lifecycle.BudgetExhausted) and "100-token budget" in str(stop)
+    assert isinstance(stop, runcontrol.BudgetExhausted) and "100-token budget" in str(stop)
     assert await a.stop_reason("run1") is None
     await b.close()
-    assert isinstance(await a.stop_reason("run1"), lifecycle.BudgetExhausted)
+    assert isinstance(await a.stop_reason("run1"), runcontrol.BudgetExhausted)
 
 
 async def test_a_control_event_can_raise_the_budget() -> None:
     js = FakeJS()
     js.put_event(_run_requested(budget=10))
-    ctl = lifecycle.RunControl(lambda: js, ttl_s=0.0, usage_ttl_s=0.0)
+    ctl = runcontrol.RunControl(lambda: js, ttl_s=0.0, usage_ttl_s=0.0)
     ctl.record_usage("run1", 50)
-    assert isinstance(await ctl.stop_reason("run1"), lifecycle.BudgetExhausted)
+    assert isinstance(await ctl.stop_reason("run1"), runcontrol.BudgetExhausted)
     js.put_event(_control(cancelled=False, budget_tokens=1000))
     assert await ctl.stop_reason("run1") is None
     await ctl.close()
@@ -430,7 +432,7 @@ def test_event_loop_not_leaked() -> None:
 
     async def main() -> dict[str, int]:
         js = FakeJS()
-        ctl = lifecycle.RunControl(lambda: js, flush_s=0.01)
+        ctl = runcontrol.RunControl(lambda: js, flush_s=0.01)
         ctl.record_usage("run1", 5)
         await asyncio.sleep(0.05)
         await ctl.close()

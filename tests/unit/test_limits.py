@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from shared import limits
-from shared.events import ModelSpec
-from shared.limits import Holder, Lease, Limiter, MemoryLedgerStore, new_ledger
+from shared.core.events import ModelSpec
+from shared.runtime import limits
+from shared.runtime.limits import Holder, Lease, Limiter, MemoryLedgerStore, new_ledger
 from tests.support.limits import hammer as _hammer
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of the LLM port (shared/llm.py) and the simulator's pure parts (no server, no bus)."""
+"""Unit tests of the LLM port (shared/runtime/llm/) and the simulator's pure parts (no server, no bus)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from infra.simulator.server import Script, fill_schema, find_schema_in_text
-from shared import llm as llm_mod
-from shared.events import ModelSpec
-from shared.llm import (
-    LLMClient,
-    LLMError,
-    LLMReply,
-    MemoryCache,
-    add_usage,
-    cache_key,
-    extract_json,
-    usage_entry,
-)
+from infra.simulator.schema import fill_schema, find_schema_in_text
+from infra.simulator.script import Script
+from shared.core.events import ModelSpec
+from shared.runtime.llm import reply as llm_reply
+from shared.runtime.llm import transport as llm_transport
+from shared.runtime.llm.cache import MemoryCache, cache_key
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.reply import LLMError, LLMReply, add_usage, extract_json, usage_entry
 
 REF = Path("/work/shared/reference/karenina/llm_responses/claude-haiku-4-5")
 JUDGE_DIRS = ["template_parsing", "abstention", "rubric_evaluation"]
@@ -261,7 +256,7 @@ class FakeTransport:
     def __init__(self, outcomes: list[Any]) -> None:
         self.outcomes = list(outcomes)
         self.calls: list[dict[str, Any]] = []
-        self.real = llm_mod._get_litellm()
+        self.real = llm_transport._get_litellm()
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -287,13 +282,13 @@ class FakeTransport:
 def fake(monkeypatch: pytest.MonkeyPatch):
     def install(outcomes: list[Any]) -> FakeTransport:
         transport = FakeTransport(outcomes)
-        monkeypatch.setattr(llm_mod, "_get_litellm", lambda: transport)
+        monkeypatch.setattr(llm_transport, "_get_litellm", lambda: transport)
         return transport
     return install
 
 
 def _exc(kind: str, headers: dict[str, str] | None = None, message: str = "boom") -> Exception:
-    litellm = llm_mod._get_litellm()
+    litellm = llm_transport._get_litellm()
     resp = httpx.Response(429 if kind == "rate" else 500, headers=headers or {},
                           request=httpx.Request("POST", "http://x/v1/chat/completions"))
     if kind == "rate":
@@ -449,11 +444,11 @@ def test_backoff_full_jitter_and_retry_after() -> None:
         assert all(0 <= d <= ceiling for d in delays)
         assert max(delays) > 0.7 * ceiling  # spread over the whole window, not a constant
     assert 2.0 <= client.backoff_delay(1, retry_after=2.0) <= 2.2
-    assert client.backoff_delay(1, retry_after=10_000) <= llm_mod.MAX_RETRY_AFTER_S * 1.1
+    assert client.backoff_delay(1, retry_after=10_000) <= llm_reply.MAX_RETRY_AFTER_S * 1.1
 
 
 def test_litellm_import_is_offline_and_lean() -> None:
-    litellm = llm_mod._get_litellm()
+    litellm = llm_transport._get_litellm()
     import os
 
     assert os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
@@ -473,7 +468,7 @@ def test_script_rejects_unknown_forced_errors() -> None:
 
 
 def test_transport_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shared.llm import transport_for
+    from shared.runtime.llm.transport import transport_for
 
     local = ModelSpec(model_name="openai/qwen", api_base="http://127.0.0.1:8000/v1")
     hosted = ModelSpec(model_name="anthropic/claude-haiku-4-5")
@@ -489,8 +484,8 @@ def test_transport_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_simulator_quotes_excerpts_from_the_response() -> None:
-    from infra.simulator.server import excerpt_reply
-    from shared import prompts
+    from infra.simulator.schema import excerpt_reply
+    from shared.core import prompts
 
     schema = prompts.excerpt_schema(["author", "year"], 3)
     msgs = prompts.deep_judgment_excerpt_messages(

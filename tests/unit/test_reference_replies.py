@@ -21,16 +21,16 @@ from typing import Any
 
 import pytest
 
-import shared.llm
 from services.guards.stage import check_guards
 from services.parsing.stage import parse_template
 from services.rubric.stage import evaluate_rubric
 from services.verification.stage import verify_template
-from shared import events
-from shared.ids import template_id_for
-from shared.llm import LLMClient
-from shared.rubric import LLMRubricTrait, Rubric
-from shared.templates import validate_template
+from shared.core import events
+from shared.core.ids import template_id_for
+from shared.core.rubric import LLMRubricTrait, Rubric
+from shared.runtime.llm import transport as llm_transport
+from shared.runtime.llm.client import LLMClient
+from shared.templates.calls import validate_template
 from tests.conftest import LLM_RESPONSES
 
 # ---------------------------------------------------------------- recorded files
@@ -57,7 +57,7 @@ def between(text: str, start: str, end: str) -> str:
 
 
 def oracle(reply: str) -> Any:
-    """The reply's JSON, parsed independently of shared.llm.extract_json."""
+    """The reply's JSON, parsed independently of shared.runtime.llm.reply.extract_json."""
     body = re.sub(r"^```(?:json)?\s*|\s*```$", "", reply.strip())
     return json.loads(body)
 
@@ -83,7 +83,7 @@ class FakeLitellm:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeLitellm:
     double = FakeLitellm()
-    monkeypatch.setattr(shared.llm, "_litellm", double)
+    monkeypatch.setattr(llm_transport, "_litellm", double)
     return double
 
 

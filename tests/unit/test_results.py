@@ -10,7 +10,12 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from shared.models import (
+from shared.analysis.aggregators import list_aggregators
+from shared.analysis.files import iter_results_from_file
+from shared.analysis.resultset import VerificationResultSet
+from shared.analysis.rubric_results import RubricResults
+from shared.analysis.template_results import TEMPLATE_COLUMNS, TemplateResults
+from shared.core.models import (
     ModelIdentity,
     VerificationResult,
     VerificationResultDeepJudgment,
@@ -18,14 +23,6 @@ from shared.models import (
     VerificationResultMetadata,
     VerificationResultRubric,
     VerificationResultTemplate,
-)
-from shared.results import (
-    TEMPLATE_COLUMNS,
-    RubricResults,
-    TemplateResults,
-    VerificationResultSet,
-    iter_results_from_file,
-    list_aggregators,
 )
 from tests.conftest import REFERENCE
 

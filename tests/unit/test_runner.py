@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.benchmark import Benchmark
-from shared.config import ModelConfig, VerificationConfig
-from shared.runner import RunInputError, plan_run
+from shared.control.runner import RunInputError, plan_run
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, VerificationConfig
 from tests.conftest import CHECKPOINTS, EXAMPLE
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.sandbox import Sandbox, get_sandbox
+from shared.templates.sandbox import Sandbox, get_sandbox
 
 TIMEOUT_S = 1.0
 MEMORY_MB = 256
@@ -183,8 +183,8 @@ async def test_karenina_alias_only_inside_workers(sandbox: Sandbox) -> None:
         code="from karenina.schemas.entities import BaseAnswer as A\n"
         "from karenina.schemas.domain import BaseAnswer as B\n"
         "from karenina.schemas import BaseAnswer as C\n"
-        "import shared.answer\n"
-        "result = A is B is C is shared.answer.BaseAnswer",
+        "import shared.templates.answer\n"
+        "result = A is B is C is shared.templates.answer.BaseAnswer",
     )
     assert reply == {"ok": True, "value": True}
     assert "karenina" not in sys.modules  # the service process is never touched

@@ -16,12 +16,12 @@ from services.guards.stage import check_guards, final_ai_message
 from services.parsing.stage import parse_template
 from services.rubric.stage import evaluate_rubric
 from services.verification.stage import verify_template
-from shared import events
-from shared.fold import fold_result
-from shared.ids import template_id_for
-from shared.llm import LLMError, LLMReply
-from shared.rubric import CallableTrait, LLMRubricTrait, MetricRubricTrait, RegexTrait, Rubric
-from shared.templates import validate_template
+from shared.core import events
+from shared.core.fold import fold_result
+from shared.core.ids import template_id_for
+from shared.core.rubric import CallableTrait, LLMRubricTrait, MetricRubricTrait, RegexTrait, Rubric
+from shared.runtime.llm.reply import LLMError, LLMReply
+from shared.templates.calls import validate_template
 
 TEMPLATE = '''
 from karenina.schemas.entities import BaseAnswer

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from shared.results import VerificationResultSet
-from shared.stats import (
+from shared.analysis.resultset import VerificationResultSet
+from shared.analysis.stats import (
     Proportion,
     binom_cdf,
     compare_models,

@@ -16,8 +16,7 @@ import cloudpickle
 import msgspec
 import pytest
 
-from shared.sandbox import Sandbox
-from shared.templates import (
+from shared.templates.calls import (
     CallableTraitError,
     TemplateInfo,
     VerifyOutcome,
@@ -27,6 +26,7 @@ from shared.templates import (
     run_verify,
     validate_template,
 )
+from shared.templates.sandbox import Sandbox
 
 CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "karenina" / "checkpoints"
 TIMEOUT_S = 1.5

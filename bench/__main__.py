@@ -1,0 +1,45 @@
+"""`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
+the real stack; `--backpressure` and `--analysis` select the other two benchmarks.
+
+The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
+module as a child process and passes its exit code through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench import analysis, backpressure, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    b = argparse.ArgumentParser(prog="veribus bench", description=__doc__)
+    b.add_argument("--questions", type=int, default=300)
+    b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0])
+    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
+    b.add_argument("--api-base", help="measure against this OpenAI-compatible server instead of the simulator")
+    b.add_argument("--bench-model", help="answering model at --api-base (default openai/bench-answerer)")
+    b.add_argument("--bench-judge", help="judge model at --api-base (default openai/bench-judge)")
+    b.add_argument("--backpressure", action="store_true",
+                   help="instead: queue --jobs jobs behind a slow model and report every service's RSS")
+    b.add_argument("--jobs", type=int, default=10_000, help="jobs for --backpressure")
+    b.add_argument("--hold-s", type=float, default=20.0, help="seconds to hold the queue for --backpressure")
+    b.add_argument("--analysis", action="store_true",
+                   help="instead: time summaries and a streamed export over a synthetic results table")
+    analysis.add_arguments(b)
+    return b
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.backpressure:
+        return backpressure.main(args)
+    if args.analysis:
+        return analysis.main(args)
+    return run.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

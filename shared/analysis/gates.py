@@ -1,0 +1,318 @@
+"""Quality gates (`spec/004`): pass/fail a run on a metric, for CI.
+
+A gate is `METRIC OP VALUE`, optionally with a per-sample pass criterion `pass OP VALUE`:
+
+    accuracy>=0.8                      share of attempted samples whose template verdict passed
+    avg_score>0.7                      mean 0..1 sample score over attempted samples
+    avg_score_total>=0.7               the same with errors scored 0
+    pass_rate>=0.9 pass>=0.5           share of attempted samples whose score passes the criterion
+    error_rate<=0.05                   errors / total  (also: errors, total, total_attempted)
+    clarity>=0.6                       mean 0..1 score of a rubric trait (with `pass ...`: share passing)
+    pass_rate:litellm:gpt-4o>=0.9      any metric, restricted to one answering model (display
+    accuracy:gpt-4o>=0.8               string or model name) after the first ':'
+
+OP is one of > >= < <= == (or gt gte lt lte eq); VALUE may be a percentage ("80%"). In a YAML
+run config, `gates:` is a list of such strings or of mappings {metric (or metric_key), op, value,
+pass_op, pass_value}; a letta-style single `gate:` mapping is read too.
+
+`evaluate_gates` returns a GateReport; exit codes: 0 all gates pass, 1 a gate failed (2 and 3
+stay the CLI's input and run errors). `write_junit` writes one testcase per gate and per sample.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.analysis.report import ACCURACY, DEFAULT_PASS, OP_SYMBOLS, OPS, PassCriterion, Sample, samples_of
+from shared.analysis.stats import model_matches
+from shared.core.models import VerificationResult
+
+EXIT_OK = 0
+EXIT_GATE_FAILED = 1
+
+_SYMBOL_OPS = {">=": "gte", "<=": "lte", ">": "gt", "<": "lt", "==": "eq", "=": "eq"}
+_OP_RE = r"(>=|<=|==|=|>|<|\bgte\b|\blte\b|\bgt\b|\blt\b|\beq\b)"
+_GATE_RE = re.compile(rf"^\s*(?P<metric>[^<>=\s].*?)\s*(?P<op>{_OP_RE})\s*(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?%?)\s*$")
+_PASS_RE = re.compile(rf"\s+pass\s*(?P<op>{_OP_RE})\s*(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?%?)\s*$")
+RUN_METRICS = ("accuracy", "avg_score", "avg_score_total", "pass_rate", "error_rate", "errors", "total",
+               "total_attempted")
+
+
+class GateError(ValueError):
+    """A gate that cannot be parsed (an input error: exit 2)."""
+
+
+def _op(op: str) -> str:
+    op = op.strip().lower()
+    op = _SYMBOL_OPS.get(op, op)
+    if op not in OPS:
+        raise GateError(f"unknown gate operator {op!r}: use gt, gte, lt, lte, eq (or > >= < <= ==)")
+    return op
+
+
+def _number(text: Any) -> float:
+    if isinstance(text, bool):
+        raise GateError(f"gate value must be a number, got {text!r}")
+    if isinstance(text, int | float):
+        return float(text)
+    s = str(text).strip()
+    try:
+        return float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+    except ValueError as exc:
+        raise GateError(f"gate value must be a number, got {text!r}") from exc
+
+
+@dataclass(frozen=True)
+class Gate:
+    metric: str
+    op: str
+    value: float
+    pass_op: str | None = None
+    pass_value: float | None = None
+    aggregate: str | None = None  # "avg_score" (mean) or "accuracy" (share passing), letta's `metric`
+
+    def __post_init__(self) -> None:
+        if not self.metric.strip():
+            raise GateError("gate metric must not be empty")
+        if self.op not in OPS:
+            raise GateError(f"unknown gate operator {self.op!r}")
+        if (self.pass_op is None) != (self.pass_value is None):
+            raise GateError(f"gate {self.metric!r}: pass_op and pass_value go together")
+        if self.pass_op is not None and self.pass_op not in OPS:
+            raise GateError(f"unknown pass operator {self.pass_op!r}")
+        if self.aggregate not in (None, "avg_score", "accuracy"):
+            raise GateError(f"gate {self.metric!r}: metric kind must be avg_score or accuracy, got {self.aggregate!r}")
+
+    @property
+    def criterion(self) -> PassCriterion | None:
+        if self.pass_op is None or self.pass_value is None:
+            return None
+        return PassCriterion(self.pass_op, self.pass_value)
+
+    def label(self) -> str:
+        text = f"{self.metric} {OP_SYMBOLS[self.op]} {self.value:g}"
+        if self.criterion is not None:
+            text += f", sample passes at score {OP_SYMBOLS[self.criterion.op]} {self.criterion.value:g}"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def parse_gate(text: str) -> Gate:
+    """`"accuracy>=0.8"`, `"clarity >= 0.6 pass >= 0.75"`, `"pass_rate:litellm:gpt-4o > 90%"`."""
+    s = str(text)
+    pass_op = pass_value = None
+    m = _PASS_RE.search(s)
+    if m:
+        pass_op, pass_value = _op(m.group("op")), _number(m.group("value"))
+        s = s[: m.start()]
+    g = _GATE_RE.match(s)
+    if not g:
+        raise GateError(f"cannot read gate {text!r}: expected METRIC OP VALUE, e.g. accuracy>=0.8")
+    return Gate(g.group("metric").strip(), _op(g.group("op")), _number(g.group("value")), pass_op, pass_value)
+
+
+def gate_from_mapping(d: Mapping[str, Any]) -> Gate:
+    key = d.get("metric_key")
+    kind = d.get("metric") if key else None
+    name = key or d.get("metric") or d.get("name")
+    if not name:
+        raise GateError(f"gate {dict(d)!r} has no metric (or metric_key)")
+    if "op" not in d or "value" not in d:
+        raise GateError(f"gate {name!r} needs op and value")
+    pass_op = _op(str(d["pass_op"])) if d.get("pass_op") is not None else None
+    pass_value = _number(d["pass_value"]) if d.get("pass_value") is not None else None
+    return Gate(str(name), _op(str(d["op"])), _number(d["value"]), pass_op, pass_value,
+                str(kind) if kind is not None else None)
+
+
+def gates_from_config(data: Mapping[str, Any] | None) -> list[Gate]:
+    """The `gates:` list (strings or mappings) and/or a single `gate:` mapping of a run config."""
+    if not data:
+        return []
+    out: list[Gate] = []
+    items = data.get("gates")
+    if items is not None and not isinstance(items, list):
+        raise GateError("gates: expected a list of gates")
+    for i, item in enumerate(items or []):
+        if isinstance(item, str):
+            out.append(parse_gate(item))
+        elif isinstance(item, Mapping):
+            out.append(gate_from_mapping(item))
+        else:
+            raise GateError(f"gates[{i}]: expected a string or a mapping, got {type(item).__name__}")
+    single = data.get("gate")
+    if isinstance(single, Mapping):
+        out.append(gate_from_mapping(single))
+    elif single is not None:
+        raise GateError("gate: expected a mapping {metric_key, op, value}")
+    return out
+
+
+def parse_gates(texts: Iterable[str] | None) -> list[Gate]:
+    return [parse_gate(t) for t in texts or []]
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GateOutcome:
+    gate: Gate
+    actual: float | None
+    passed: bool
+    samples: int
+    detail: str = ""
+
+    @property
+    def line(self) -> str:
+        state = "PASSED" if self.passed else "FAILED"
+        actual = "no data" if self.actual is None else f"actual {self.actual:.4g}"
+        extra = f"; {self.detail}" if self.detail else ""
+        return f"Gate ({self.gate.label()}): {state} ({actual}, {self.samples} samples{extra})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"gate": self.gate.as_dict(), "label": self.gate.label(), "actual": self.actual,
+                "passed": self.passed, "samples": self.samples, "detail": self.detail}
+
+
+@dataclass
+class GateReport:
+    passed: bool
+    outcomes: list[GateOutcome] = field(default_factory=list)
+
+    @property
+    def lines(self) -> list[str]:
+        return [o.line for o in self.outcomes]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.passed else EXIT_GATE_FAILED
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "outcomes": [o.as_dict() for o in self.outcomes]}
+
+
+def _split_model(metric: str, known: set[str]) -> tuple[str, str | None]:
+    """`accuracy:litellm:gpt-4o` -> ("accuracy", "litellm:gpt-4o"); a known name is kept whole."""
+    if metric in known or metric in RUN_METRICS or ":" not in metric:
+        return metric, None
+    base, model = metric.split(":", 1)
+    return base, model
+
+
+def _evaluate(gate: Gate, samples: Sequence[Sample]) -> GateOutcome:
+    known = {n for s in samples for n in s.metrics}
+    base, model = _split_model(gate.metric, known)
+    if model is not None:
+        samples = [s for s in samples if model_matches(s.model, s.result.metadata.answering.model_name, model)]
+        if not samples:
+            return GateOutcome(gate, None, False, 0, f"no results for model {model!r}")
+    attempted = [s for s in samples if s.attempted]
+    crit = gate.criterion
+    actual: float | None
+    n = len(attempted)
+    if base == "avg_score":
+        actual = sum(s.score for s in attempted) / n if n else None
+    elif base == "avg_score_total":
+        n = len(samples)
+        actual = sum(s.score for s in attempted) / n if n else None
+    elif base == "pass_rate":
+        c = crit or DEFAULT_PASS
+        actual = sum(1 for s in attempted if c(s.score)) / n if n else None
+    elif base in ("error_rate", "errors", "total", "total_attempted"):
+        total = len(samples)
+        actual = {"error_rate": (total - n) / total if total else None, "errors": float(total - n),
+                  "total": float(total), "total_attempted": float(n)}[base]
+        n = total
+    else:
+        vals = [s.metrics[base] for s in attempted if base in s.metrics]
+        n = len(vals)
+        if not vals:
+            return GateOutcome(gate, None, False, 0, f"no attempted sample has metric {base!r}")
+        if crit is not None or gate.aggregate == "accuracy" or base == ACCURACY:
+            c = crit or DEFAULT_PASS
+            actual = sum(1 for v in vals if c(v)) / n
+        else:
+            actual = sum(vals) / n
+    if actual is None:
+        return GateOutcome(gate, None, False, n, "no samples")
+    return GateOutcome(gate, actual, OPS[gate.op](actual, gate.value), n)
+
+
+def evaluate_gates(
+    results: Iterable[VerificationResult] | Sequence[Sample], gates: Sequence[Gate],
+    trait_ranges: Mapping[str, tuple[float, float]] | None = None,
+) -> GateReport:
+    """Evaluate every gate; the report passes when all do (and trivially with no gates)."""
+    items = list(results)
+    samples = items if items and isinstance(items[0], Sample) else samples_of(items, trait_ranges)  # type: ignore[arg-type]
+    outcomes = [_evaluate(g, samples) for g in gates]  # type: ignore[arg-type]
+    return GateReport(all(o.passed for o in outcomes), outcomes)
+
+
+def summary_criterion(gates: Sequence[Gate]) -> tuple[PassCriterion, dict[str, PassCriterion]]:
+    """The per-sample pass rule for `passed_attempts` (the first gate's: its pass_op/pass_value,
+    or `score >= value` for an avg_score gate, else score >= 1.0) and per-metric rules."""
+    overall = DEFAULT_PASS
+    if gates:
+        g = gates[0]
+        if g.criterion is not None:
+            overall = g.criterion
+        elif g.metric.split(":", 1)[0] in ("avg_score", "avg_score_total") or g.aggregate == "avg_score":
+            overall = PassCriterion("gte", g.value)
+    per_metric = {g.metric: g.criterion for g in gates if g.criterion is not None}
+    return overall, per_metric  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# JUnit XML
+# --------------------------------------------------------------------------------------------
+
+
+def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None = None,
+              criterion: PassCriterion = DEFAULT_PASS, suite: str = "veribus",
+              trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> str:
+    """JUnit XML: a `gates` testsuite (one testcase per gate) and a `samples` testsuite (one
+    testcase per result: failure when its score misses the criterion, error when it errored)."""
+    root = ET.Element("testsuites", name=suite)
+    gs = ET.SubElement(root, "testsuite", name=f"{suite}.gates", tests=str(len(report.outcomes)),
+                       failures=str(sum(1 for o in report.outcomes if not o.passed)), errors="0")
+    for o in report.outcomes:
+        tc = ET.SubElement(gs, "testcase", classname=f"{suite}.gates", name=o.gate.label())
+        if not o.passed:
+            ET.SubElement(tc, "failure", message=o.line, type="GateFailed").text = o.line
+    samples = samples_of(list(results or []), trait_ranges)
+    fails = sum(1 for s in samples if s.attempted and not criterion(s.score))
+    errs = sum(1 for s in samples if not s.attempted)
+    ss = ET.SubElement(root, "testsuite", name=f"{suite}.samples", tests=str(len(samples)),
+                       failures=str(fails), errors=str(errs))
+    for s in samples:
+        m = s.result.metadata
+        rep = f" r{m.replicate}" if m.replicate is not None else ""
+        tc = ET.SubElement(ss, "testcase", classname=f"{suite}.samples.{m.answering_model}",
+                           name=f"{m.question_id} [{m.parsing_model}{rep}]", time=f"{m.execution_time or 0.0:.3f}")
+        if not s.attempted:
+            ET.SubElement(tc, "error", message=str(m.error or "error"), type="ResultError").text = str(m.error or "")
+        elif not criterion(s.score):
+            msg = f"score {s.score:.3g} fails {OP_SYMBOLS[criterion.op]} {criterion.value:g}"
+            ET.SubElement(tc, "failure", message=msg, type="SampleFailed").text = msg
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def write_junit(path: str | Path, report: GateReport, results: Iterable[VerificationResult] | None = None,
+                criterion: PassCriterion = DEFAULT_PASS,
+                trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(junit_xml(report, results, criterion, trait_ranges=trait_ranges), encoding="utf-8")
+    return p

@@ -1,0 +1,458 @@
+"""Report outputs (`spec/004`): per-sample grades, the run summary, the console block, and the
+files in `--output DIR` (header.json, summary.json, results.jsonl; run_N/ + aggregate_stats.json
+for several runs).
+
+Scores are 0..1 per sample and per metric:
+
+- `accuracy`: 1.0 when the template's `verify()` passed, 0.0 when it failed;
+- one metric per rubric trait: booleans 1/0, score traits scaled by their range (the trait's
+  min/max when known, 1..5 otherwise), metric traits by their f1 (else the mean of their
+  metrics); literal (class) traits are labels, not scores, and are left out;
+- the sample's own score is its accuracy, or in rubric_only mode the mean of its traits.
+
+A result that did not complete without errors counts in `total`, not in `total_attempted`, and
+scores 0.0 in `avg_score_total` (and in results.jsonl, with the error as the rationale). A sample
+passes a metric when its score satisfies the pass criterion: `score >= 1.0` by default, or a
+gate's `pass_op`/`pass_value` for the gate's metric.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from shared.analysis.export import veribus_version
+from shared.analysis.stats import Proportion, describe
+from shared.core.models import VerificationResult
+from shared.core.usage import run_usage, usage_lines
+
+ACCURACY = "accuracy"
+DEFAULT_SCORE_RANGE = (1.0, 5.0)
+OPS: dict[str, Callable[[float, float], bool]] = {
+    "gt": operator.gt, "gte": operator.ge, "lt": operator.lt, "lte": operator.le, "eq": operator.eq,
+}
+OP_SYMBOLS = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<=", "eq": "=="}
+
+
+@dataclass(frozen=True)
+class PassCriterion:
+    """Per-sample pass rule for one metric: `score <op> value`."""
+
+    op: str = "gte"
+    value: float = 1.0
+
+    def __call__(self, score: float) -> bool:
+        return OPS[self.op](score, self.value)
+
+
+DEFAULT_PASS = PassCriterion()
+
+
+# --------------------------------------------------------------------------------------------
+# Per-sample scores
+# --------------------------------------------------------------------------------------------
+
+
+def trait_ranges_from_rubric(rubric: Mapping[str, Any] | None) -> dict[str, tuple[float, float]]:
+    """{trait: (min, max)} for score traits of a rubric definition (reference `Rubric` shape or
+    our wire shape {"traits": [...]})."""
+    out: dict[str, tuple[float, float]] = {}
+    if not rubric:
+        return out
+    traits: list[Any] = list(rubric.get("traits") or [])
+    for key in ("llm_traits", "callable_traits"):
+        traits += list(rubric.get(key) or [])
+    for t in traits:
+        if not isinstance(t, dict):
+            continue
+        lo, hi = t.get("min_score"), t.get("max_score")
+        if t.get("kind") == "score" and isinstance(lo, int | float) and isinstance(hi, int | float) and hi > lo:
+            out[str(t["name"])] = (float(lo), float(hi))
+    return out
+
+
+def trait_score(value: Any, rng: tuple[float, float] | None = None) -> float | None:
+    """One trait value -> 0..1 (None when it is not a score: a label, a list, a string)."""
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if isinstance(value, int | float):
+        if math.isnan(float(value)):
+            return None
+        lo, hi = rng or DEFAULT_SCORE_RANGE
+        if hi <= lo:
+            return None
+        return max(0.0, min(1.0, (float(value) - lo) / (hi - lo)))
+    if isinstance(value, dict):
+        if isinstance(value.get("f1"), int | float):
+            return max(0.0, min(1.0, float(value["f1"])))
+        ms = [float(value[k]) for k in ("precision", "recall", "specificity", "accuracy")
+              if isinstance(value.get(k), int | float)]
+        return sum(ms) / len(ms) if ms else None
+    return None
+
+
+def metric_scores(r: VerificationResult, trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> dict[str, float]:
+    """{metric: 0..1 score} of one result: accuracy and every scoring rubric trait."""
+    out: dict[str, float] = {}
+    t = r.template
+    if t is not None and t.verify_result is not None:
+        out[ACCURACY] = 1.0 if t.verify_result else 0.0
+    rub = r.rubric
+    if rub is not None:
+        labels = rub.llm_trait_labels or {}
+        ranges = trait_ranges or {}
+        for scores in (rub.llm_trait_scores, rub.regex_trait_scores, rub.callable_trait_scores,
+                       rub.metric_trait_scores):
+            for name, value in (scores or {}).items():
+                if name in labels:
+                    continue
+                s = trait_score(value, ranges.get(name))
+                if s is not None:
+                    out[name] = s
+    return out
+
+
+def score_of(r: VerificationResult, trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> float | None:
+    """0..1 score of one result, or None when it was not attempted (an error)."""
+    if not r.metadata.completed_without_errors:
+        return None
+    ms = metric_scores(r, trait_ranges)
+    if ACCURACY in ms:
+        return ms[ACCURACY]
+    traits = [v for k, v in ms.items() if k != ACCURACY]
+    return sum(traits) / len(traits) if traits else 0.0
+
+
+@dataclass
+class Sample:
+    """One result as the report sees it."""
+
+    result: VerificationResult
+    attempted: bool
+    score: float  # 0.0 for errors
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return self.result.metadata.answering_model
+
+
+def samples_of(results: Iterable[VerificationResult],
+               trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> list[Sample]:
+    out = []
+    for r in results:
+        s = score_of(r, trait_ranges)
+        out.append(Sample(r, s is not None, s if s is not None else 0.0,
+                          metric_scores(r, trait_ranges) if s is not None else {}))
+    return out
+
+
+def rationale_of(r: VerificationResult) -> str:
+    if not r.metadata.completed_without_errors:
+        return f"Error: {r.metadata.error}"
+    t = r.template
+    if t is None:
+        return "rubric only: mean of the rubric trait scores"
+    for flag, why in (
+        (t.abstention_override_applied, "abstention detected"),
+        (t.sufficiency_override_applied, "response insufficient"),
+        (t.recursion_limit_reached, "recursion limit reached"),
+        (t.embedding_override_applied, "embedding check judged the answer equivalent"),
+    ):
+        if flag:
+            return why
+    if t.field_verification_error:
+        return f"verify() raised: {t.field_verification_error}"
+    return f"verify() -> {t.verify_result}; parsed {t.parsed_llm_response} vs expected {t.parsed_gt_response}"
+
+
+def _trajectory(r: VerificationResult) -> list[list[dict[str, Any]]]:
+    t = r.template
+    if t is not None and t.trace_messages:
+        return [list(t.trace_messages)]
+    answer = t.raw_llm_response if t is not None else (r.evaluation_input or "")
+    return [[{"role": "user", "content": r.metadata.question_text}, {"role": "assistant", "content": answer}]]
+
+
+def _error_type(r: VerificationResult) -> str | None:
+    failure = r.metadata.failure or {}
+    if failure.get("category"):
+        return str(failure["category"])
+    err = r.metadata.error or ""
+    head = err.split(":", 2)
+    return head[1].strip() if len(head) > 2 else None
+
+
+def result_line(r: VerificationResult, trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+    """One results.jsonl line: sample, submission, grade, grades per metric, trajectory,
+    model_name, usage (`spec/004`), plus the full result."""
+    m = r.metadata
+    ok = m.completed_without_errors
+    score = score_of(r, trait_ranges)
+    usage = (r.template.usage_metadata if r.template else None) or {}
+    grade: dict[str, Any] = {"score": score if score is not None else 0.0, "rationale": rationale_of(r),
+                             "metadata": {"model": m.parsing_model, "usage": usage.get("parsing")}}
+    if not ok:
+        grade["metadata"].update(error=m.error, error_type=_error_type(r))
+    grades: dict[str, Any] = {}
+    if ok:
+        raw = r.rubric.get_all_trait_scores() if r.rubric else {}
+        for name, s in metric_scores(r, trait_ranges).items():
+            g: dict[str, Any] = {"score": s, "rationale": rationale_of(r) if name == ACCURACY else "rubric trait"}
+            if name != ACCURACY:
+                g["value"] = raw.get(name)
+            grades[name] = g
+    return {
+        "sample": {"id": m.question_id, "input": m.question_text, "ground_truth": m.raw_answer,
+                   "metadata": {"replicate": m.replicate, "keywords": m.keywords, "result_id": m.result_id,
+                                "run_name": m.run_name}},
+        "submission": (r.template.raw_llm_response if r.template else r.evaluation_input) or "",
+        "grade": grade,
+        "grades": grades,
+        "trajectory": _trajectory(r),
+        "agent_id": None,
+        "model_name": m.answering_model,
+        "judge_name": m.parsing_model,
+        "usage": usage,
+        "agent_usage": [usage["answer_generation"]] if isinstance(usage.get("answer_generation"), dict) else [],
+        "result": r.model_dump(mode="json"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+
+def _rate(num: float, den: int, pct: bool = False, nd: int = 4) -> float:
+    if not den:
+        return 0.0
+    return round((100.0 if pct else 1.0) * num / den, 2 if pct else nd)
+
+
+def metric_summary(samples: Sequence[Sample], name: str, criterion: PassCriterion = DEFAULT_PASS) -> dict[str, Any]:
+    """avg scores, pass rate (%) with its Wilson interval, passed/failed attempts for one metric,
+    over the attempted samples that have it."""
+    vals = [s.metrics[name] for s in samples if s.attempted and name in s.metrics]
+    passed = sum(1 for v in vals if criterion(v))
+    p = Proportion.of(passed, len(vals))
+    return {
+        "samples": len(vals),
+        "avg_score_attempted": round(sum(vals) / len(vals), 4) if vals else 0.0,
+        "avg_score_total": round(sum(vals) / len(samples), 4) if samples else 0.0,
+        "pass_rate": _rate(passed, len(vals), pct=True),
+        "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
+        "passed_attempts": passed,
+        "failed_attempts": len(vals) - passed,
+    }
+
+
+def summarize(
+    results: Sequence[VerificationResult], unfinished_skipped: int = 0, *,
+    trait_ranges: Mapping[str, tuple[float, float]] | None = None,
+    criterion: PassCriterion = DEFAULT_PASS, criteria: Mapping[str, PassCriterion] | None = None,
+) -> dict[str, Any]:
+    """Run metrics (`spec/004` summary `metrics`): totals, attempted, average scores, passed and
+    failed attempts (per-sample `criterion` on the sample score), by_metric, per_model, and the
+    Wilson interval of every pass rate. `criteria` overrides the pass rule per metric."""
+    samples = samples_of(results, trait_ranges)
+    total = len(samples)
+    attempted = [s for s in samples if s.attempted]
+    scores = [s.score for s in attempted]
+    passed = sum(1 for v in scores if criterion(v))
+    p = Proportion.of(passed, len(attempted))
+    names = sorted({n for s in attempted for n in s.metrics}, key=lambda n: (n != ACCURACY, n))
+    crit = dict(criteria or {})
+    per_model: list[dict[str, Any]] = []
+    by_model: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_model[s.model].append(s)
+    for model, ss in sorted(by_model.items()):
+        att = [s for s in ss if s.attempted]
+        mp = sum(1 for s in att if criterion(s.score))
+        pp = Proportion.of(mp, len(att))
+        per_model.append({
+            "model_name": model,
+            "total": len(ss),
+            "total_attempted": len(att),
+            "avg_score_attempted": round(sum(s.score for s in att) / len(att), 4) if att else 0.0,
+            "avg_score_total": round(sum(s.score for s in att) / len(ss), 4) if ss else 0.0,
+            "passed_samples": mp,
+            "failed_samples": len(att) - mp,
+            "errors": len(ss) - len(att),
+            "pass_rate": _rate(mp, len(att), pct=True) if att else None,
+            "pass_rate_ci95": [round(100 * pp.ci_low, 2), round(100 * pp.ci_high, 2)],
+        })
+    return {
+        "total": total,
+        "total_attempted": len(attempted),
+        "avg_score_attempted": round(sum(scores) / len(scores), 4) if scores else 0.0,
+        "avg_score_total": round(sum(scores) / total, 4) if total else 0.0,
+        "passed_attempts": passed,
+        "failed_attempts": len(attempted) - passed,
+        "pass_rate": _rate(passed, len(attempted), pct=True),
+        "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
+        "errors": total - len(attempted),
+        "unfinished_questions_skipped": unfinished_skipped,
+        "by_metric": {n: metric_summary(samples, n, crit.get(n, DEFAULT_PASS)) for n in names},
+        "per_model": per_model,
+        "usage": run_usage(results),  # model calls, cached replies, cost in USD (shared.core.usage)
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Console
+# --------------------------------------------------------------------------------------------
+
+
+def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), simulated: bool = False) -> str:
+    """The console results block of `spec/004`: totals, attempted, avg score, passed, gate
+    line(s), then one line per model."""
+    s = summary
+    pct = 100.0 * s["passed_attempts"] / s["total_attempted"] if s["total_attempted"] else 0.0
+    lines = ["Results:" + ("  (SIMULATED LLM)" if simulated else ""),
+             f"  Total samples: {s['total']}",
+             f"  Attempted: {s['total_attempted']}",
+             f"  Avg score: {s['avg_score_total']:.2f} (attempted: {s['avg_score_attempted']:.2f})",
+             f"  Passed: {s['passed_attempts']} ({pct:.1f}%)"]
+    if s.get("errors"):
+        lines.append(f"  Errors: {s['errors']}")
+    if s.get("unfinished_questions_skipped"):
+        lines.append(f"  Unfinished questions skipped: {s['unfinished_questions_skipped']}")
+    if s.get("dead_lettered"):
+        lines.append(f"  Dead-lettered jobs: {s['dead_lettered']}")
+    if isinstance(s.get("usage"), Mapping):  # model calls, cached replies, cost (shared.core.usage)
+        lines.extend(usage_lines(s["usage"]))
+    if gate_lines:
+        lines.append("")
+        lines.extend(gate_lines)
+    models = s.get("per_model") or []
+    if models:
+        width = max(len(m["model_name"]) for m in models)
+        lines.append("")
+        lines.append("Results by model:")
+        for m in models:
+            rate = f"{m['pass_rate']:.1f}%" if m.get("pass_rate") is not None else "n/a"
+            lo, hi = m.get("pass_rate_ci95") or (0.0, 100.0)
+            extra = f", {m['errors']} error(s)" if m.get("errors") else ""
+            lines.append(f"  {m['model_name']:<{width}}  - Avg: {m['avg_score_attempted']:.2f}, Pass: {rate} "
+                         f"(95% CI {lo:.1f}-{hi:.1f}%){extra}")
+    return "\n".join(lines)
+
+
+def print_results(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), *, simulated: bool = False,
+                  run_id: str | None = None, file: TextIO | None = None) -> None:
+    """Print the results block (and, with `run_id`, how to query the rows)."""
+    out = file or sys.stdout
+    print(file=out)
+    print(results_block(summary, gate_lines, simulated), file=out)
+    if run_id:
+        print(f"\nrun id: {run_id}  -  rows: veribus query \"SELECT * FROM verification_results FINAL "
+              f"WHERE run_id = '{run_id}'\"", file=out)
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+
+
+def _sorted(results: Iterable[VerificationResult]) -> list[VerificationResult]:
+    return sorted(results, key=lambda r: (r.metadata.question_id, r.metadata.answering_model,
+                                          r.metadata.parsing_model, r.metadata.replicate or 0))
+
+
+def write_outputs(
+    out_dir: Path, suite: str, run_id: str, results: Sequence[VerificationResult], summary: dict[str, Any],
+    config: dict[str, Any], simulated: bool, *, gates: Sequence[Mapping[str, Any]] | None = None,
+    trait_ranges: Mapping[str, tuple[float, float]] | None = None,
+) -> None:
+    """header.json, summary.json and results.jsonl in `out_dir` (`spec/004`)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = {"suite_name": suite, "run_id": run_id, "timestamp": datetime.now(UTC).isoformat(),
+              "version": veribus_version(), "simulated": simulated}
+    (out_dir / "header.json").write_text(json.dumps(header, indent=2))
+    body = {"suite": suite, "run_id": run_id, "simulated": simulated,
+            "config": {**config, "gates": list(gates or summary.get("gates") or [])},
+            "metrics": summary, "gates_passed": bool(summary.get("gates_passed", True))}
+    (out_dir / "summary.json").write_text(json.dumps(body, indent=2, default=str))
+    with (out_dir / "results.jsonl").open("w", encoding="utf-8") as fh:
+        for r in _sorted(results):
+            fh.write(json.dumps(result_line(r, trait_ranges), default=str, ensure_ascii=False) + "\n")
+
+
+def aggregate_stats(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """aggregate_stats.json over several runs' summaries (`spec/004`): runs passed/failed (by
+    their gates), and mean, std, min, max and a 95% interval of each score and pass rate."""
+    n = len(summaries)
+    passed = sum(1 for s in summaries if s.get("gates_passed", True))
+
+    def stat(values: Iterable[Any]) -> dict[str, Any]:
+        d = describe([v for v in values if v is not None])
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in d.items()}
+
+    metrics = sorted({m for s in summaries for m in (s.get("by_metric") or {})}, key=lambda m: (m != ACCURACY, m))
+    models = sorted({m["model_name"] for s in summaries for m in (s.get("per_model") or [])})
+    return {
+        "num_runs": n,
+        "runs_passed": passed,
+        "runs_failed": n - passed,
+        "pass_rate": round(100.0 * passed / n, 2) if n else 0.0,
+        "avg_score_attempted": stat(s.get("avg_score_attempted") for s in summaries),
+        "avg_score_total": stat(s.get("avg_score_total") for s in summaries),
+        "sample_pass_rate": stat(s.get("pass_rate") for s in summaries),
+        "per_metric": {
+            m: {
+                "avg_score_attempted": stat((s.get("by_metric") or {}).get(m, {}).get("avg_score_attempted")
+                                            for s in summaries if m in (s.get("by_metric") or {})),
+                "pass_rate": stat((s.get("by_metric") or {}).get(m, {}).get("pass_rate")
+                                  for s in summaries if m in (s.get("by_metric") or {})),
+            } for m in metrics
+        },
+        "per_model": {
+            model: {
+                "avg_score_attempted": stat(pm["avg_score_attempted"] for s in summaries
+                                            for pm in (s.get("per_model") or []) if pm["model_name"] == model),
+                "pass_rate": stat(pm["pass_rate"] for s in summaries
+                                  for pm in (s.get("per_model") or []) if pm["model_name"] == model),
+            } for model in models
+        },
+    }
+
+
+def write_multi_run(
+    out_dir: Path, runs: Sequence[tuple[Sequence[VerificationResult], dict[str, Any]]], *,
+    suite: str = "", run_ids: Sequence[str] | None = None, config: dict[str, Any] | None = None,
+    simulated: bool = False, trait_ranges: Mapping[str, tuple[float, float]] | None = None,
+) -> dict[str, Any]:
+    """`--num-runs N`: run_1/ ... run_N/ (each a full header/summary/results set) and
+    aggregate_stats.json across them. Returns the aggregate stats."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, (results, summary) in enumerate(runs, 1):
+        rid = run_ids[i - 1] if run_ids and i - 1 < len(run_ids) else f"run_{i}"
+        write_outputs(out_dir / f"run_{i}", suite, rid, results, summary, dict(config or {}), simulated,
+                      trait_ranges=trait_ranges)
+    stats = aggregate_stats([s for _, s in runs])
+    if run_ids:
+        stats["run_ids"] = list(run_ids)
+    (out_dir / "aggregate_stats.json").write_text(json.dumps(stats, indent=2))
+    return stats
+
+
+def trait_ranges_from_benchmark(benchmark: Any) -> dict[str, tuple[float, float]]:
+    """{trait: (min, max)} of every score trait a benchmark's questions are rated with."""
+    out: dict[str, tuple[float, float]] = {}
+    for q in benchmark.finished_questions():
+        rubric = benchmark.rubric_for(q)
+        if rubric is not None:
+            out.update(trait_ranges_from_rubric(rubric.model_dump(mode="json")))
+    return out

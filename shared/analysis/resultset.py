@@ -1,0 +1,153 @@
+"""Result-set analysis API (`spec/000`-`spec/002` §7-10): the reference's names and shapes.
+
+`VerificationResultSet` holds `VerificationResult`s and hands out four views:
+
+- `TemplateResults` (`get_template_results()`): pass/fail, parsed fields, regex, usage;
+- `RubricResults` (`get_rubrics_results()`): trait scores by type, aggregation;
+- `JudgmentResults` (`get_judgment_results()`): deep-judgment excerpts, reasoning, risk;
+- `RubricJudgmentResults` (`get_rubric_judgments_results()`): one row per trait per excerpt.
+
+Each view converts to pandas DataFrames whose rows are the finest unit of that view, and
+aggregates with named strategies (`mean`, `median`, `mode`, `majority_vote`, `first`, `count`,
+plus any registered with `register_aggregator`).
+
+Loading: `VerificationResultSet.from_store(settings, run_id=...)` reads `verification_results
+FINAL` (the `result_json` column, keyset-paged) from the running projector over NATS, from a
+ClickHouse server, or from the embedded chdb folder when no stack runs; `from_file(path)` reads
+our JSON export, the reference's export (format 2.2), JSONL, or a `results.jsonl` report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.analysis.aggregators import AggregatorRegistry
+from shared.analysis.export import flat_columns_for, flat_rows_from_results
+from shared.analysis.files import iter_results_from_file
+from shared.analysis.judgment_results import JudgmentResults, RubricJudgmentResults
+from shared.analysis.rubric_results import RubricResults
+from shared.analysis.stats import Proportion, compare_models, pass_at_k_report
+from shared.analysis.template_results import TemplateResults
+from shared.analysis.view import _View
+from shared.core.models import VerificationResult
+from shared.store.reads import ResultFilter, iter_result_json, open_source
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from shared.analysis.stats import PairedComparison, PassAtK
+    from shared.core.config import Settings
+
+class VerificationResultSet(_View):
+    """All results of one or more runs, with the views and loaders (`spec/002` §7)."""
+
+    def __init__(self, results: Iterable[VerificationResult] = (), *, run_ids: Sequence[str] = (),
+                 aggregators: AggregatorRegistry | None = None) -> None:
+        super().__init__(results, aggregators)
+        self.run_ids: list[str] = list(run_ids)
+
+    # ---- views ----
+    def get_template_results(self) -> TemplateResults:
+        return TemplateResults(self.results, self._aggregators)
+
+    def get_rubrics_results(self, include_deep_judgment: bool = False) -> RubricResults:
+        return RubricResults(self.results, self._aggregators, include_deep_judgment=include_deep_judgment)
+
+    def get_judgment_results(self) -> JudgmentResults:
+        return JudgmentResults(self.results, self._aggregators)
+
+    def get_rubric_judgments_results(self) -> RubricJudgmentResults:
+        return RubricJudgmentResults(self.results, self._aggregators)
+
+    # ---- filtering ----
+    def filter(
+        self, question_ids: Sequence[str] | None = None, answering_models: Sequence[str] | None = None,
+        parsing_models: Sequence[str] | None = None, replicates: Sequence[int | None] | None = None,
+        completed_only: bool = False, run_names: Sequence[str] | None = None, has_template: bool = False,
+        has_rubric: bool = False, has_judgment: bool = False,
+    ) -> VerificationResultSet:
+        """A new set with the results that match every given criterion. Model filters accept the
+        display string (`litellm:gpt-4o`) or the model name (`gpt-4o`)."""
+
+        def pred(r: VerificationResult) -> bool:
+            if has_template and not (r.template and r.template.template_verification_performed):
+                return False
+            if has_rubric and not (r.rubric and r.rubric.rubric_evaluation_performed):
+                return False
+            return not (has_judgment and not (r.deep_judgment and r.deep_judgment.deep_judgment_performed))
+
+        return self._new(self._filtered(question_ids, answering_models, parsing_models, replicates,
+                                        completed_only, run_names, pred))
+
+    # ---- summaries ----
+    def get_summary(self) -> dict[str, Any]:
+        """Counts across the set: results, completed, per section, distinct questions/models."""
+        rs = self.results
+        verdicts = [r.template.verify_result for r in rs if r.template and r.template.verify_result is not None]
+        passed = sum(1 for v in verdicts if v)
+        p = Proportion.of(passed, len(verdicts))
+        return {
+            "num_results": len(rs),
+            "num_completed": sum(1 for r in rs if r.metadata.completed_without_errors),
+            "num_errors": sum(1 for r in rs if not r.metadata.completed_without_errors),
+            "num_with_template": sum(1 for r in rs if r.template and r.template.template_verification_performed),
+            "num_with_rubric": sum(1 for r in rs if r.rubric and r.rubric.rubric_evaluation_performed),
+            "num_with_judgment": sum(1 for r in rs if r.deep_judgment and r.deep_judgment.deep_judgment_performed),
+            "num_questions": len({r.metadata.question_id for r in rs}),
+            "num_answering_models": len({r.metadata.answering_model for r in rs}),
+            "num_parsing_models": len({r.metadata.parsing_model for r in rs}),
+            "replicates": sorted({r.metadata.replicate for r in rs if r.metadata.replicate is not None}),
+            "num_verdicts": len(verdicts), "num_passed": passed, "pass_rate": p.rate,
+            "pass_rate_ci95": [p.ci_low, p.ci_high],
+            "total_execution_time": sum(r.metadata.execution_time or 0.0 for r in rs),
+        }
+
+    def pass_rates(self, by: str = "answering_model", confidence: float = 0.95) -> pd.DataFrame:
+        """Pass rate per group with Wilson intervals (see `TemplateResults.pass_rate_table`)."""
+        return self.get_template_results().pass_rate_table(by=by, confidence=confidence)
+
+    def pass_at_k(self, ks: Sequence[int] | None = None) -> PassAtK:
+        """pass@k and pass^k across replicates, with per-question flakiness."""
+        return pass_at_k_report(self.results, ks)
+
+    def compare(self, model_a: str, model_b: str, other: VerificationResultSet | None = None) -> PairedComparison:
+        """Paired comparison (exact McNemar, difference with a 95% interval) of two answering
+        models; `other` reads model B from a second result set."""
+        return compare_models(self.results, model_a, model_b, other.results if other is not None else None)
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """One flat row per result (the CSV export's columns)."""
+        import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
+
+
+        cols = flat_columns_for(self.results)
+        return pd.DataFrame(list(flat_rows_from_results(self.results, cols)), columns=cols)
+
+    # ---- loading ----
+    @classmethod
+    def from_file(cls, path: str | Path) -> VerificationResultSet:
+        """Read our JSON export, the reference export (format 2.2), JSONL (one result per line), or a
+        report `results.jsonl` (the `result` of each line)."""
+        return cls(iter_results_from_file(path))
+
+    @classmethod
+    def from_store(
+        cls, settings: Settings, run_id: str | None = None, run_name: str | None = None, *,
+        question_ids: Sequence[str] | None = None, answering_models: Sequence[str] | None = None,
+        parsing_models: Sequence[str] | None = None, replicates: Sequence[int] | None = None,
+        completed_only: bool = False, limit: int | None = None, page_size: int = 500,
+    ) -> VerificationResultSet:
+        """Load results from ClickHouse (`verification_results FINAL`), wherever it is: the running
+        projector over NATS, a ClickHouse server, or the embedded chdb folder."""
+        where = ResultFilter(run_id=run_id, run_name=run_name, question_ids=question_ids,
+                             answering_models=answering_models, parsing_models=parsing_models,
+                             replicates=replicates, completed_only=completed_only)
+        with open_source(settings) as source:
+            results: list[VerificationResult] = []
+            run_ids: set[str] = set()
+            for rid, blob in iter_result_json(source, where, page_size=page_size, limit=limit):
+                run_ids.add(rid)
+                results.append(VerificationResult.model_validate_json(blob))
+        return cls(results, run_ids=sorted(run_ids))

@@ -1,0 +1,299 @@
+"""Analysis commands of `veribus`: export, report, results, compare; and the gate options and
+helpers `veribus run` uses.
+
+Wiring (in shared/cli/commands.py): `register(sub)` adds the subcommands; `add_run_options(run_parser)`
+adds `--gate`, `--junit`, `--num-runs`; `validate_run_gates(args)` refuses bad gates before a run
+starts (ValueError: exit 2); `apply_gates(args, results, summary)` evaluates them after the run
+and returns the exit code (0 pass, 1 a gate failed).
+
+RUN arguments accept a run id, a run name (its latest run), or a results file (our JSON/JSONL
+export, the reference's export, a report's results.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from shared.analysis import report
+from shared.analysis.export import export_results, export_run
+from shared.analysis.files import iter_results_from_file
+from shared.analysis.gates import (
+    GateError,
+    evaluate_gates,
+    gates_from_config,
+    parse_gates,
+    summary_criterion,
+    write_junit,
+)
+from shared.analysis.html_report import RunData, load_run, write_html
+from shared.analysis.resultset import VerificationResultSet
+from shared.analysis.stats import compare_models
+from shared.control.stack import stack_settings
+from shared.store.reads import ResultFilter
+
+if TYPE_CHECKING:
+    from shared.analysis.gates import Gate
+    from shared.core.models import VerificationResult
+
+EXIT_OK = 0
+EXIT_GATE_FAILED = 1
+EXIT_INPUT = 2
+
+
+def _settings() -> Any:
+    return stack_settings()
+
+
+# --------------------------------------------------------------------------------------------
+# Options for `veribus run`
+# --------------------------------------------------------------------------------------------
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The gate and multi-run options of `veribus run`."""
+    parser.add_argument("--gate", action="append", metavar="EXPR",
+                        help="quality gate, e.g. 'accuracy>=0.8', 'pass_rate:gpt-4o>=0.9', "
+                             "'clarity>=0.6 pass>=0.75'; repeatable (also `gates:` in --config)")
+    parser.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (one testcase per gate and sample)")
+    parser.add_argument("--num-runs", type=int, default=1, metavar="N",
+                        help="run the benchmark N times; with --output: run_1/..run_N/ and aggregate_stats.json")
+
+
+def _config_gates(config_path: str | None) -> list[Gate]:
+    if not config_path:
+        return []
+    path = Path(config_path)
+    if not path.exists():
+        return []  # the run's own config check reports the missing file
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        return []
+    if not isinstance(data, dict):
+        return []
+    try:
+        return gates_from_config(data)
+    except GateError as exc:
+        raise GateError(f"run config {path}: {exc}") from exc
+
+
+def validate_run_gates(args: argparse.Namespace) -> list[Gate]:
+    """Every gate of this run (--gate and the config's `gates:`), parsed; raises
+    shared.analysis.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
+    if getattr(args, "num_runs", 1) is not None and getattr(args, "num_runs", 1) < 1:
+        raise ValueError("--num-runs must be >= 1")
+    return parse_gates(getattr(args, "gate", None)) + _config_gates(getattr(args, "config", None))
+
+
+def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult], summary: dict[str, Any],
+                trait_ranges: dict[str, tuple[float, float]] | None = None) -> int:
+    """Evaluate the run's gates on its results and fold the outcome into `summary` (in place:
+    passed/failed attempts by the gate's per-sample criterion, `gates_passed`, `gates`,
+    `gate_lines`); write --junit. Returns 0 when every gate passes (or there are none), else 1.
+    Print the block afterwards with `shared.analysis.report.print_results(summary, summary["gate_lines"])`."""
+    gates = validate_run_gates(args)
+    overall, per_metric = summary_criterion(gates)
+    extra = {k: v for k, v in summary.items() if k in ("dead_lettered",)}
+    summary.update(report.summarize(list(results), int(summary.get("unfinished_questions_skipped", 0) or 0),
+                                    trait_ranges=trait_ranges, criterion=overall, criteria=per_metric))
+    summary.update(extra)
+    rep = evaluate_gates(results, gates, trait_ranges)
+    summary["gates_passed"] = rep.passed
+    summary["gates"] = rep.as_dict()["outcomes"]
+    summary["gate_lines"] = rep.lines
+    if getattr(args, "junit", None):
+        write_junit(args.junit, rep, results, overall, trait_ranges)
+    return rep.exit_code
+
+
+# --------------------------------------------------------------------------------------------
+# Loading a RUN argument
+# --------------------------------------------------------------------------------------------
+
+
+def _is_file(run: str) -> bool:
+    p = Path(run)
+    return p.is_file() and p.suffix.lower() in (".json", ".jsonl", ".ndjson")
+
+
+def load_run_arg(run: str) -> RunData:
+    if _is_file(run):
+        results = list(iter_results_from_file(run))
+        rubric = None
+        try:
+            with open(run, encoding="utf-8") as fh:
+                head = fh.readline()
+            if head.rstrip().endswith('"results":['):
+                meta = json.loads(head.rstrip()[: -len(',"results":[')] + "}")
+                rubric = (meta.get("shared_data") or {}).get("rubric_definition")
+        except (OSError, ValueError):
+            pass
+        return RunData(run_id=Path(run).stem, results=results,
+                       run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric)
+    return load_run(_settings(), run)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    fmt = args.format or _format_from_suffix(args.output)
+    where = ResultFilter(question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
+                         completed_only=args.completed_only)
+    if _is_file(args.run):
+        rs = VerificationResultSet(iter_results_from_file(args.run)).filter(
+            question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
+            completed_only=args.completed_only)
+        stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
+    else:
+        stats = export_run(_settings(), args.run, fmt, args.output, page_size=args.page_size, where=where)
+    print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
+          f"{stats.seconds:.2f} s)")
+    return EXIT_OK
+
+
+def _format_from_suffix(output: str) -> str:
+    suffix = Path(output).suffix.lower().lstrip(".")
+    if suffix in ("json", "jsonl", "csv", "parquet"):
+        return suffix
+    if suffix == "ndjson":
+        return "jsonl"
+    raise ValueError(f"cannot tell the export format from {output!r}: pass --format json|jsonl|csv|parquet")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    gates = parse_gates(args.gate)
+    data = load_run_arg(args.run)
+    if not data.results:
+        raise ValueError(f"run {args.run!r} has no results")
+    ranges = report.trait_ranges_from_rubric(data.rubric_definition)
+    overall, per_metric = summary_criterion(gates)
+    summary = report.summarize(data.results, trait_ranges=ranges, criterion=overall, criteria=per_metric)
+    rep = evaluate_gates(data.results, gates, ranges)
+    summary["gates_passed"] = rep.passed
+    summary["gates"] = rep.as_dict()["outcomes"]
+    if args.output:
+        report.write_outputs(Path(args.output), data.benchmark_name or data.run_name or data.run_id, data.run_id,
+                             data.results, summary, data.config or {}, bool(data.simulated), trait_ranges=ranges)
+    if args.html:
+        path = write_html(args.html, data, rep.lines)
+        if not args.quiet:
+            print(f"wrote {path}")
+    if args.junit:
+        write_junit(args.junit, rep, data.results, overall, ranges)
+    if args.quiet:
+        print("✓ PASSED" if rep.passed else "✗ FAILED")
+    else:
+        report.print_results(summary, rep.lines, simulated=bool(data.simulated), run_id=data.run_id)
+    return rep.exit_code
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    """Pass rates with Wilson intervals by a dimension, and pass@k across replicates."""
+    data = load_run_arg(args.run)
+    rs = VerificationResultSet(data.results, run_ids=[data.run_id])
+    table = rs.pass_rates(by=args.by)
+    pak = rs.pass_at_k()
+    if args.format == "json":
+        out = {"run_id": data.run_id, "summary": rs.get_summary(),
+               "pass_rates": json.loads(table.to_json(orient="records")), "pass_at_k": pak.per_model,
+               "flaky_questions": [q for q in pak.per_question if q["flaky"]]}
+        print(json.dumps(out, indent=2, default=str))
+        return EXIT_OK
+    s = rs.get_summary()
+    print(f"run {data.run_id}: {s['num_results']} results, {s['num_errors']} errors, {s['num_questions']} questions")
+    print(f"\npass rate by {table.columns[0]} (Wilson 95% CI):")
+    width = max([len(str(v)) for v in table.iloc[:, 0]] + [10])
+    for row in table.itertuples(index=False):
+        rate = "n/a" if row.pass_rate is None else f"{100 * row.pass_rate:5.1f}%"
+        print(f"  {str(row[0]):<{width}}  {row.passed:>6}/{row.n:<6} {rate}  [{100 * row.ci_low:.1f}, "
+              f"{100 * row.ci_high:.1f}]")
+    if pak.per_model and max(m["max_replicates"] for m in pak.per_model) > 1:
+        ks = [k for k in pak.ks if k <= max(m["max_replicates"] for m in pak.per_model)][:5]
+        print("\nacross replicates (unbiased pass@k / pass^k):")
+        for m in pak.per_model:
+            cells = "  ".join(f"pass@{k} {_f(m[f'pass@{k}'])} pass^{k} {_f(m[f'pass^{k}'])}" for k in ks)
+            print(f"  {m['answering_model']} / {m['parsing_model']}: {cells}  "
+                  f"({m['flaky_questions']}/{m['questions']} questions flaky)")
+    return EXIT_OK
+
+
+def _f(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    a = load_run_arg(args.run)
+    b = load_run_arg(args.run_b) if args.run_b else None
+    cmp = compare_models(a.results, args.model_a, args.model_b, b.results if b is not None else None)
+    if args.format == "json":
+        print(json.dumps({"run_a": a.run_id, "run_b": b.run_id if b else a.run_id, **cmp.as_dict()}, indent=2))
+    else:
+        print(f"comparing {args.model_a} (run {a.run_id}) with {args.model_b} (run {b.run_id if b else a.run_id}),"
+              f" paired by question, replicate and judge:")
+        for line in cmp.lines():
+            print("  " + line)
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse exposes no public type
+    """Add export, report, results and compare to the `veribus` parser."""
+    e = sub.add_parser("export", help="export a run's results (JSON in the reference format, JSONL, CSV, Parquet)")
+    e.add_argument("run", help="run id, run name, or a results file")
+    e.add_argument("--format", choices=["json", "jsonl", "csv", "parquet"], help="default: from --output's suffix")
+    e.add_argument("--output", "-o", required=True, help="file to write")
+    e.add_argument("--question", action="append", help="only this question id; repeatable")
+    e.add_argument("--model", action="append", help="only this answering model; repeatable")
+    e.add_argument("--judge", action="append", help="only this parsing model; repeatable")
+    e.add_argument("--completed-only", action="store_true", help="leave out results that errored")
+    e.add_argument("--page-size", type=int, default=2000, help="rows read per query (memory bound)")
+    e.set_defaults(fn=cmd_export)
+
+    r = sub.add_parser("report", help="a run's report: console summary, --output files, --html page, gates")
+    r.add_argument("run", help="run id, run name, or a results file")
+    r.add_argument("--html", metavar="FILE", help="write one self-contained HTML page")
+    r.add_argument("--output", metavar="DIR", help="write header.json, summary.json, results.jsonl")
+    r.add_argument("--gate", action="append", metavar="EXPR", help="quality gate, e.g. accuracy>=0.8; repeatable")
+    r.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
+    r.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED")
+    r.set_defaults(fn=cmd_report)
+
+    s = sub.add_parser("results", help="pass rates with 95%% intervals, pass@k across replicates")
+    s.add_argument("run", help="run id, run name, or a results file")
+    s.add_argument("--by", default="answering_model",
+                   help="answering_model (default), parsing_model, question_id, replicate, run_name")
+    s.add_argument("--format", choices=["table", "json"], default="table")
+    s.set_defaults(fn=cmd_results)
+
+    c = sub.add_parser("compare", help="paired comparison of two answering models (exact McNemar, 95%% CI)")
+    c.add_argument("run", help="run id, run name, or a results file (model A; and model B unless RUN_B)")
+    c.add_argument("run_b", nargs="?", help="a second run for model B")
+    c.add_argument("--model-a", required=True, help="answering model A (display string or model name)")
+    c.add_argument("--model-b", required=True, help="answering model B")
+    c.add_argument("--format", choices=["table", "json"], default="table")
+    c.set_defaults(fn=cmd_compare)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the analysis commands on their own (`python -m shared.cli.analysis ...`)."""
+    parser = argparse.ArgumentParser(prog="veribus")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"veribus: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""`veribus resume | regrade | cancel | projections rebuild`: run lifecycle commands.
+
+Wired into `shared.cli` by `register(sub)`; the work is in `shared.control` (`lifecycle`, `rebuild`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from shared.control import lifecycle, rebuild, retention, streams, wait
+from shared.control.runner import RunInputError
+from shared.control.stack import stack_settings
+from shared.core.benchmark.question import BenchmarkError
+from shared.store.reads import run_query
+
+EXIT_OK = 0
+EXIT_INPUT = 2
+EXIT_RUN_ERROR = 3
+
+
+def _settings() -> Any:
+    return stack_settings()
+
+
+def _err(msg: str) -> None:
+    print(f"veribus: error: {msg}", file=sys.stderr)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    settings = _settings()
+    try:
+        bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
+        if args.dry_run:
+            plan = asyncio.run(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
+                                                     benchmark=bench))
+        else:
+            before = asyncio.run(wait.finalized_counts(settings, args.run))
+            plan = asyncio.run(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
+                                                force=args.force, budget_tokens=args.max_tokens_budget,
+                                                benchmark=bench))
+    except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
+        _err(str(exc))
+        return EXIT_INPUT
+    print(f"run {plan.run_id}: {plan.job_count} jobs, {plan.finalized} with a result (skipped, no model calls), "
+          f"{plan.stopped} cancelled/over budget, {plan.jobs} job(s) in {len(plan.requests)} answer request(s) "
+          f"{'to publish' if args.dry_run else 'published again'}")
+    if plan.replanned:
+        print(f"  {plan.replanned} answer request(s) were never published and were planned again from the benchmark")
+    if plan.never_published:
+        print(f"  {plan.never_published} answer request(s) of the run are not in the stream; pass --benchmark "
+              "FILE (the run's benchmark) to plan them again")
+    if plan.queued:
+        print("  still queued for the services: " + ", ".join(f"{k} {v}" for k, v in sorted(plan.queued.items())))
+    if args.dry_run or not args.wait or not plan.requests:
+        return EXIT_OK
+    ids = [j.result_id for r in plan.requests for j in r.jobs]
+    done, timed_out = asyncio.run(wait.wait_for_results(settings, args.run, result_ids=ids, baseline=before,
+                                                             timeout=args.timeout))
+    print(f"  {done}/{len(ids)} resumed job(s) finalized" + (" (timed out)" if timed_out else ""))
+    return EXIT_RUN_ERROR if timed_out else EXIT_OK
+
+
+def cmd_regrade(args: argparse.Namespace) -> int:
+    settings = _settings()
+    try:
+        bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
+        plan = asyncio.run(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
+                                                  run_name=args.run_name))
+    except (streams.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
+        _err(str(exc))
+        return EXIT_INPUT
+    if not plan.generated:
+        _err(f"run {args.run} has no stored answers to regrade")
+        return EXIT_INPUT
+    asyncio.run(lifecycle.submit_regrade(settings, plan))
+    print(f"run {plan.run_id}: regrade of {plan.parent_run_id}: {len(plan.generated)} jobs from stored answers "
+          "(no answering-model calls)")
+    if plan.skipped_not_in_benchmark:
+        print(f"  {len(plan.skipped_not_in_benchmark)} job(s) skipped: question not in the new benchmark "
+              f"({', '.join(sorted(set(plan.skipped_not_in_benchmark))[:10])})")
+    if plan.jobs_without_answer:
+        print(f"  {plan.jobs_without_answer} job(s) of the parent run have no stored answer (not regraded)")
+    if args.no_wait:
+        return EXIT_OK
+    done, timed_out = asyncio.run(wait.wait_for_results(settings, plan.run_id, result_ids=plan.result_ids,
+                                                             timeout=args.timeout))
+    new = asyncio.run(lifecycle.run_results(settings, plan.run_id))
+    old = asyncio.run(lifecycle.run_results(settings, plan.parent_run_id))
+    passed = sum(1 for r in new.values() if r.template is not None and r.template.verify_result)
+    errors = sum(1 for r in new.values() if not r.metadata.completed_without_errors)
+    cmp = lifecycle.compare_runs(old.values(), new.values())
+    print(f"  {done}/{len(plan.generated)} finalized: {passed} passed, {errors} error(s)"
+          + (" (timed out)" if timed_out else ""))
+    print(f"  verify_result changed for {len(cmp['changed'])} of {cmp['compared']} job(s)")
+    for qid, before, after in cmp["changed"][:20]:
+        print(f"    {qid}: {before} -> {after}")
+    return EXIT_RUN_ERROR if timed_out else EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    settings = _settings()
+    try:
+        out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
+    except streams.LifecycleError as exc:
+        _err(str(exc))
+        return EXIT_INPUT
+    print(f"run {out.run_id}: cancelled; {out.finalized}/{out.job_count} results finalized so far. Answers not "
+          "yet generated finalize as cancelled results (error 'cancelled').")
+    if not args.wait:
+        return EXIT_OK
+    done, timed_out = asyncio.run(wait.wait_for_results(settings, args.run, count=out.job_count,
+                                                             timeout=args.timeout))
+    print(f"  {done}/{out.job_count} results finalized" + (" (timed out)" if timed_out else ""))
+    return EXIT_RUN_ERROR if timed_out else EXIT_OK
+
+
+def cmd_projections_rebuild(args: argparse.Namespace) -> int:
+    settings = _settings()
+    before_runs = retention.results_per_run(lambda sql: run_query(settings, sql))
+    try:
+        rep = rebuild.rebuild_projections(settings, timeout=args.timeout, progress=lambda m: print(f"  {m}"))
+    except streams.LifecycleError as exc:
+        _err(str(exc))
+        return EXIT_RUN_ERROR
+    print(f"projections rebuilt from {rep.stream_messages} stream messages in {rep.elapsed_s:.1f} s ({rep.mode})")
+    for table in rep.after:
+        b, a = rep.before.get(table, (0, 0)), rep.after[table]
+        same = "identical" if a == b else "CHANGED"
+        print(f"  {table:<22} rows before {b[0]:>8}  after {a[0]:>8}  {same}")
+    if not rep.identical:
+        print("  (tables differ: events arrived during the rebuild, or the old tables had lost or extra rows)")
+    kept = asyncio.run(retention.stream_retention(settings))  # what retention left to rebuild from
+    for line in kept.lines():
+        print(line)
+    for line in retention.compare(before_runs, retention.results_per_run(lambda sql: run_query(settings, sql))).lines():
+        print(line)
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the lifecycle commands to `veribus`'s subcommands."""
+    r = sub.add_parser("resume", help="publish again only the jobs of a run that have no result")
+    r.add_argument("run", help="run id")
+    r.add_argument("--benchmark", help="the run's benchmark file, to plan answers that were never published")
+    r.add_argument("--no-stopped", action="store_true", help="do not re-run cancelled / over-budget jobs")
+    r.add_argument("--max-tokens-budget", type=int, help="a new token budget for the run")
+    r.add_argument("--force", action="store_true", help="resume even while messages are still queued")
+    r.add_argument("--dry-run", action="store_true", help="only print what would be published")
+    r.add_argument("--wait", action="store_true", help="wait for the resumed jobs' results")
+    r.add_argument("--timeout", type=float, default=3600.0)
+    r.set_defaults(fn=cmd_resume)
+
+    g = sub.add_parser("regrade", help="parse, verify and score a run's stored answers again, as a new run")
+    g.add_argument("run", help="run id of the run whose answers are regraded")
+    g.add_argument("--benchmark", help="checkpoint/benchmark with the changed templates and rubrics")
+    g.add_argument("--mode", choices=["template_only", "template_and_rubric", "rubric_only"])
+    g.add_argument("--run-name")
+    g.add_argument("--no-wait", action="store_true", help="publish and return")
+    g.add_argument("--timeout", type=float, default=3600.0)
+    g.set_defaults(fn=cmd_regrade)
+
+    c = sub.add_parser("cancel", help="stop dispatching a run; answers not yet generated finalize as cancelled")
+    c.add_argument("run", help="run id")
+    c.add_argument("--reason", help="recorded on the cancel event and in the results' error")
+    c.add_argument("--wait", action="store_true", help="wait until every job of the run is finalized")
+    c.add_argument("--timeout", type=float, default=600.0)
+    c.set_defaults(fn=cmd_cancel)
+
+    p = sub.add_parser("projections", help="the ClickHouse projections of the stream")
+    psub = p.add_subparsers(dest="projections_command", required=True)
+    rb = psub.add_parser("rebuild", help="drop the tables and refold them from the stream")
+    rb.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the projector to catch up")
+    rb.set_defaults(fn=cmd_projections_rebuild)

@@ -1,0 +1,341 @@
+"""Run lifecycle commands: cancel, resume and regrade.
+
+They read the run's events back from the stream (the source of truth, `shared.control.streams`)
+and publish new ones: `cancel` and `resume` a control event the services' `RunControl` obeys
+(`shared.runtime.runcontrol`), `resume` the answer requests of jobs with no finalized result,
+`regrade` the stored answers of a run under new templates, as a new run.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.js import JetStreamContext
+
+from shared.control.runner import RunInputError, new_run_id, plan_run
+from shared.control.streams import LifecycleError, finalized_ids, queued_for_services, read_events, run_event
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import Settings, VerificationConfig
+from shared.core.ids import answer_id_for, compute_result_id, event_id_for, template_id_for
+from shared.core.models import VerificationResult
+from shared.runtime import bus
+from shared.runtime.content import ContentStore
+from shared.runtime.runcontrol import STOP_ERROR_TYPES, RunControlPayload
+from shared.templates.calls import compile_check
+
+PRODUCER = "cli/0.1.0"
+RESUME_PREFIX = "resume-"
+# =========================================================================== cancel
+
+
+@dataclass
+class CancelOutcome:
+    run_id: str
+    job_count: int
+    finalized: int
+
+
+async def cancel(settings: Settings, run_id: str, reason: str = "") -> CancelOutcome:
+    """Publish `run.cancelled`: answers not yet generated finalize as cancelled results."""
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+        run = await run_event(js, run_id)
+        await publish_control(js, run_id, RunControlPayload(cancelled=True, reason=reason, at=time.time()))
+        done = len(await finalized_ids(js, run_id))
+        return CancelOutcome(run_id, run.job_count, done)
+    finally:
+        await nc.close()
+
+
+async def publish_control(js: JetStreamContext, run_id: str, payload: RunControlPayload) -> None:
+    env = events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, payload, PRODUCER)
+    env.event_id = event_id_for(run_id, events.RUN_CANCELLED, uuid.uuid4().hex[:12])  # never deduplicated
+    await bus.publish(js, env)
+
+
+# =========================================================================== resume
+
+
+@dataclass
+class ResumePlan:
+    run_id: str
+    job_count: int
+    finalized: int  # jobs with a result that stays
+    requests: list[events.AnswerRequested]  # what is published again (only the missing jobs)
+    stopped: int = 0  # results that were cancelled / over budget, re-run
+    never_published: int = 0  # answers of the run missing from the stream (and not re-planned)
+    replanned: int = 0  # of the requests, how many came from the benchmark file
+    queued: dict[str, int] = field(default_factory=dict)
+    attempt_key: str = ""
+
+    @property
+    def jobs(self) -> int:
+        return sum(len(r.jobs) for r in self.requests)
+
+
+def _stopped(env: events.Envelope) -> bool:
+    """A result that only records that the run stopped dispatching (cancel / budget)."""
+    try:
+        result = events.payload_as(env, events.ResultFinalized).result
+    except Exception:  # noqa: BLE001
+        return False
+    err = ((result.get("metadata") or {}).get("error")) or ""
+    return any(f": {t}: " in err for t in STOP_ERROR_TYPES)
+
+
+async def plan_resume(
+    settings: Settings, run_id: str, *, include_stopped: bool = True, benchmark: Benchmark | None = None,
+) -> ResumePlan:
+    """What `resume` would publish: each answer request reduced to its jobs without a result."""
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+        run = await run_event(js, run_id)
+        requested = await read_events(js, events.subject(events.ANSWER_REQUESTED, run_id, "*"))
+        finals = await read_events(js, events.subject(events.RESULT_FINALIZED, run_id, "*"))
+        queued = await queued_for_services(js)
+    finally:
+        await nc.close()
+    last_final: dict[str, events.Envelope] = {}
+    for env in finals:
+        last_final[env.result_id] = env
+    stopped = {rid for rid, env in last_final.items() if include_stopped and _stopped(env)}
+    done = set(last_final) - stopped
+    by_answer: dict[str, events.AnswerRequested] = {}
+    for env in requested:
+        try:
+            req = events.payload_as(env, events.AnswerRequested)
+        except Exception:  # noqa: BLE001 - a foreign message on the subject
+            continue
+        if req.jobs:
+            by_answer[req.jobs[0].answer_id] = req
+    replanned = 0
+    if benchmark is not None and len(by_answer) < run.answer_count:
+        for req in _replan(run, benchmark):
+            if req.jobs[0].answer_id not in by_answer:
+                by_answer[req.jobs[0].answer_id] = req
+                replanned += 1
+    todo: list[events.AnswerRequested] = []
+    for req in by_answer.values():
+        missing = [j for j in req.jobs if j.result_id not in done]
+        if missing:
+            todo.append(events.AnswerRequested(jobs=missing))
+    return ResumePlan(
+        run_id=run_id, job_count=run.job_count, finalized=len(done), requests=todo,
+        stopped=len(stopped), never_published=max(0, run.answer_count - len(by_answer)),
+        replanned=replanned, queued=queued,
+    )
+
+
+def _replan(run: events.RunRequested, benchmark: Benchmark) -> list[events.AnswerRequested]:
+    """The run's answer requests, planned again from its benchmark and recorded config (same
+    timestamp, so the same result ids)."""
+    cfg = {k: v for k, v in run.config.items() if k in VerificationConfig.model_fields}
+    plan = plan_run(benchmark, VerificationConfig.model_validate(cfg), run_id=run.run_id, timestamp=run.timestamp)
+    return plan.requests
+
+
+async def resume(
+    settings: Settings, run_id: str, *, include_stopped: bool = True, force: bool = False,
+    budget_tokens: int | None = None, benchmark: Benchmark | None = None,
+) -> ResumePlan:
+    """Publish again the answer requests of the run's jobs that have no result (and, by default,
+    those that were cancelled or stopped by the budget). Finished jobs cost nothing."""
+    plan = await plan_resume(settings, run_id, include_stopped=include_stopped, benchmark=benchmark)
+    if plan.queued and not force:
+        total = sum(plan.queued.values())
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(plan.queued.items()))
+        raise LifecycleError(
+            f"{total} message(s) are still queued for the services ({detail}); they will finish those jobs "
+            "(start the stack if it is down). Resume once they are done, or pass --force.")
+    plan.attempt_key = RESUME_PREFIX + uuid.uuid4().hex[:8]
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        if plan.stopped or budget_tokens is not None:
+            await publish_control(js, run_id, RunControlPayload(
+                cancelled=False, reason="resumed", budget_tokens=budget_tokens, at=time.time()))
+        envs = []
+        for req in plan.requests:
+            env = events.make_envelope(events.ANSWER_REQUESTED, run_id, req.jobs[0].answer_id, req, PRODUCER)
+            env.event_id = event_id_for(req.jobs[0].answer_id, events.ANSWER_REQUESTED, plan.attempt_key)
+            envs.append(env)
+        await bus.publish_many(js, envs)
+    finally:
+        await nc.close()
+    return plan
+
+
+# =========================================================================== regrade
+
+
+@dataclass
+class RegradePlan:
+    parent_run_id: str
+    run_id: str
+    run_event: events.RunRequested
+    generated: list[events.StageEvent]  # the new run's answer.generated payloads
+    skipped_not_in_benchmark: list[str] = field(default_factory=list)
+    jobs_without_answer: int = 0
+
+    @property
+    def result_ids(self) -> list[str]:
+        return [ev.job.result_id for ev in self.generated]
+
+
+def regrade_jobs(
+    parent: events.RunRequested,
+    answers: Iterable[events.StageEvent],
+    *,
+    benchmark: Benchmark | None = None,
+    mode: str | None = None,
+    run_id: str | None = None,
+    run_name: str | None = None,
+    timestamp: str | None = None,
+) -> RegradePlan:
+    """The new run's jobs: each stored answer of the parent run with the (new) template and
+    rubric, new run/result ids, and the answer's state kept (no answering-model call)."""
+    mode = mode or parent.evaluation_mode
+    run_id = run_id or new_run_id()
+    timestamp = timestamp or datetime.now(UTC).isoformat()
+    questions = {q.id: q for q in benchmark.finished_questions()} if benchmark is not None else {}
+    problems: list[str] = []
+    if benchmark is not None and mode != "rubric_only":
+        for q in questions.values():
+            if not q.template_code:
+                problems.append(f"question {q.id!r}: no answer template (mode {mode} needs one)")
+            elif err := compile_check(q.template_code):
+                problems.append(f"question {q.id!r}: template does not compile: {err}")
+    if problems:
+        raise RunInputError("regrade refused before publishing:\n  " + "\n  ".join(problems))
+    out: list[events.StageEvent] = []
+    skipped: list[str] = []
+    now = time.time()
+    for ev in answers:
+        job = ev.job
+        q = questions.get(job.question_id)
+        if benchmark is not None and q is None:
+            skipped.append(job.question_id)
+            continue
+        if q is not None:
+            code = q.template_code if mode != "rubric_only" else None
+            rubric = benchmark.rubric_for(q) if benchmark is not None and mode != "template_only" else None
+            rubric_wire = rubric.to_wire() if rubric is not None and not rubric.is_empty() else None
+            raw_answer, keywords = q.raw_answer, q.keywords or None
+        else:
+            code = job.template_code if mode != "rubric_only" else None
+            rubric_wire = job.rubric if mode != "template_only" else None
+            raw_answer, keywords = job.raw_answer, job.keywords
+        if mode != "rubric_only" and not code:
+            raise RunInputError(f"question {job.question_id!r}: no answer template (mode {mode} needs one)")
+        rid = compute_result_id(job.question_id, job.answering.canonical_key, job.parsing.canonical_key,
+                                timestamp, job.replicate)
+        new_job = msgspec.structs.replace(
+            job, run_id=run_id, result_id=rid, timestamp=timestamp, evaluation_mode=mode,
+            answer_id=answer_id_for(run_id, job.question_id, job.answering.canonical_key, job.replicate),
+            run_name=run_name if run_name is not None else job.run_name,
+            template_code=code, template_id=template_id_for(code) if code else "no_template",
+            rubric=rubric_wire, raw_answer=raw_answer, keywords=keywords,
+        )
+        state = msgspec.structs.replace(ev.state, started_at=now)
+        out.append(events.StageEvent(job=new_job, state=state, status=ev.status, reason=ev.reason))
+    if mode != "template_only" and out and not any(ev.job.rubric for ev in out):
+        raise RunInputError(f"evaluation_mode {mode!r} needs rubric traits, and the regraded jobs have none")
+    config = {**parent.config, "evaluation_mode": mode, "regraded_from": parent.run_id}
+    if run_name is not None:
+        config["run_name"] = run_name
+    run_event = events.RunRequested(
+        run_id=run_id, timestamp=timestamp, job_count=len(out),
+        answer_count=len({ev.job.answer_id for ev in out}),
+        run_name=run_name if run_name is not None else parent.run_name,
+        benchmark_name=benchmark.name if benchmark is not None else parent.benchmark_name,
+        evaluation_mode=mode, config=config, unfinished_skipped=list(parent.unfinished_skipped),
+        parent_run_id=parent.run_id,
+    )
+    return RegradePlan(parent.run_id, run_id, run_event, out, skipped)
+
+
+async def plan_regrade(
+    settings: Settings, parent_run_id: str, *, benchmark: Benchmark | None = None, mode: str | None = None,
+    run_name: str | None = None,
+) -> RegradePlan:
+    """Read the parent run's stored answers from the stream and plan the regrade."""
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+        parent = await run_event(js, parent_run_id)
+        envs = await read_events(js, events.subject(events.ANSWER_GENERATED, parent_run_id, "*"))
+        latest: dict[str, events.StageEvent] = {}
+        for env in envs:  # a resumed job may have several: the newest is the one its result used
+            try:
+                latest[env.result_id] = events.payload_as(env, events.StageEvent)
+            except Exception:  # noqa: BLE001
+                continue
+        content = ContentStore(lambda: js)
+        for ev in latest.values():  # lean events: the stored question, template and rubric back in
+            ev.job = msgspec.structs.replace(await content.hydrate(ev.job), refs={})
+    finally:
+        await nc.close()
+    plan = regrade_jobs(parent, latest.values(), benchmark=benchmark, mode=mode, run_name=run_name)
+    plan.jobs_without_answer = max(0, parent.job_count - len(latest))
+    return plan
+
+
+async def submit_regrade(settings: Settings, plan: RegradePlan) -> int:
+    """Publish the new run and its answer.generated events (the guards stage takes it from there)."""
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+        await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
+                                                   plan.run_event, PRODUCER))
+        envs = [events.make_envelope(events.ANSWER_GENERATED, plan.run_id, ev.job.result_id, ev, PRODUCER)
+                for ev in plan.generated]
+        return await bus.publish_many(js, envs)
+    finally:
+        await nc.close()
+
+
+async def run_results(settings: Settings, run_id: str) -> dict[str, VerificationResult]:
+    """The run's finalized results from the stream (the newest per result id)."""
+    nc = await bus.connect(settings)
+    try:
+        envs = await read_events(nc.jetstream(), events.subject(events.RESULT_FINALIZED, run_id, "*"))
+    finally:
+        await nc.close()
+    out: dict[str, VerificationResult] = {}
+    for env in envs:
+        out[env.result_id] = VerificationResult.model_validate(events.payload_as(env, events.ResultFinalized).result)
+    return out
+
+
+def compare_runs(old: Iterable[VerificationResult], new: Iterable[VerificationResult]) -> dict[str, Any]:
+    """verify_result per (question, answering model, judge, replicate) in two runs."""
+
+    def key(r: VerificationResult) -> tuple[Any, ...]:
+        m = r.metadata
+        return (m.question_id, m.answering.model_name, m.parsing.model_name, m.replicate)
+
+    def verdict(r: VerificationResult) -> bool | None:
+        return r.template.verify_result if r.template is not None else None
+
+    before = {key(r): verdict(r) for r in old}
+    after = {key(r): verdict(r) for r in new}
+    changed = sorted((k[0], before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k])
+    return {"compared": len(before.keys() & after.keys()), "changed": changed}
+
+
+def load_benchmark(path: str | Path) -> Benchmark:
+    return Benchmark.load(path)

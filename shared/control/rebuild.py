@@ -1,0 +1,180 @@
+"""Rebuilding the ClickHouse projections: drop the tables and refold them from the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from shared.control import stack
+from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.store.engine import open_store
+from shared.store.projection import Projector
+from shared.store.reads import query_direct, run_query
+
+log = logging.getLogger("veribus.lifecycle")
+
+
+TABLE_FINGERPRINTS = {
+    "events": "SELECT count(), groupBitXor(cityHash64(event_id, event_type, run_id, result_id, subject, "
+              "occurred_at, payload)) FROM events FINAL",
+    "verification_results": "SELECT count(), groupBitXor(cityHash64(result_id, version, result_json)) "
+                            "FROM verification_results FINAL",
+    "runs": "SELECT count(), groupBitXor(cityHash64(run_id, version, config_json)) FROM runs FINAL",
+}
+
+
+def fingerprint(query: Callable[[str], Any]) -> dict[str, tuple[int, int]]:
+    """(rows, content hash) per table, read with FINAL; ingestion times are left out."""
+    out = {}
+    for table, sql in TABLE_FINGERPRINTS.items():
+        try:
+            rows = query(sql).rows
+            out[table] = (int(rows[0][0]), int(rows[0][1]))
+        except Exception as exc:  # noqa: BLE001 - a table that does not exist yet
+            log.debug("fingerprint of %s: %s", table, exc)
+            out[table] = (0, 0)
+    return out
+
+
+@dataclass
+class RebuildReport:
+    before: dict[str, tuple[int, int]]
+    after: dict[str, tuple[int, int]]
+    stream_messages: int
+    elapsed_s: float
+    mode: str  # "stack" (projector restarted) or "in-process"
+
+    @property
+    def identical(self) -> bool:
+        return self.before == self.after
+
+
+async def _consumer_caught_up(js: JetStreamContext, durable: str) -> bool:
+    try:
+        ci = await js.consumer_info(events.STREAM, durable)
+    except NotFoundError:
+        return False
+    return int(ci.num_pending or 0) == 0 and int(ci.num_ack_pending or 0) == 0
+
+
+async def _stream_messages(settings: Settings) -> int:
+    nc = await bus.connect(settings)
+    try:
+        info = await nc.jetstream().stream_info(events.STREAM)
+        return int(info.state.messages)
+    finally:
+        await nc.close()
+
+
+async def _delete_consumer(settings: Settings, durable: str) -> bool:
+    nc = await bus.connect(settings)
+    try:
+        await nc.jetstream().delete_consumer(events.STREAM, durable)
+        return True
+    except NotFoundError:
+        return False
+    finally:
+        await nc.close()
+
+
+async def _wait_caught_up(settings: Settings, durable: str, timeout: float) -> None:
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await _consumer_caught_up(js, durable):
+                return
+            await asyncio.sleep(0.2)
+        raise LifecycleError(f"the projector did not catch up with the stream within {timeout:.0f} s")
+    finally:
+        await nc.close()
+
+
+def _recreate_tables(settings: Settings) -> None:
+    store = open_store(settings, migrate=False)
+    try:
+        store.drop_all()
+        store.migrate()
+    finally:
+        store.close()
+
+
+async def _project_in_process(settings: Settings, batch: int = 2000) -> None:
+    """Fold the whole stream into the tables from this process (no projector running)."""
+    projector = Projector(settings)
+    projector.open()
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        psub = await js.pull_subscribe(
+            "vb.>", durable=None, stream=events.STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                                  inactive_threshold=30.0, max_ack_pending=-1))
+        remaining = (await psub.consumer_info()).num_pending
+        while remaining > 0:
+            try:
+                msgs = await psub.fetch(min(batch, remaining), timeout=2.0)
+            except Exception:  # noqa: BLE001 - nats TimeoutError: ask again
+                continue
+            projector.insert(projector.project_batch(msgs))
+            remaining = msgs[-1].metadata.num_pending if msgs[-1].metadata else remaining - len(msgs)
+        await psub.unsubscribe()
+    finally:
+        await nc.close()
+        projector.close()
+
+
+def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
+                        progress: Callable[[str], None] | None = None) -> RebuildReport:
+    """Drop the ClickHouse tables and refold them from the stream (the event log is the truth).
+
+    With the local stack running: stop the projector, drop and recreate the tables, delete the
+    projector's durable consumer, start the projector again (it re-reads the stream from the
+    start) and wait until it has caught up. Without a local stack: fold the stream in this
+    process (NATS must be reachable; nothing else may hold the chdb folder). Returns row counts
+    and content hashes before and after."""
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    state = stack.running_stack(settings)
+    if state is not None:
+        settings = settings.model_copy(update={"nats_url": state.nats_url})
+    if not bus.server_reachable(settings.nats_url):
+        raise LifecycleError(f"no NATS server at {settings.nats_url}: the stream is needed to rebuild "
+                             "(start the stack with `veribus up`)")
+    projectors = [p for p in state.procs if p.name.split("-")[0] == "projector"] if state else []
+    if projectors:
+        before = fingerprint(lambda sql: run_query(settings, sql))
+        say(f"stopping the projector ({', '.join(str(p.pid) for p in projectors)})")
+        for p in projectors:
+            stack.stop_proc(p, timeout=30.0)
+    else:
+        before = fingerprint(lambda sql: query_direct(settings, sql))
+    say("dropping and recreating the tables")
+    _recreate_tables(settings)
+    if projectors and state is not None:
+        asyncio.run(_delete_consumer(settings, PROJECTOR_DURABLE))
+        say("starting the projector: it re-reads the stream from the start")
+        for p in projectors:
+            stack.restart_proc(state, p.name)
+        asyncio.run(_wait_caught_up(settings, PROJECTOR_DURABLE, timeout))
+        after = fingerprint(lambda sql: run_query(settings, sql))
+        mode = "stack"
+    else:
+        say("folding the stream in this process")
+        asyncio.run(_project_in_process(settings))
+        after = fingerprint(lambda sql: query_direct(settings, sql))
+        mode = "in-process"
+    msgs = asyncio.run(_stream_messages(settings))
+    return RebuildReport(before, after, msgs, time.monotonic() - t0, mode)

@@ -1,0 +1,209 @@
+"""Submitting a run and following it: plan jobs from a benchmark and a config (refusing bad
+input before anything is published), publish them, then collect finalized results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import Settings, VerificationConfig
+from shared.core.ids import answer_id_for, compute_result_id, template_id_for
+from shared.core.models import VerificationResult
+from shared.runtime import bus
+from shared.templates.calls import compile_check
+
+
+class RunInputError(ValueError):
+    """Input refused before publishing; the message names the question/field."""
+
+
+@dataclass
+class RunPlan:
+    run_id: str
+    timestamp: str
+    run_name: str | None
+    requests: list[events.AnswerRequested]
+    run_event: events.RunRequested
+    unfinished: list[str] = field(default_factory=list)
+
+    @property
+    def result_ids(self) -> list[str]:
+        return [j.result_id for r in self.requests for j in r.jobs]
+
+    @property
+    def job_count(self) -> int:
+        return sum(len(r.jobs) for r in self.requests)
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def plan_run(
+    benchmark: Benchmark,
+    config: VerificationConfig,
+    *,
+    run_id: str | None = None,
+    timestamp: str | None = None,
+    only_result_ids: set[str] | None = None,
+    include_unfinished: bool = False,
+) -> RunPlan:
+    """One job per finished question x answering model x parsing model x replicate
+    (every question with `include_unfinished`)."""
+    selected = list(benchmark.questions) if include_unfinished else benchmark.finished_questions()
+    problems = []
+    mode = config.evaluation_mode
+    for q in selected:
+        if mode != "rubric_only":
+            if not q.template_code:
+                problems.append(f"question {q.id!r} ({q.text[:50]!r}): no answer template (mode {mode} needs one)")
+                continue
+            err = compile_check(q.template_code)
+            if err:
+                problems.append(f"question {q.id!r} ({q.text[:50]!r}): template does not compile: {err}")
+    if problems:
+        raise RunInputError("refused before publishing:\n  " + "\n  ".join(problems))
+    if mode != "template_only":
+        has_rubric = (benchmark.global_rubric and not benchmark.global_rubric.is_empty()) or any(
+            q.rubric and not q.rubric.is_empty() for q in selected)
+        if not has_rubric:
+            raise RunInputError(f"evaluation_mode {mode!r} needs rubric traits, and the benchmark has none")
+
+    run_id = run_id or new_run_id()
+    timestamp = timestamp or datetime.now(UTC).isoformat()
+    options = config.stage_options().model_dump(mode="json")
+    few_shot = (config.few_shot_config or {}).get("examples") or []
+    requests: list[events.AnswerRequested] = []
+    for q in selected:
+        rubric = benchmark.rubric_for(q) if mode != "template_only" else None
+        rubric_wire = rubric.to_wire() if rubric is not None and not rubric.is_empty() else None
+        for am in config.answering_models:
+            a_spec = am.to_spec()
+            for rep in range(1, config.replicate_count + 1):
+                replicate = rep if config.replicate_count > 1 else None
+                jobs = []
+                for pm in config.parsing_models:
+                    p_spec = pm.to_spec()
+                    rid = compute_result_id(q.id, a_spec.canonical_key, p_spec.canonical_key, timestamp, replicate)
+                    if only_result_ids is not None and rid not in only_result_ids:
+                        continue
+                    jobs.append(events.Job(
+                        run_id=run_id, result_id=rid,
+                        answer_id=answer_id_for(run_id, q.id, a_spec.canonical_key, replicate),
+                        question_id=q.id, question_text=q.text, answering=a_spec, parsing=p_spec,
+                        timestamp=timestamp, evaluation_mode=mode, run_name=config.run_name,
+                        raw_answer=q.raw_answer, keywords=q.keywords or None,
+                        template_code=q.template_code if mode != "rubric_only" else None,
+                        template_id=template_id_for(q.template_code) if mode != "rubric_only" else "no_template", rubric=rubric_wire, replicate=replicate,
+                        options=options, few_shot_examples=list(q.few_shot_examples or few_shot),
+                    ))
+                if jobs:
+                    requests.append(events.AnswerRequested(jobs=jobs))
+    unfinished = [] if include_unfinished else [q.id for q in benchmark.unfinished_questions()]
+    run_event = events.RunRequested(
+        run_id=run_id, timestamp=timestamp, job_count=sum(len(r.jobs) for r in requests),
+        answer_count=len(requests), run_name=config.run_name, benchmark_name=benchmark.name,
+        evaluation_mode=mode, config=public_config(config), unfinished_skipped=unfinished,
+    )
+    return RunPlan(run_id, timestamp, config.run_name, requests, run_event, unfinished)
+
+
+def public_config(config: VerificationConfig) -> dict:
+    """The config as recorded in events: model settings without anything secret."""
+    data = config.model_dump(mode="json")
+    for key in ("answering_models", "parsing_models"):
+        for m in data.get(key, []):
+            m.pop("manual_traces", None)
+            m["params"] = {k: v for k, v in (m.get("params") or {}).items() if "key" not in k.lower()}
+    return data
+
+
+async def submit(settings: Settings, plan: RunPlan) -> int:
+    """Publish the run and its answer requests; returns how many requests were new."""
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js, settings)
+        producer = "cli/0.1.0"
+        await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
+                                                   plan.run_event, producer))
+        requests = plan.requests
+        if settings.lean_events:  # contents once, by hash; events carry the hashes
+            from shared.runtime.content import ContentStore, lean_requests
+
+            requests = await lean_requests(ContentStore(lambda: js), requests)
+        envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, r.jobs[0].answer_id, r, producer)
+                for r in requests]
+        return await bus.publish_many(js, envs)
+    finally:
+        await nc.close()
+
+
+@dataclass
+class RunOutcome:
+    results: dict[str, VerificationResult]
+    dead_letters: list[events.DeadLetter]
+    elapsed_s: float
+    timed_out: bool = False
+
+
+async def collect(
+    settings: Settings,
+    run_id: str,
+    expected: set[str],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    timeout: float | None = None,
+) -> RunOutcome:
+    """Read `result.finalized` events of a run from the stream until every expected result is in."""
+    start = time.monotonic()
+    results: dict[str, VerificationResult] = {}
+    dead: list[events.DeadLetter] = []
+    dead_ids: set[str] = set()
+    nc = await bus.connect(settings)
+    done = asyncio.Event()
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+
+        async def on_msg(msg) -> None:  # noqa: ANN001
+            env = events.decode(msg.data)
+            if env.event_type == events.RESULT_FINALIZED:
+                if env.result_id in expected and env.result_id not in results:
+                    payload = events.payload_as(env, events.ResultFinalized)
+                    results[env.result_id] = VerificationResult.model_validate(payload.result)
+            elif env.event_type == events.DEAD_LETTER and env.result_id not in dead_ids:
+                dead_ids.add(env.result_id)
+                dead.append(events.payload_as(env, events.DeadLetter))
+            if progress:
+                progress(len(results), len(expected))
+            if expected <= set(results) | dead_ids:
+                done.set()
+
+        subs = []
+        for et in (events.RESULT_FINALIZED, events.DEAD_LETTER):
+            subs.append(await js.subscribe(
+                events.subject(et, run_id, "*"), cb=on_msg, ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+            ))
+        if not expected:
+            done.set()
+        try:
+            await asyncio.wait_for(done.wait(), timeout)
+            timed_out = False
+        except TimeoutError:
+            timed_out = True
+        for s in subs:
+            await s.unsubscribe()
+    finally:
+        await nc.close()
+    return RunOutcome(results, dead, time.monotonic() - start, timed_out)

@@ -1,0 +1,63 @@
+"""The problems of one run (stage failures, dead letters, result errors) for `veribus status RUN`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.core.config import Settings
+from shared.store.reads import run_query
+
+
+def run_problems(settings: Settings, run_id: str, limit: int = 20) -> dict[str, Any]:
+    """Stage give-ups, dead letters and result errors of a run (for `veribus status RUN`)."""
+    p = {"run": run_id}
+    failed = run_query(settings, "SELECT stage, error_type, error_message, result_id FROM events FINAL "
+                                 "WHERE run_id = {run:String} AND event_type = 'stage.failed' "
+                                 f"ORDER BY occurred_at LIMIT {int(limit)}", p).rows
+    n_failed = run_query(settings, "SELECT count() FROM events FINAL WHERE run_id = {run:String} "
+                                   "AND event_type = 'stage.failed'", p).rows[0][0]
+    dead = run_query(settings, "SELECT stage, error_message, reason FROM events FINAL WHERE run_id = {run:String} "
+                               f"AND event_type = 'dead.letter' ORDER BY occurred_at LIMIT {int(limit)}", p).rows
+    n_dead = run_query(settings, "SELECT count() FROM events FINAL WHERE run_id = {run:String} "
+                                 "AND event_type = 'dead.letter'", p).rows[0][0]
+    errors = run_query(settings, "SELECT substring(error, 1, 120) AS e, count() FROM verification_results FINAL "
+                                 "WHERE (run_id = {run:String} OR run_name = {run:String}) "
+                                 "AND NOT completed_without_errors GROUP BY e ORDER BY count() DESC "
+                                 f"LIMIT {int(limit)}", p).rows
+    budget_rows = run_query(settings, "SELECT JSONExtractInt(config_json, 'budget_tokens') FROM runs FINAL "
+                                      "WHERE run_id = {run:String}", p).rows
+    budget = int(budget_rows[0][0]) if budget_rows and budget_rows[0][0] else None
+    spent = stopped = 0
+    if budget is not None:
+        spent, stopped = run_query(settings, "SELECT sum(total_tokens), countIf(positionCaseInsensitive(ifNull("
+                                             "error, ''), ': BudgetExhausted: ') > 0) FROM verification_results FINAL "
+                                             "WHERE run_id = {run:String}", p).rows[0]
+    return {
+        "budget_tokens": budget,
+        "tokens_spent": int(spent or 0),
+        "budget_stopped": int(stopped or 0),
+        "stage_failed": int(n_failed),
+        "stage_failures": [{"stage": r[0], "type": r[1], "message": r[2], "result_id": r[3]} for r in failed],
+        "dead_letters": int(n_dead),
+        "dead_letter_list": [{"consumer": r[0], "error": r[1], "subject": r[2]} for r in dead],
+        "errors": [{"error": r[0], "count": int(r[1])} for r in errors],
+    }
+
+
+def format_run_problems(problems: dict[str, Any]) -> str:
+    lines = []
+    if problems.get("budget_tokens") is not None:
+        lines.append(f"  token budget: {problems['budget_tokens']}; spent by finalized results: "
+                     f"{problems['tokens_spent']}; {problems['budget_stopped']} job(s) not generated "
+                     "(budget exhausted)")
+    lines.append(f"  stage give-ups: {problems['stage_failed']}")
+    for f in problems["stage_failures"]:
+        lines.append(f"    {f['stage']}: {f['type']}: {f['message'][:160]} (result {f['result_id']})")
+    lines.append(f"  dead letters: {problems['dead_letters']}")
+    for d in problems["dead_letter_list"]:
+        lines.append(f"    {d['consumer']}: {d['error'][:160]} ({d['subject']})")
+    if problems["errors"]:
+        lines.append("  result errors:")
+        for e in problems["errors"]:
+            lines.append(f"    {e['count']:>6}  {e['error']}")
+    return "\n".join(lines)

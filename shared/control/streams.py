@@ -1,0 +1,92 @@
+"""Reading a run's history back from the stream (the source of truth) for the run commands."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from shared.core import events
+from shared.runtime import bus
+
+log = logging.getLogger("veribus.lifecycle")
+
+
+# durable consumers whose queued messages still lead to results (the projector's do not)
+STAGE_DURABLES = ("generation", "guards", "parsing", "verification", "rubric", "finalization-template",
+                  "finalization-rubric")
+PROJECTOR_DURABLE = "projector"
+
+
+class LifecycleError(RuntimeError):
+    """A lifecycle command that cannot proceed; the message says why and what to do."""
+
+
+async def read_events(js: JetStreamContext, subject_filter: str, *, batch: int = 1000,
+                      timeout: float = 60.0) -> list[events.Envelope]:
+    """Every decodable event on `subject_filter`, in stream order (an ephemeral consumer)."""
+    psub = await js.pull_subscribe(
+        subject_filter, durable=None, stream=events.STREAM,
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                              inactive_threshold=30.0, max_ack_pending=-1),
+    )
+    out: list[events.Envelope] = []
+    deadline = time.monotonic() + timeout
+    try:
+        remaining = (await psub.consumer_info()).num_pending
+        while remaining > 0:
+            if time.monotonic() > deadline:
+                raise LifecycleError(f"reading {subject_filter} from the stream took longer than {timeout:.0f} s")
+            try:
+                msgs = await psub.fetch(min(batch, remaining), timeout=2.0)
+            except Exception as exc:  # noqa: BLE001 - nats TimeoutError: ask again
+                log.debug("fetch %s: %s", subject_filter, exc)
+                continue
+            for m in msgs:
+                try:
+                    out.append(events.decode(m.data))
+                except Exception:  # noqa: BLE001 - undecodable: not part of the run's history
+                    pass
+            remaining = msgs[-1].metadata.num_pending if msgs and msgs[-1].metadata else remaining - len(msgs)
+    finally:
+        try:
+            await psub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+async def subject_counts(js: JetStreamContext, subject_filter: str) -> dict[str, int]:
+    """Messages per subject under a filter (e.g. result.finalized per result of one run)."""
+    info = await js.stream_info(events.STREAM, subjects_filter=subject_filter)
+    return dict(info.state.subjects or {})
+
+
+async def finalized_ids(js: JetStreamContext, run_id: str) -> set[str]:
+    """Result ids of the run that have a `result.finalized` event."""
+    counts = await subject_counts(js, events.subject(events.RESULT_FINALIZED, run_id, "*"))
+    return {s.rsplit(".", 1)[-1] for s in counts}
+
+
+async def run_event(js: JetStreamContext, run_id: str) -> events.RunRequested:
+    env = await bus.last_event(js, events.subject(events.RUN_REQUESTED, run_id))
+    if env is None:
+        raise LifecycleError(f"no run {run_id!r} in the stream (no run.requested event)")
+    return events.payload_as(env, events.RunRequested)
+
+
+async def queued_for_services(js: JetStreamContext) -> dict[str, int]:
+    """Messages the stage services still have to handle (pending + unacked), per durable."""
+    out: dict[str, int] = {}
+    for name in STAGE_DURABLES:
+        try:
+            ci = await js.consumer_info(events.STREAM, name)
+        except NotFoundError:
+            continue
+        n = int(ci.num_pending or 0) + int(ci.num_ack_pending or 0)
+        if n:
+            out[name] = n
+    return out

@@ -1,0 +1,187 @@
+"""User-facing run configuration (`VerificationConfig`) and process settings (env vars).
+
+`VerificationConfig` mirrors the reference's field names and defaults; `Settings` holds where
+the bus, the store and the simulator are, read once from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.core.events import ModelSpec
+
+EvaluationMode = Literal["template_only", "template_and_rubric", "rubric_only"]
+
+
+class ModelConfig(BaseModel):
+    """One answering or parsing model. `model_name` is any litellm model string."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_name: str
+    id: str = ""
+    model_provider: str | None = None
+    interface: str = "litellm"
+    api_base: str | None = None
+    api_key_env: str | None = Field(
+        default=None, description="Name of the env var holding the API key (the key itself is never stored)"
+    )
+    temperature: float = 0.0
+    max_tokens: int | None = None
+    system_prompt: str | None = None
+    max_concurrency: int = Field(default=32, ge=1, description="calls in flight, for the whole deployment")
+    requests_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
+    tokens_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
+    input_cost_per_million_tokens: float | None = Field(
+        default=None, ge=0, description="USD per million input tokens (overrides litellm's cost map)")
+    output_cost_per_million_tokens: float | None = Field(
+        default=None, ge=0, description="USD per million output tokens (overrides litellm's cost map)")
+    limit_scope: Literal["model", "endpoint"] = Field(
+        default="model", description="share the limits per model, or per endpoint (api_base) across its models")
+    timeout: float = Field(default=120.0, gt=0)
+    max_retries: int = Field(default=4, ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    mcp_urls_dict: dict[str, str] | None = None
+    max_turns: int = Field(default=10, ge=1)
+    manual_traces: dict[str, Any] | None = None
+
+    @field_validator("model_name")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model_name must not be empty")
+        return v.strip()
+
+    @field_validator("params")
+    @classmethod
+    def _no_secrets_in_params(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """params travel in every event: a key there would be stored everywhere."""
+        secretish = [k for k in v if any(w in k.lower() for w in ("key", "token", "secret", "password", "authorization"))]
+        if secretish:
+            raise ValueError(
+                f"params.{secretish[0]} looks like a secret: params are recorded in every event; put the secret "
+                "in an environment variable and name that variable in api_key_env")
+        return v
+
+    @model_validator(mode="after")
+    def _provider_prefix(self) -> ModelConfig:
+        if self.model_provider and "/" not in self.model_name:
+            self.model_name = f"{self.model_provider}/{self.model_name}"
+        if not self.id:
+            self.id = self.model_name
+        return self
+
+    def to_spec(self) -> ModelSpec:
+        return ModelSpec(
+            model_name=self.model_name,
+            id=self.id,
+            interface="manual" if self.interface == "manual" else self.interface,
+            api_base=self.api_base,
+            api_key_env=self.api_key_env,
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            system_prompt=self.system_prompt,
+            max_concurrency=self.max_concurrency,
+            timeout=self.timeout,
+            max_retries=self.max_retries,
+            params=dict(self.params),
+            mcp_servers=dict(self.mcp_urls_dict or {}),
+            max_turns=self.max_turns,
+            manual_traces=dict(self.manual_traces or {}),
+            requests_per_minute=self.requests_per_minute,
+            tokens_per_minute=self.tokens_per_minute,
+            limit_scope=self.limit_scope,
+            input_cost_per_million_tokens=self.input_cost_per_million_tokens,
+            output_cost_per_million_tokens=self.output_cost_per_million_tokens,
+        )
+
+
+class StageOptions(BaseModel):
+    """The per-stage switches of `VerificationConfig`, carried on every job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    abstention_enabled: bool = False
+    sufficiency_enabled: bool = False
+    embedding_check_enabled: bool = False
+    embedding_check_model: str = "all-MiniLM-L6-v2"
+    embedding_check_threshold: float = Field(default=0.85, ge=0.0, le=1.0)
+    deep_judgment_enabled: bool = False
+    deep_judgment_max_excerpts_per_attribute: int = Field(default=3, ge=1)
+    deep_judgment_fuzzy_match_threshold: float = Field(default=0.80, ge=0.0, le=1.0)
+    deep_judgment_excerpt_retry_attempts: int = Field(default=2, ge=0)
+    deep_judgment_search_enabled: bool = False
+    deep_judgment_search_tool: str = "local"
+    deep_judgment_rubric_mode: Literal["disabled", "enable_all", "use_checkpoint", "custom"] = "disabled"
+    deep_judgment_rubric_config: dict[str, Any] | None = None
+    rubric_evaluation_strategy: Literal["batch", "sequential"] = "batch"
+    use_full_trace_for_template: bool = False
+    use_full_trace_for_rubric: bool = True
+    prompt_config: dict[str, str] | None = None
+    template_timeout_s: float = Field(default=10.0, gt=0)
+    response_cache: bool = Field(default=False, description="reuse model replies across runs (veribus run --cache)")
+    response_cache_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0,
+                                        description="a cached reply older than this is asked again")
+
+
+class VerificationConfig(StageOptions):
+    """What to run: models × replicates × mode, plus the stage switches."""
+
+    answering_models: list[ModelConfig] = Field(default_factory=list)
+    parsing_models: list[ModelConfig] = Field(default_factory=list)
+    replicate_count: int = Field(default=1, ge=1, le=1000)
+    evaluation_mode: EvaluationMode = "template_only"
+    run_name: str | None = None
+    few_shot_config: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _needs_models(self) -> VerificationConfig:
+        if not self.answering_models:
+            raise ValueError("answering_models: at least one answering model is required")
+        if not self.parsing_models:
+            raise ValueError("parsing_models: at least one parsing (judge) model is required")
+        return self
+
+    def stage_options(self) -> StageOptions:
+        return StageOptions(**{k: getattr(self, k) for k in StageOptions.model_fields})
+
+
+class Settings(BaseModel):
+    """Where things are. Every field has a `VERIBUS_*` env var; see the README."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_tls_ca: str | None = None
+    home: Path = Path(".veribus")
+    clickhouse_url: str | None = None  # e.g. http://user:pass@host:8123/db ; unset -> embedded chdb
+    clickhouse_database: str = "veribus"
+    simulator_url: str | None = None
+    consumer_max_ack_pending: int = 512
+    consumer_ack_wait_s: float = 120.0
+    consumer_max_deliver: int = 5
+    llm_cache: bool = True
+    model_limits: bool = True  # max_concurrency / rpm / tpm shared by the deployment (shared.runtime.limits)
+    limits_lease_s: float = 10.0
+    response_cache_max_age_s: float = 30 * 24 * 3600.0  # the cross-run cache bucket's max age
+    lean_events: bool = True  # jobs carry content hashes, not their question/template/rubric (shared.runtime.content)
+    stream_max_age_s: float = 0.0  # the event stream's retention by age (0: keep forever)
+    stream_max_bytes: int = -1  # the event stream's retention by size (-1: unlimited; oldest dropped first)  # a dead replica's slots are free again after this long
+
+    @property
+    def chdb_path(self) -> Path:
+        return self.home / "chdb"
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        data: dict[str, Any] = {}
+        for name in cls.model_fields:
+            val = os.environ.get(f"VERIBUS_{name.upper()}")
+            if val is not None and val != "":
+                data[name] = val
+        return cls(**data)

@@ -1,0 +1,245 @@
+"""Wire events (msgspec, JSON): the envelope, the payloads, and the subject scheme.
+
+Subject = `vb.<event-type>.<run_id>.<result_id>`; every event type has two tokens so services
+subscribe by type (`vb.answer.generated.*.*`) and one result's history is `vb.*.*.<run>.<rid>`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from shared.core.ids import event_id_for
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+STREAM = "VERIBUS"
+STREAM_SUBJECTS = ["vb.>"]
+QUERY_SUBJECT = "veribus.query"  # request-reply, deliberately outside the stream's subjects
+
+RUN_REQUESTED = "run.requested"
+ANSWER_REQUESTED = "answer.requested"
+ANSWER_GENERATED = "answer.generated"
+GUARDS_CHECKED = "guards.checked"
+TEMPLATE_PARSED = "template.parsed"
+TEMPLATE_VERIFIED = "template.verified"
+RUBRIC_EVALUATED = "rubric.evaluated"
+RESULT_FINALIZED = "result.finalized"
+STAGE_FAILED = "stage.failed"
+DEAD_LETTER = "dead.letter"
+RUN_CANCELLED = "run.cancelled"
+
+EVENT_TYPES = [
+    RUN_REQUESTED, ANSWER_REQUESTED, ANSWER_GENERATED, GUARDS_CHECKED, TEMPLATE_PARSED,
+    TEMPLATE_VERIFIED, RUBRIC_EVALUATED, RESULT_FINALIZED, STAGE_FAILED, DEAD_LETTER, RUN_CANCELLED,
+]
+
+RUN_KEY = "_"  # the result_id token of run-level events
+
+
+def subject(event_type: str, run_id: str, result_id: str = RUN_KEY) -> str:
+    return f"vb.{event_type}.{run_id}.{result_id}"
+
+
+def subscription(event_type: str) -> str:
+    return f"vb.{event_type}.*.*"
+
+
+class ModelSpec(msgspec.Struct, omit_defaults=True):
+    """A model as the services call it. Holds the *name* of the key's env var, never a key."""
+
+    model_name: str
+    id: str = ""
+    interface: str = "litellm"
+    api_base: str | None = None
+    api_key_env: str | None = None
+    temperature: float = 0.0
+    max_tokens: int | None = None
+    system_prompt: str | None = None
+    max_concurrency: int = 32
+    timeout: float = 120.0
+    max_retries: int = 4
+    params: dict[str, Any] = {}
+    mcp_servers: dict[str, str] = {}
+    max_turns: int = 10
+    manual_traces: dict[str, Any] = {}
+    requests_per_minute: int | None = None  # deployment-wide limits (shared.runtime.limits)
+    tokens_per_minute: int | None = None
+    limit_scope: str = "model"  # "model" or "endpoint": what max_concurrency/rpm/tpm are shared by
+    input_cost_per_million_tokens: float | None = None  # price overrides (shared.core.usage)
+    output_cost_per_million_tokens: float | None = None
+
+    @property
+    def tools(self) -> list[str]:
+        return sorted(self.mcp_servers)
+
+    @property
+    def canonical_key(self) -> str:
+        return f"{self.interface}:{self.model_name}:{','.join(self.tools)}"
+
+
+class Job(msgspec.Struct, omit_defaults=True):
+    """The fixed inputs of one result (question × answering × parsing × replicate)."""
+
+    run_id: str
+    result_id: str
+    answer_id: str
+    question_id: str
+    question_text: str
+    answering: ModelSpec
+    parsing: ModelSpec
+    timestamp: str
+    evaluation_mode: str = "template_only"
+    run_name: str | None = None
+    raw_answer: str | None = None
+    keywords: list[str] | None = None
+    template_code: str | None = None
+    template_id: str = "no_template"
+    rubric: dict[str, Any] | None = None  # {"traits": [trait dicts]} (shared.benchmark.Rubric dump)
+    replicate: int | None = None
+    options: dict[str, Any] = {}  # VerificationConfig stage options (shared.config.StageOptions dump)
+    few_shot_examples: list[dict[str, str]] = []
+    refs: dict[str, str] = {}  # content keys of fields left out of the wire (shared.runtime.content)
+
+
+class StageError(msgspec.Struct, omit_defaults=True):
+    stage: str
+    type: str
+    message: str
+    traceback: str = ""
+    attempt: int = 1
+
+
+class StageRecord(msgspec.Struct, omit_defaults=True):
+    stage: str
+    status: Literal["performed", "skipped", "failed"]
+    reason: str = ""
+    started_at: float = 0.0
+    ended_at: float = 0.0
+
+
+class State(msgspec.Struct, omit_defaults=True):
+    """What the stages have found so far, by result section; folded into a VerificationResult."""
+
+    template: dict[str, Any] = {}
+    rubric: dict[str, Any] | None = None
+    deep_judgment: dict[str, Any] | None = None
+    deep_judgment_rubric: dict[str, Any] | None = None
+    root: dict[str, Any] = {}
+    usage: dict[str, dict[str, Any]] = {}
+    signals: dict[str, Any] = {}  # internal flags between stages (not result fields)
+    error: StageError | None = None
+    stages: list[StageRecord] = []
+    started_at: float = 0.0
+
+
+class StageEvent(msgspec.Struct, omit_defaults=True):
+    """Payload of every per-result stage event: the job and its state after this stage."""
+
+    job: Job
+    state: State
+    status: Literal["performed", "skipped", "failed"] = "performed"
+    reason: str = ""
+
+
+class AnswerRequested(msgspec.Struct, omit_defaults=True):
+    """One answer to generate, parsed by every job in `jobs` (one per judge)."""
+
+    jobs: list[Job]
+
+
+class RunRequested(msgspec.Struct, omit_defaults=True):
+    run_id: str
+    timestamp: str
+    job_count: int
+    answer_count: int
+    run_name: str | None = None
+    benchmark_name: str = ""
+    evaluation_mode: str = "template_only"
+    config: dict[str, Any] = {}
+    unfinished_skipped: list[str] = []
+    parent_run_id: str | None = None
+
+
+class StageFailed(msgspec.Struct, omit_defaults=True):
+    error: StageError
+    event_type: str = ""  # the event whose handling failed
+
+
+class DeadLetter(msgspec.Struct, omit_defaults=True):
+    subject: str
+    consumer: str
+    error: str
+    deliveries: int
+    data: str = ""  # the undeliverable message, as text (truncated)
+
+
+class ResultFinalized(msgspec.Struct, omit_defaults=True):
+    result: dict[str, Any]  # VerificationResult.model_dump(mode="json")
+
+
+class Envelope(msgspec.Struct, omit_defaults=True):
+    event_id: str
+    event_type: str
+    run_id: str
+    result_id: str
+    occurred_at: float
+    producer: str
+    payload: msgspec.Raw
+    schema_version: int = SCHEMA_VERSION
+    attempt: int = 1
+
+    @property
+    def subject(self) -> str:
+        return subject(self.event_type, self.run_id, self.result_id)
+
+
+_encoder = msgspec.json.Encoder()
+_env_decoder = msgspec.json.Decoder(Envelope)
+_payload_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+class SchemaVersionError(ValueError):
+    pass
+
+
+def make_envelope(
+    event_type: str, run_id: str, result_id: str, payload: Any, producer: str, attempt: int = 1
+) -> Envelope:
+    return Envelope(
+        event_id=event_id_for(result_id if result_id != RUN_KEY else run_id, event_type),
+        event_type=event_type,
+        run_id=run_id,
+        result_id=result_id,
+        occurred_at=time.time(),
+        producer=producer,
+        payload=msgspec.Raw(_encoder.encode(payload)),
+        attempt=attempt,
+    )
+
+
+def encode(env: Envelope) -> bytes:
+    return _encoder.encode(env)
+
+
+def decode(data: bytes) -> Envelope:
+    env = _env_decoder.decode(data)
+    if env.schema_version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"event {env.event_id} has schema_version {env.schema_version}, expected {SCHEMA_VERSION}"
+        )
+    return env
+
+
+def payload_as(env: Envelope, kind: type[T]) -> T:
+    dec = _payload_decoders.get(kind)
+    if dec is None:
+        dec = _payload_decoders[kind] = msgspec.json.Decoder(kind)
+    return dec.decode(env.payload)
+
+
+def to_builtins(obj: Any) -> Any:
+    return msgspec.to_builtins(obj)

@@ -1,0 +1,358 @@
+"""The thin FastStream harness every stage service uses: subscribe to one event type on a
+durable pull consumer, call the stage, publish what it returns, ack after publishing.
+
+Failure policy (at-least-once, exactly-once effect):
+- a handler error is redelivered with backoff up to `consumer_max_deliver` times;
+- after that the job is not dropped: a `stage.failed` event records the error and the
+  stage's fallback event (its normal output, with `state.error` set) lets the run finish;
+- a message that cannot be decoded at all goes to `dead.letter` with the reason.
+
+Run control (`shared.runtime.runcontrol.RunControl`): an `answer.requested` of a run that was cancelled or
+has spent its token budget is not handled; the stage's fallback event (its normal output with
+the stop recorded as the error) is published instead, so the job still finalizes. Services add
+the tokens each handled event spent to the run's counter when the run has a budget. Events a
+service publishes carry the attempt key of the event they answer (`resume` re-runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any
+
+from faststream import AckPolicy, FastStream
+from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
+from faststream.nats.security import NatsSecurity, NatsToken, NatsUserPassword
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy as JsAckPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.runtime.content import ContentStore
+from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
+from shared.runtime.limits import deployment_limiter
+from shared.runtime.llm.cache import CACHE_SCOPE
+from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.transport import close_transports
+from shared.runtime.response_cache import scope_for, service_cache
+from shared.runtime.runcontrol import RunControl, apply_suffix, chain_suffix, tokens_before, tokens_spent
+
+log = logging.getLogger("veribus.service")
+
+VERSION = "0.1.0"
+
+CHAIN: ContextVar[str] = ContextVar("veribus_chain", default="")
+"""The attempt key of the event being handled ('' for a first run; see `lifecycle.chain_suffix`)."""
+
+Handler = Callable[[events.Envelope, Any], Awaitable[list[events.Envelope]]]
+GiveUp = Callable[[events.Envelope, Any, BaseException], list[events.Envelope]]
+
+
+async def _raw_body(msg: NatsMessage) -> bytes:
+    """Hand handlers the raw bytes: envelopes are decoded once, by msgspec, in `_dispatch`."""
+    return msg.body
+
+
+def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
+    """NATS auth and TLS for a FastStream `NatsBroker` (`security=`): FastStream 0.7 takes no
+    `user`/`password`/`tls` keyword arguments, unlike nats-py's `connect`."""
+    ssl_context = bus.connect_options(settings).get("tls")
+    if settings.nats_user:
+        return {"security": NatsUserPassword(settings.nats_user, settings.nats_password or "",
+                                             ssl_context=ssl_context)}
+    if settings.nats_token:
+        return {"security": NatsToken(settings.nats_token, ssl_context=ssl_context)}
+    if ssl_context is not None:
+        return {"security": NatsSecurity(ssl_context=ssl_context)}
+    return {}
+
+
+def backoff_s(delivered: int) -> float:
+    return min(30.0, 0.5 * (2 ** max(0, delivered - 1)))
+
+
+class StageService:
+    """One deployable service: a broker, its subscriptions and a JetStream handle for publishing."""
+
+    def __init__(self, name: str, settings: Settings | None = None) -> None:
+        self.name = name
+        self.producer = f"{name}/{VERSION}@{socket.gethostname()}:{os.getpid()}"  # which replica
+        self.settings = settings or Settings.from_env()
+        opts = bus.connect_options(self.settings)
+        kwargs: dict[str, Any] = {
+            "name": f"veribus-{name}",
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 1,
+            "connect_timeout": 5,
+            "logger": None,
+            "apply_types": False,
+            "graceful_timeout": 10.0,
+        }
+        kwargs.update(broker_auth_kwargs(self.settings))
+        self.broker = NatsBroker(opts["servers"], **kwargs)
+        self.app = FastStream(self.broker, on_startup=[self._startup], after_startup=[self._after_startup],
+                              on_shutdown=[close_transports, self._close_control])
+        self._js: JetStreamContext | None = None
+        self._stream = JStream(name=events.STREAM, declare=False)
+        self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
+        self.control = RunControl(lambda: self.js)
+        self.cost_control = CostControl(lambda: self.js)
+        self.content = ContentStore(lambda: self.js)  # job contents by hash (lean events)
+        # events whose handling is dispatch of new model work: skipped for a stopped run
+        self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
+
+    def llm_client(self) -> LLMClient:
+        """The service's model client; its response cache moves to the shared JetStream KV bucket
+        at start-up (so a redelivered or replayed stage does not pay for the same call twice)."""
+        client = LLMClient()
+
+        async def attach_cache() -> None:
+            client.cache = service_cache(self.js, run_scoped=self.settings.llm_cache,
+                                         max_age_s=self.settings.response_cache_max_age_s)
+            if self.settings.model_limits:
+                client.limiter = deployment_limiter(self.broker.connection, self.producer,
+                                                    self.settings.limits_lease_s)
+                self.app.on_shutdown(client.limiter.close)
+
+        self.startup_hooks.append(attach_cache)
+        return client
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self._js is None:
+            raise RuntimeError("service not started")
+        return self._js
+
+    async def _startup(self) -> None:
+        nc = await bus.connect(self.settings, name=f"veribus-{self.name}-admin")
+        try:
+            await bus.ensure_stream(nc.jetstream(), self.settings)
+        finally:
+            await nc.close()
+
+    async def _close_control(self) -> None:
+        await self.control.close()
+        await self.cost_control.close()
+
+    async def _after_startup(self) -> None:
+        self._js = self.broker.connection.jetstream()
+        for hook in self.startup_hooks:
+            await hook()
+        log.info("%s ready", self.name)
+
+    async def last_event(self, subject: str) -> events.Envelope | None:
+        """The newest event on an exact subject, if it belongs to the same run attempt as the
+        event being handled (a resumed job's join must not pick up its broken first attempt)."""
+        env = await bus.last_event(self.js, subject)
+        if env is not None and chain_suffix(env) != CHAIN.get():
+            return None
+        return env
+
+    def emit(self, event_type: str, job: events.Job, payload: Any, attempt: int = 1) -> events.Envelope:
+        payload = self.content.lean_payload(payload)  # the job's contents travel as hashes
+        return events.make_envelope(event_type, job.run_id, job.result_id, payload, self.producer, attempt)
+
+    def fail_forward(self, out_type: str, stage: str) -> GiveUp:
+        """The give-up of a stage whose failure ends the job's branch with an error: publish its
+        normal output event carrying the error, so downstream stages skip and the job finalizes."""
+
+        def give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
+            ev.state.error = ev.state.error or stage_error(stage, exc)
+            return [self.emit(out_type, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
+
+        return give_up
+
+    async def publish(self, envs: list[events.Envelope]) -> None:
+        if len(envs) == 1:
+            await bus.publish(self.js, envs[0])
+        elif envs:
+            await bus.publish_many(self.js, envs)
+
+    def handles(
+        self,
+        event_type: str,
+        payload_type: type,
+        *,
+        durable: str | None = None,
+        max_workers: int | None = None,
+        batch_size: int = 32,
+        give_up: GiveUp | None = None,
+    ) -> Callable[[Handler], Handler]:
+        """Register `fn(envelope, payload) -> [envelopes to publish]` for one event type."""
+        workers = max_workers or int(os.environ.get(f"VERIBUS_{self.name.upper()}_WORKERS", "64"))
+        max_deliver = self.settings.consumer_max_deliver
+        config = ConsumerConfig(
+            durable_name=durable or self.name,
+            ack_policy=JsAckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            max_ack_pending=self.settings.consumer_max_ack_pending,
+            ack_wait=self.settings.consumer_ack_wait_s,
+            max_deliver=max_deliver + 1,  # the last delivery is ours: it records the give-up
+        )
+
+        def decorator(fn: Handler) -> Handler:
+            @self.broker.subscriber(
+                events.subscription(event_type),
+                stream=self._stream,
+                durable=durable or self.name,
+                pull_sub=PullSub(batch_size=min(batch_size, workers)),
+                config=config,
+                ack_policy=AckPolicy.MANUAL,
+                max_workers=workers,
+                decoder=_raw_body,
+            )
+            async def _on_message(body: bytes) -> None:
+                msg: NatsMessage = self.broker.context.get_local("message")
+                await self._dispatch(fn, payload_type, give_up, body, msg, max_deliver)
+
+            return fn
+
+        return decorator
+
+    async def _dispatch(
+        self,
+        fn: Handler,
+        payload_type: type,
+        give_up: GiveUp | None,
+        body: bytes,
+        msg: NatsMessage,
+        max_deliver: int,
+    ) -> None:
+        raw = msg.raw_message
+        delivered = raw.metadata.num_delivered if raw.metadata else 1
+        try:
+            env = events.decode(body)
+            payload = events.payload_as(env, payload_type)
+        except Exception as exc:  # undecodable or wrong schema: cannot be processed, ever
+            if delivered >= max_deliver:
+                await self._dead_letter(raw.subject, body, exc, delivered)
+                await msg.ack()
+            else:
+                await msg.nack(delay=backoff_s(delivered))
+            return
+        CACHE_SCOPE.set(scope_for(env.run_id, payload))
+        suffix = chain_suffix(env)
+        CHAIN.set(suffix)
+        if give_up is not None and env.event_type in self.gated_event_types:
+            try:
+                stop = (await self.control.stop_reason(env.run_id, env.occurred_at)
+                        or await self.cost_control.stop_reason(env.run_id, env.occurred_at))
+            except Exception as exc:  # noqa: BLE001 - the gate fails open
+                log.warning("%s: run control check failed: %r", self.name, exc)
+                stop = None
+            if stop is not None:
+                await self.publish(apply_suffix(suffix, give_up(env, payload, stop)))
+                await msg.ack()
+                return
+        before = await self._tokens_before(env, payload)
+        cost_before_ = await self._cost_before(env, payload)
+        try:
+            payload = await self.content.hydrate_payload(payload)
+            outs = await fn(env, payload)
+            await self.publish(apply_suffix(suffix, outs))
+            await msg.ack()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("%s: handling %s failed (delivery %d): %r", self.name, env.event_id, delivered, exc)
+            if delivered < max_deliver:
+                await msg.nack(delay=backoff_s(delivered))
+                return
+            fallback = give_up(env, payload, exc) if give_up else []
+            failed = self._stage_failed(env, exc, delivered)
+            try:
+                await self.publish(apply_suffix(suffix, [failed, *fallback]))
+                await msg.ack()
+            except Exception:
+                log.exception("%s: could not record the give-up of %s", self.name, env.event_id)
+                await msg.nack(delay=backoff_s(delivered))
+            return
+        if before is not None and outs:
+            try:
+                self.control.record_usage(env.run_id, tokens_spent(before, outs))
+            except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+                log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
+        if cost_before_ is not None and outs:
+            try:
+                self.cost_control.record_usage(env.run_id, cost_spent(cost_before_, outs))
+            except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+                log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
+
+    async def _cost_before(self, env: events.Envelope, payload: Any) -> int | None:
+        """For a run with a money budget: micro-dollars already on the incoming event (else None)."""
+        try:
+            if await self.cost_control.budget(env.run_id) is None:
+                return None
+            return cost_before(payload)
+        except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+            log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
+            return None
+
+    async def _tokens_before(self, env: events.Envelope, payload: Any) -> int | None:
+        """For a run with a token budget: the tokens already on the incoming event (None: no budget)."""
+        try:
+            if await self.control.budget(env.run_id) is None:
+                return None
+            return tokens_before(payload)
+        except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+            log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
+            return None
+
+    def _stage_failed(self, env: events.Envelope, exc: BaseException, delivered: int) -> events.Envelope:
+        err = stage_error(self.name, exc, delivered)
+        out = events.make_envelope(
+            events.STAGE_FAILED, env.run_id, env.result_id,
+            events.StageFailed(error=err, event_type=env.event_type), self.producer, delivered,
+        )
+        out.event_id = f"{env.result_id}:{events.STAGE_FAILED}:{self.name}"
+        return out
+
+    async def _dead_letter(self, subject: str, body: bytes, exc: BaseException, delivered: int) -> None:
+        parts = subject.split(".")
+        run_id = parts[3] if len(parts) >= 5 else "unknown"
+        result_id = parts[4] if len(parts) >= 5 else "unknown"
+        dl = events.DeadLetter(
+            subject=subject, consumer=self.name, error=f"{type(exc).__name__}: {exc}",
+            deliveries=delivered, data=body[:4096].decode("utf-8", "replace"),
+        )
+        env = events.make_envelope(events.DEAD_LETTER, run_id, result_id, dl, self.producer, delivered)
+        digest = hashlib.sha256(subject.encode() + b"\0" + body).hexdigest()[:16]  # same id in every process
+        env.event_id = f"{result_id}:{events.DEAD_LETTER}:{self.name}:{digest}"
+        await bus.publish(self.js, env)
+        log.error("%s: dead-lettered %s after %d deliveries: %s", self.name, subject, delivered, dl.error)
+
+
+def stage_error(stage: str, exc: BaseException, attempt: int = 1) -> events.StageError:
+    return events.StageError(
+        stage=stage,
+        type=type(exc).__name__,
+        message=str(exc)[:2000] or type(exc).__name__,
+        traceback="".join(traceback.format_exception(exc))[-4000:],
+        attempt=attempt,
+    )
+
+
+def record(state: events.State, stage: str, status: str, started: float, reason: str = "") -> None:
+    """Append this stage's outcome to the state's stage log (for timing and skip analysis)."""
+    state.stages.append(
+        events.StageRecord(stage=stage, status=status, reason=reason, started_at=started, ended_at=time.time())  # type: ignore[arg-type]
+    )
+
+
+def run(service: StageService) -> None:
+    """Entry point of `python -m services.<name>`."""
+    logging.basicConfig(
+        level=os.environ.get("VERIBUS_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {service.name} %(levelname)s %(message)s",
+    )
+    logging.getLogger("faststream").setLevel(logging.WARNING)
+    asyncio.run(service.app.run())

@@ -1,0 +1,387 @@
+"""Run control inside a running service: cancellation and token budgets, per message.
+
+The service harness (`shared.runtime.harness`) asks `RunControl` before an `answer.requested` is
+handled whether the run was cancelled or has spent its token budget, and after every handled
+event of a run with a budget it adds the tokens that stage spent to the run's counter.
+Cancellation is an event on the stream (`vb.run.cancelled.<run>._`, its last message wins); the
+budget is `budget_tokens` in the run's `run.requested` config (or a newer value on the control
+subject); the spent counter is one key per run in the JetStream KV bucket `vb_run_usage`,
+updated by compare-and-set from every service process. The attempt key of re-run events
+(`chain_suffix`, `apply_suffix`) lives here too, because the harness threads it through."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+
+log = logging.getLogger("veribus.lifecycle")
+
+
+USAGE_BUCKET = "vb_run_usage"
+
+
+class RunControlPayload(msgspec.Struct, omit_defaults=True):
+    """Payload of `vb.run.cancelled.<run>._`: the newest message on that subject is in force.
+
+    `cancelled=False` (published by `resume`) lifts an earlier cancel; `budget_tokens` replaces
+    the budget of the run's config."""
+
+    cancelled: bool = True
+    reason: str = ""
+    budget_tokens: int | None = None
+    at: float = 0.0
+
+
+class RunStopped(Exception):
+    """The run's remaining answers are not dispatched; the job finalizes with this error."""
+
+
+class RunCancelled(RunStopped):
+    pass
+
+
+class BudgetExhausted(RunStopped):
+    pass
+
+
+STOP_ERROR_TYPES = frozenset({"RunCancelled", "BudgetExhausted"})
+
+
+class _UsageEntry(msgspec.Struct):
+    total_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class _UsageState(msgspec.Struct):
+    usage: dict[str, _UsageEntry | None] = {}
+
+
+class _UsageProbe(msgspec.Struct):
+    """The token counts of a StageEvent payload; everything else is skipped by the decoder."""
+
+    state: _UsageState | None = None
+
+
+_usage_probe = msgspec.json.Decoder(_UsageProbe)
+_control_dec = msgspec.json.Decoder(RunControlPayload)
+_TOKEN_EVENTS = frozenset({events.ANSWER_GENERATED, events.GUARDS_CHECKED, events.TEMPLATE_PARSED,
+                           events.TEMPLATE_VERIFIED, events.RUBRIC_EVALUATED})
+
+
+def _entry_tokens(e: Any) -> int:
+    if e is None:
+        return 0
+    if isinstance(e, dict):
+        total = int(e.get("total_tokens") or 0)
+        return total or int(e.get("input_tokens") or 0) + int(e.get("output_tokens") or 0)
+    return int(e.total_tokens or 0) or int(e.input_tokens or 0) + int(e.output_tokens or 0)
+
+
+def usage_tokens(usage: dict[str, Any] | None) -> int:
+    """Total tokens of a state's `usage` map (per stage entries; a `total` entry is ignored)."""
+    if not usage:
+        return 0
+    return sum(_entry_tokens(v) for k, v in usage.items() if k != "total")
+
+
+def tokens_before(payload: Any) -> int:
+    """Tokens already on an incoming event's state (read before the handler: stages update the
+    state in place)."""
+    return usage_tokens(payload.state.usage) if isinstance(payload, events.StageEvent) else 0
+
+
+def tokens_spent(before: int, outs: Iterable[events.Envelope]) -> int:
+    """Tokens one handled event spent: the growth of the state's usage from the input event
+    (`before`, see `tokens_before`) to its outputs. Fan-out copies (one answer for several
+    judges) count once: the max is taken."""
+    spent = 0
+    for out in outs:
+        if out.event_type not in _TOKEN_EVENTS:
+            continue
+        try:
+            probe = _usage_probe.decode(out.payload)
+        except msgspec.DecodeError:
+            continue
+        if probe.state is not None:
+            spent = max(spent, usage_tokens(probe.state.usage) - before)  # type: ignore[arg-type]
+    return spent
+
+
+def _kv_key(run_id: str) -> str:
+    """A KV-safe key for a run id (run ids we make are safe already)."""
+    if re.fullmatch(r"[-_=A-Za-z0-9]{1,200}", run_id):
+        return run_id
+    return "h" + hashlib.sha256(run_id.encode()).hexdigest()[:32]
+
+
+@dataclass
+class _RunInfo:
+    loaded: bool = False
+    config_budget: int | None = None
+    control: RunControlPayload | None = None
+    checked_at: float = -1e9  # monotonic
+    checked_wall: float = 0.0  # time.time() of the same read
+    usage_seen: int = 0
+    usage_read_at: float = -1e9
+
+    @property
+    def budget(self) -> int | None:
+        if self.control is not None and self.control.budget_tokens is not None:
+            return self.control.budget_tokens
+        return self.config_budget
+
+    @property
+    def cancelled(self) -> bool:
+        return bool(self.control is not None and self.control.cancelled)
+
+
+class RunControl:
+    """Per-process view of run cancellation and token budgets (see module docstring).
+
+    Reads are cached (`ttl_s`, `usage_ttl_s`), so the per-message cost is a dict lookup; each
+    process adds its spent tokens to the run's KV counter every `flush_s`. A read that fails (the
+    server is away) never stops a run: the gate fails open and retries on the next message.
+    """
+
+    def __init__(self, js: Callable[[], JetStreamContext], *, ttl_s: float = 1.0, usage_ttl_s: float = 0.25,
+                 flush_s: float = 0.2, max_runs: int = 4096) -> None:
+        self._js = js
+        self.ttl_s = ttl_s
+        self.usage_ttl_s = usage_ttl_s
+        self.flush_s = flush_s
+        self.max_runs = max_runs
+        self._runs: OrderedDict[str, _RunInfo] = OrderedDict()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._pending: dict[str, int] = {}
+        self._kv: Any = None
+        self._flusher: asyncio.Task[None] | None = None
+
+    # ---- reading the run's state ----
+    async def _info(self, run_id: str, newer_than: float = 0.0) -> _RunInfo:
+        """The run's state, read at most `ttl_s` ago and (wall clock) after `newer_than`."""
+        info = self._runs.get(run_id)
+        now = time.monotonic()
+        if info is not None and now - info.checked_at < self.ttl_s and info.checked_wall >= newer_than:
+            return info
+        lock = self._locks.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            info = self._runs.get(run_id)
+            if (info is not None and time.monotonic() - info.checked_at < self.ttl_s
+                    and info.checked_wall >= newer_than):
+                return info
+            info = info or _RunInfo()
+            js = self._js()
+            try:
+                if not info.loaded:
+                    run_env = await bus.last_event(js, events.subject(events.RUN_REQUESTED, run_id))
+                    if run_env is not None:
+                        cfg = events.payload_as(run_env, events.RunRequested).config
+                        b = cfg.get("budget_tokens")
+                        info.config_budget = int(b) if isinstance(b, int | float) and b > 0 else None
+                    info.loaded = True
+                ctl = await bus.last_event(js, events.subject(events.RUN_CANCELLED, run_id))
+                info.control = _control_dec.decode(ctl.payload) if ctl is not None else None
+            except Exception as exc:  # noqa: BLE001 - fail open, retry on the next message
+                log.warning("run control: cannot read the state of run %s: %s", run_id, exc)
+            info.checked_at = time.monotonic()
+            info.checked_wall = time.time()
+            self._runs[run_id] = info
+            self._runs.move_to_end(run_id)
+            while len(self._runs) > self.max_runs:
+                old, _ = self._runs.popitem(last=False)
+                self._locks.pop(old, None)
+            return info
+
+    async def budget(self, run_id: str) -> int | None:
+        """The run's token budget, or None (no budget)."""
+        return (await self._info(run_id)).budget
+
+    async def usage(self, run_id: str) -> int:
+        """Tokens the run has spent as far as this process knows (counter + unflushed)."""
+        info = await self._info(run_id)
+        now = time.monotonic()
+        if now - info.usage_read_at >= self.usage_ttl_s:
+            try:
+                info.usage_seen = await self._read_counter(run_id)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("run control: cannot read the usage of run %s: %s", run_id, exc)
+            info.usage_read_at = now
+        return info.usage_seen + self._pending.get(run_id, 0)
+
+    async def stop_reason(self, run_id: str, published_at: float = 0.0) -> RunStopped | None:
+        """Why the run's next answer must not be generated, or None.
+
+        `published_at`: when the request was published. A stop seen before that is read again
+        (a `resume` lifts the stop, then publishes its requests: they must see the lift)."""
+        info = await self._info(run_id)
+        if info.cancelled and info.checked_wall < published_at:
+            info = await self._info(run_id, newer_than=published_at)
+        if info.cancelled:
+            why = f" ({info.control.reason})" if info.control and info.control.reason else ""
+            return RunCancelled(f"cancelled: run {run_id} was cancelled before this answer was generated{why}")
+        budget = info.budget
+        if budget is not None:
+            used = await self.usage(run_id)
+            if used >= budget and info.checked_wall < published_at:
+                info = await self._info(run_id, newer_than=published_at)  # a raised budget?
+                budget = info.budget
+            if budget is not None and used >= budget:
+                return BudgetExhausted(f"budget exhausted: run {run_id} has used {used} of its {budget}-token "
+                                       "budget; this answer was not generated")
+        return None
+
+    # ---- spending ----
+    def record_usage(self, run_id: str, tokens: int) -> None:
+        """Add tokens this process spent for the run (flushed to the shared counter soon)."""
+        if tokens <= 0:
+            return
+        self._pending[run_id] = self._pending.get(run_id, 0) + tokens
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+
+    async def _flush_loop(self) -> None:
+        while self._pending:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        for run_id in list(self._pending):
+            delta = self._pending.pop(run_id, 0)
+            if delta <= 0:
+                continue
+            try:
+                total = await self._add_counter(run_id, delta)
+            except Exception as exc:  # noqa: BLE001 - keep it for the next flush
+                log.warning("run control: cannot add %d tokens to run %s: %s", delta, run_id, exc)
+                self._pending[run_id] = self._pending.get(run_id, 0) + delta
+                continue
+            info = self._runs.get(run_id)
+            if info is not None:
+                info.usage_seen = max(info.usage_seen, total)
+
+    async def close(self) -> None:
+        if self._flusher is not None and not self._flusher.done():
+            self._flusher.cancel()
+        if self._pending:
+            try:
+                await asyncio.wait_for(self.flush(), 5.0)
+            except Exception:  # noqa: BLE001 - shutting down: best effort
+                pass
+
+    # ---- the KV counter ----
+    async def _bucket(self) -> Any:
+        if self._kv is None:
+            self._kv = await usage_bucket(self._js())
+        return self._kv
+
+    async def _read_counter(self, run_id: str) -> int:
+        kv = await self._bucket()
+        try:
+            entry = await kv.get(_kv_key(run_id))
+        except KeyNotFoundError:
+            return 0
+        return int(entry.value or b"0")
+
+    async def _add_counter(self, run_id: str, delta: int) -> int:
+        """Compare-and-set add; returns the new total."""
+        kv = await self._bucket()
+        key = _kv_key(run_id)
+        for _ in range(50):
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                try:
+                    await kv.create(key, str(delta).encode())
+                    return delta
+                except KeyWrongLastSequenceError:
+                    continue
+            total = int(entry.value or b"0") + delta
+            try:
+                await kv.update(key, str(total).encode(), last=entry.revision)
+                return total
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(0.005)
+        raise RuntimeError(f"usage counter of run {run_id}: too much contention")
+
+
+async def usage_bucket(js: JetStreamContext, bucket: str = USAGE_BUCKET) -> Any:
+    """A run-usage KV bucket (created on first use): tokens, or micro-dollars (runtime.costcontrol)."""
+    try:
+        return await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):
+        try:
+            return await js.create_key_value(KeyValueConfig(
+                bucket=bucket, history=1, ttl=30 * 24 * 3600, description="veribus spending per run"))
+        except Exception:  # noqa: BLE001 - another process created it meanwhile
+            return await js.key_value(bucket)
+
+
+async def run_usage(settings: Settings, run_id: str) -> int:
+    """Tokens the run's services have reported spending so far (the budget counter)."""
+    nc = await bus.connect(settings)
+    try:
+        return await RunControl(lambda: nc.jetstream())._read_counter(run_id)
+    finally:
+        await nc.close()
+
+
+def set_budget(run_event: events.RunRequested, budget_tokens: int | None) -> None:
+    """Record a token budget in the run's config (what `veribus run --max-tokens-budget N` does
+    before submitting); the generation service stops dispatching once the run has spent it."""
+    if budget_tokens is None:
+        return
+    if budget_tokens <= 0:
+        raise ValueError(f"budget_tokens must be a positive number of tokens, got {budget_tokens}")
+    run_event.config = {**run_event.config, "budget_tokens": int(budget_tokens)}
+
+
+def pop_budget(config_data: dict[str, Any]) -> int | None:
+    """Take `budget_tokens` out of a run-config mapping (it is not a VerificationConfig field)."""
+    raw = config_data.pop("budget_tokens", None)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+        raise ValueError(f"budget_tokens: expected a positive integer number of tokens, got {raw!r}")
+    return raw
+
+
+# =========================================================================== event ids of re-runs
+
+
+def chain_suffix(env: events.Envelope) -> str:
+    """The attempt key of an event (`<id>:<type>:<key>`), '' for a first run.
+
+    `resume` publishes answer requests with a key; every event a service publishes in reply
+    carries the same key, so a resumed job's chain is not deduplicated against the events of an
+    earlier, broken one."""
+    key = env.result_id if env.result_id != events.RUN_KEY else env.run_id
+    base = f"{key}:{env.event_type}"
+    if env.event_id.startswith(base + ":"):
+        return env.event_id[len(base) + 1:]
+    return ""
+
+
+def apply_suffix(suffix: str, outs: list[events.Envelope]) -> list[events.Envelope]:
+    """Give outgoing events the attempt key of the event they answer (see `chain_suffix`)."""
+    if suffix:
+        for out in outs:
+            if not out.event_id.endswith(":" + suffix):
+                out.event_id = f"{out.event_id}:{suffix}"
+    return outs

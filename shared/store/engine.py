@@ -1,0 +1,212 @@
+"""Store port: the ClickHouse tables behind one small interface, for two backends.
+
+- server: `clickhouse-connect` to a ClickHouse server (`Settings.clickhouse_url`);
+- embedded: chdb in-process, persisted to `Settings.chdb_path`, through the same
+  clickhouse-connect client API (`get_client(dsn="chdb:///abs/path")`, checked with chdb 4.4).
+
+A chdb folder opens in one process only (the projector owns it). All calls are blocking: async
+callers wrap them in `asyncio.to_thread`. The rows written come from `shared.store.rows`; what a
+read-only query may run is decided in `shared.store.sql_guard`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infra.clickhouse import TABLES, VIEWS, check_identifier, statements
+from shared.core.events import (
+    Envelope,
+    RunRequested,
+)
+from shared.store.rows import EVENT_COLUMNS, RESULT_COLUMNS, RUN_COLUMNS, Projection, event_row, run_row
+from shared.store.sql_guard import ReadOnlyError, read_only_refusal
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from shared.core.config import Settings
+
+
+# --------------------------------------------------------------------------------------------
+# Store
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QueryResult:
+    columns: list[str]
+    rows: list[tuple[Any, ...]]
+    types: list[str] = field(default_factory=list)
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row, strict=False)) for row in self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+_chdb_lock = threading.Lock()
+
+
+def preload_chdb() -> None:
+    """Import chdb once, early, in the calling (main) thread: the import is slow (~0.3 s, ~226 MB)
+    and may change the working directory, so it must not happen lazily inside a worker thread."""
+    with _chdb_lock:
+        cwd = os.getcwd()
+        import chdb  # noqa: F401 - heavy (~0.3 s, ~226 MB): only the embedded engine needs it
+
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+
+
+class Store:
+    """The veribus tables over one clickhouse-connect client (server or chdb)."""
+
+    def __init__(self, client: Any, database: str, backend: str, reader: Any | None = None) -> None:
+        self.client = client
+        self.database = check_identifier(database)
+        self.backend = backend
+        self._reader = reader
+        self._reader_factory: Any = None
+
+    # ---- schema ----
+    def migrate(self) -> None:
+        """Create the database, tables and views if missing (idempotent; views are replaced)."""
+        self.client.command(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+        for stmt in statements(self.database):
+            self.client.command(stmt)
+
+    def drop_all(self) -> None:
+        """Drop every veribus table and view (projections rebuild refolds them from the stream)."""
+        for name in reversed(VIEWS):
+            self.client.command(f"DROP VIEW IF EXISTS {self.database}.{name}")
+        for name in TABLES:
+            self.client.command(f"DROP TABLE IF EXISTS {self.database}.{name}")
+
+    # ---- writes ----
+    def insert_event_rows(self, rows: Sequence[Sequence[Any]]) -> None:
+        if rows:
+            self.client.insert(f"{self.database}.events", rows, column_names=EVENT_COLUMNS)
+
+    def insert_events(self, envs: Iterable[Envelope]) -> int:
+        rows = [event_row(e) for e in envs]
+        self.insert_event_rows(rows)
+        return len(rows)
+
+    def insert_results(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert `result_to_row` dicts (many per call)."""
+        if rows:
+            data = [[row[c] for c in RESULT_COLUMNS] for row in rows]
+            self.client.insert(f"{self.database}.verification_results", data, column_names=RESULT_COLUMNS)
+
+    def insert_runs(self, runs: Sequence[RunRequested | Mapping[str, Any] | Sequence[Any]]) -> None:
+        """Insert runs: RunRequested payloads (or dicts of one), or ready `run_row` lists."""
+        rows = [r if isinstance(r, list | tuple) else run_row(r) for r in runs]
+        if rows:
+            self.client.insert(f"{self.database}.runs", rows, column_names=RUN_COLUMNS)
+
+    def insert_projection(self, p: Projection) -> None:
+        """Results and runs first, events last; all idempotent, so a retry after a partial
+        failure converges."""
+        self.insert_results(p.results)
+        self.insert_runs(p.runs)
+        self.insert_event_rows(p.events)
+
+    # ---- reads ----
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+        """Run any query on the writer client (trusted callers: the services and tests)."""
+        return self._query(self.client, sql, params)
+
+    def query_read_only(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+        """Run an untrusted query: refused unless `is_read_only_sql`, and on chdb executed on a
+        separate handle with `readonly = 1` (no writes, no DDL, no settings, no table functions)."""
+        reason = read_only_refusal(sql)
+        if reason:
+            raise ReadOnlyError(f"refused: {reason}")
+        return self._query(self.reader(), sql, params)
+
+    def query_df(self, sql: str, params: Mapping[str, Any] | None = None) -> pd.DataFrame:
+        return self.client.query_df(sql, parameters=dict(params) if params else None)
+
+    def _query(self, client: Any, sql: str, params: Mapping[str, Any] | None) -> QueryResult:
+        res = client.query(sql, parameters=dict(params) if params else None)
+        return QueryResult(
+            columns=list(res.column_names),
+            rows=[tuple(r) for r in res.result_rows],
+            types=[t.name for t in res.column_types],
+        )
+
+    def reader(self) -> Any:
+        if self._reader is None:
+            self._reader = self._reader_factory() if self._reader_factory else self.client
+        return self._reader
+
+    def count(self, table: str, where: str = "", params: Mapping[str, Any] | None = None) -> int:
+        """Rows of a table under FINAL (what analysts see), for tests and status checks."""
+        check_identifier(table)
+        sql = f"SELECT count() FROM {self.database}.{table} FINAL" + (f" WHERE {where}" if where else "")
+        return int(self.query(sql, params).rows[0][0])
+
+    def close(self) -> None:
+        """Close the clients; on chdb this frees the folder lock for another process."""
+        clients = [self.client] if self._reader in (None, self.client) else [self._reader, self.client]
+        for c in clients:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+        self._reader = None
+
+
+def _chdb_client(path: Path, database: str | None = None) -> Any:
+    import clickhouse_connect  # clickhouse_connect: only a store connection needs it
+
+    return clickhouse_connect.get_client(dsn=f"chdb://{path}", database=database)
+
+
+def open_store(settings: Settings, migrate: bool = True) -> Store:
+    """Open the store `settings` points at: a ClickHouse server when `clickhouse_url` is set, else
+    the embedded chdb folder `settings.chdb_path` (one process per folder)."""
+    import clickhouse_connect  # clickhouse_connect: only a store connection needs it
+
+    db = check_identifier(settings.clickhouse_database)
+    if settings.clickhouse_url:
+        # no session id: concurrent queries on one HTTP session are refused by the server
+        client = clickhouse_connect.get_client(dsn=settings.clickhouse_url, autogenerate_session_id=False)
+        if migrate:  # a read-only analyst account cannot create; it only reads
+            client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+        client.database = db
+        store = Store(client, db, "server")
+    else:
+        preload_chdb()
+        path = Path(settings.chdb_path).expanduser().resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            client = _chdb_client(path)
+        except Exception as exc:
+            if "lock" in str(exc).lower():
+                raise RuntimeError(
+                    f"the chdb folder {path} is open in another process (one process per folder: the "
+                    f"projector owns it; query through it, or stop it first)"
+                ) from exc
+            raise
+        client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+        client.database = db
+        store = Store(client, db, "chdb")
+
+        def make_reader() -> Any:
+            reader = _chdb_client(path, db)
+            reader.command("SET max_execution_time = 60")
+            reader.command("SET max_result_rows = 1000000")
+            reader.command("SET readonly = 1")
+            return reader
+
+        store._reader_factory = make_reader
+    if migrate:
+        store.migrate()
+    return store

@@ -1,0 +1,497 @@
+"""Rows of the ClickHouse tables, each from one place: `event_row` (an Envelope), `result_to_row`
+(a VerificationResult), `run_row` (a RunRequested); `project_envelopes` folds a batch of
+envelopes into all three (msgspec only, no pydantic)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shared.core.events import (
+    ANSWER_GENERATED,
+    DEAD_LETTER,
+    GUARDS_CHECKED,
+    RESULT_FINALIZED,
+    RUBRIC_EVALUATED,
+    RUN_KEY,
+    RUN_REQUESTED,
+    STAGE_FAILED,
+    TEMPLATE_PARSED,
+    TEMPLATE_VERIFIED,
+    DeadLetter,
+    Envelope,
+    RunRequested,
+    StageError,
+    StageFailed,
+    StageRecord,
+)
+from shared.core.models import VerificationResult
+
+if TYPE_CHECKING:
+
+    pass
+
+
+UNDECODABLE = "undecodable"
+PROJECTION_FAILED = "projection_failed"
+STAGE_EVENT_TYPES = frozenset(
+    {ANSWER_GENERATED, GUARDS_CHECKED, TEMPLATE_PARSED, TEMPLATE_VERIFIED, RUBRIC_EVALUATED}
+)
+
+EVENT_COLUMNS = [
+    "event_id", "event_type", "run_id", "result_id", "subject", "occurred_at", "producer", "attempt",
+    "schema_version", "stage", "status", "reason", "error_type", "error_message", "duration_ms",
+    "input_tokens", "output_tokens", "stage_names", "stage_statuses", "stage_started", "stage_ended",
+    "payload", "cost_usd",
+]
+
+RESULT_COLUMNS = [
+    "run_id", "result_id", "version", "run_name", "question_id", "question_text", "template_id",
+    "keywords", "answering_model", "answering_interface", "answering_model_name", "answering_tools",
+    "parsing_model", "parsing_interface", "parsing_model_name", "replicate", "evaluation_mode",
+    "timestamp", "run_timestamp", "execution_time", "completed_without_errors", "error",
+    "failure_category", "failure_stage", "has_template", "template_verification_performed",
+    "verify_result", "verify_granular_result", "template_validation_error", "field_verification_error",
+    "raw_llm_response", "embedding_check_performed", "embedding_similarity_score",
+    "embedding_override_applied", "embedding_model_used", "regex_validations_performed",
+    "regex_overall_success", "recursion_limit_reached", "abstention_check_performed",
+    "abstention_detected", "abstention_override_applied", "sufficiency_check_performed",
+    "sufficiency_detected", "sufficiency_override_applied", "input_tokens", "output_tokens",
+    "total_tokens", "usage_stage", "usage_model", "usage_input_tokens", "usage_output_tokens",
+    "has_rubric", "rubric_evaluation_performed", "rubric_evaluation_strategy", "llm_trait_scores",
+    "llm_trait_labels", "regex_trait_scores", "callable_trait_scores", "metric_trait_scores",
+    "deep_judgment_performed", "deep_judgment_rubric_performed", "template_json", "rubric_json",
+    "deep_judgment_json", "deep_judgment_rubric_json", "usage_json", "result_json",
+    "cost_usd", "model_calls", "cached_replies", "usage_cost_usd",
+]
+
+RUN_COLUMNS = [
+    "run_id", "version", "run_name", "timestamp", "requested_at", "job_count", "answer_count",
+    "benchmark_name", "evaluation_mode", "parent_run_id", "unfinished_skipped", "config_json",
+]
+
+_json = msgspec.json.Encoder()
+
+
+def _us(ts: float) -> int:
+    """Seconds since the epoch -> integer microseconds (what DateTime64(6) columns take)."""
+    return int(round(ts * 1_000_000))
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+
+
+class _StateProbe(msgspec.Struct):
+    stages: list[StageRecord] = []
+    usage: dict[str, Any] = {}
+    error: StageError | None = None
+
+
+class _StageProbe(msgspec.Struct):
+    """The few fields of a StageEvent payload the events table needs; the job is skipped."""
+
+    status: str = "performed"
+    reason: str = ""
+    state: _StateProbe | None = None
+
+
+class _ResultPayload(msgspec.Struct):
+    result: dict[str, Any]
+
+
+_stage_probe = msgspec.json.Decoder(_StageProbe)
+_failed_dec = msgspec.json.Decoder(StageFailed)
+_dead_dec = msgspec.json.Decoder(DeadLetter)
+_run_dec = msgspec.json.Decoder(RunRequested)
+_result_dec = msgspec.json.Decoder(_ResultPayload)
+
+
+def _base_event_row(env: Envelope) -> list[Any]:
+    return [
+        env.event_id, env.event_type, env.run_id, env.result_id, env.subject, _us(env.occurred_at),
+        env.producer, min(max(env.attempt, 0), 65535), min(max(env.schema_version, 0), 65535),
+        "", "", "", "", "", None, None, None, [], [], [], [],
+        bytes(env.payload), None,
+    ]
+
+
+# indexes into an event row, for the fields filled per event type
+_STAGE, _STATUS, _REASON, _ETYPE, _EMSG, _DUR, _IN, _OUT = 9, 10, 11, 12, 13, 14, 15, 16
+_SNAMES, _SSTATUS, _SSTART, _SEND = 17, 18, 19, 20
+_COST = 22
+
+
+# the service stage behind each stage event, and the usage_metadata keys (spec/001) it fills
+_EVENT_STAGE = {
+    ANSWER_GENERATED: "generation",
+    GUARDS_CHECKED: "guards",
+    TEMPLATE_PARSED: "parsing",
+    TEMPLATE_VERIFIED: "verification",
+    RUBRIC_EVALUATED: "rubric",
+    RESULT_FINALIZED: "finalization",
+    RUN_REQUESTED: "run",
+}
+_EVENT_USAGE_KEYS = {
+    ANSWER_GENERATED: ("answer_generation",),
+    GUARDS_CHECKED: ("abstention_check", "sufficiency_check"),
+    TEMPLATE_PARSED: ("parsing",),
+    RUBRIC_EVALUATED: ("rubric_evaluation",),
+}
+
+
+def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
+    """Status, error, tokens and the stage log of a StageEvent payload.
+
+    The stage log in `state.stages` is cumulative (each event carries the records of all the
+    stages before it), so per-stage latency is computed in SQL (v_stage_latency), where each
+    record is attributed to the first event that carried it; `duration_ms` stays NULL here.
+    """
+    probe = _stage_probe.decode(payload)
+    row[_STATUS] = probe.status
+    row[_REASON] = probe.reason
+    state = probe.state
+    if state is None:
+        return
+    if state.stages:
+        row[_SNAMES] = [s.stage for s in state.stages]
+        row[_SSTATUS] = [s.status for s in state.stages]
+        row[_SSTART] = [s.started_at for s in state.stages]
+        row[_SEND] = [s.ended_at for s in state.stages]
+    keys = _EVENT_USAGE_KEYS.get(event_type, ())
+    entries = [state.usage[k] for k in keys if isinstance(state.usage.get(k), dict)]
+    if entries:
+        row[_IN] = sum(_tokens(e, "input_tokens") for e in entries)
+        row[_OUT] = sum(_tokens(e, "output_tokens") for e in entries)
+        if all("cost_usd" in e for e in entries):
+            row[_COST] = sum(float(e["cost_usd"] or 0.0) for e in entries)
+    if state.error is not None:
+        row[_ETYPE] = state.error.type
+        row[_EMSG] = state.error.message
+
+
+def event_row(env: Envelope, result: Mapping[str, Any] | None = None) -> list[Any]:
+    """One `events` row (EVENT_COLUMNS order). Decodes only the payload fields the row needs.
+
+    `result` is the already-decoded VerificationResult dict of a result.finalized event, if the
+    caller has it (the projector does), so the payload is not decoded twice.
+    """
+    row = _base_event_row(env)
+    et = env.event_type
+    payload = env.payload
+    row[_STAGE] = _EVENT_STAGE.get(et, "")
+    try:
+        if et in STAGE_EVENT_TYPES:
+            _fill_stage(row, et, payload)
+        elif et == STAGE_FAILED:
+            err = _failed_dec.decode(payload).error
+            row[_STAGE], row[_STATUS] = err.stage, "failed"
+            row[_ETYPE], row[_EMSG] = err.type, err.message
+        elif et == DEAD_LETTER:
+            dl = _dead_dec.decode(payload)
+            row[_STAGE], row[_STATUS], row[_REASON] = dl.consumer, "dead_letter", dl.subject
+            row[_ETYPE], row[_EMSG] = "DeadLetter", dl.error
+        elif et == RESULT_FINALIZED:
+            if result is None:
+                result = _result_dec.decode(payload).result
+            meta = result.get("metadata") or {}
+            ok = bool(meta.get("completed_without_errors", True))
+            row[_STATUS] = "performed" if ok else "failed"
+            if not ok:
+                row[_EMSG] = meta.get("error") or ""
+            # the job's end-to-end time, as the result records it
+            row[_DUR] = _opt_float(meta.get("execution_time"))
+            row[_DUR] = None if row[_DUR] is None else row[_DUR] * 1000.0
+        elif et == RUN_REQUESTED:
+            row[_STATUS] = "performed"
+    except Exception as exc:  # noqa: BLE001 - a malformed payload is recorded, never raised
+        _mark_invalid(row, exc)
+    return row
+
+
+def _mark_invalid(row: list[Any], exc: BaseException) -> None:
+    row[_STATUS], row[_ETYPE], row[_EMSG] = "payload_invalid", type(exc).__name__, str(exc)[:4000]
+
+
+def _subject_ids(subject: str) -> tuple[str, str, str]:
+    parts = subject.split(".")
+    if len(parts) == 5 and parts[0] == "vb":
+        return f"{parts[1]}.{parts[2]}", parts[3], parts[4]
+    return "", "", ""
+
+
+def undecodable_row(
+    subject: str, data: bytes, error: BaseException | str, kind: str = UNDECODABLE, max_bytes: int = 65536
+) -> list[Any]:
+    """An `events` row for a message that is not a valid Envelope (or, with kind
+    'projection_failed', one whose rows the store refused): kept, with its error.
+
+    The id is a hash of subject + data, so a redelivery of the same message is one row.
+    """
+    digest = hashlib.sha256(subject.encode() + b"\0" + data).hexdigest()[:16]
+    claimed_type, run_id, result_id = _subject_ids(subject)
+    err_type = type(error).__name__ if isinstance(error, BaseException) else "Error"
+    return [
+        f"{kind}:{digest}", kind, run_id, result_id, subject, _us(time.time()), "", 0, 0,
+        claimed_type, kind, "", err_type, str(error)[:4000], None, None, None, [], [], [], [],
+        data[:max_bytes], None,
+    ]
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _opt_bool(v: Any) -> bool | None:
+    return None if v is None else bool(v)
+
+
+def _opt_float(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return 1.0 if v else 0.0
+    if isinstance(v, int | float):
+        return float(v)
+    return None
+
+
+def _score_map(d: Any) -> dict[str, float]:
+    if not isinstance(d, dict):
+        return {}
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        f = _opt_float(v)
+        if f is not None:
+            out[str(k)] = f
+    return out
+
+
+def _metric_map(d: Any) -> dict[str, dict[str, float]]:
+    if not isinstance(d, dict):
+        return {}
+    return {str(k): _score_map(v) for k, v in d.items() if isinstance(v, dict)}
+
+
+def _display(identity: Mapping[str, Any]) -> str:
+    """ModelIdentity.display_string, on the JSON dump (no pydantic in the projector)."""
+    base = f"{identity.get('interface', 'litellm')}:{identity.get('model_name', '')}"
+    tools = identity.get("tools") or []
+    return f"{base}+[{','.join(sorted(tools))}]" if tools else base
+
+
+def _tokens(entry: Any, key: str) -> int:
+    if not isinstance(entry, dict):
+        return 0
+    v = entry.get(key)
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _iso_to_us(ts: Any) -> int | None:
+    if not isinstance(ts, str) or not ts:
+        return None
+    try:
+        dt = datetime.fromisoformat(ts.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return _us(dt.timestamp())
+
+
+def _json_or_empty(obj: Any) -> bytes:
+    return b"" if obj is None else _json.encode(obj)
+
+
+def result_to_row(
+    result: VerificationResult | Mapping[str, Any], run_id: str, version: int | None = None
+) -> dict[str, Any]:
+    """Flatten a VerificationResult (model, or its `model_dump(mode="json")`) into a row dict.
+
+    The one place the result -> `verification_results` mapping lives. `version` orders
+    re-projections (ReplacingMergeTree keeps the highest); default: now, in microseconds.
+    """
+    data: Mapping[str, Any] = (
+        result.model_dump(mode="json") if isinstance(result, VerificationResult) else result
+    )
+    meta = data.get("metadata") or {}
+    tpl = data.get("template")
+    rub = data.get("rubric")
+    dj = data.get("deep_judgment")
+    djr = data.get("deep_judgment_rubric")
+    t = tpl or {}
+    r = rub or {}
+    ans = meta.get("answering") or {}
+    par = meta.get("parsing") or {}
+    failure = meta.get("failure") if isinstance(meta.get("failure"), dict) else {}
+    usage = t.get("usage_metadata") if isinstance(t.get("usage_metadata"), dict) else {}
+
+    u_stage: list[str] = []
+    u_model: list[str] = []
+    u_in: list[int] = []
+    u_out: list[int] = []
+    u_cost: list[float | None] = []
+    for stage, entry in usage.items():
+        if stage == "total" or not isinstance(entry, dict):
+            continue
+        u_stage.append(stage)
+        fallback = ans.get("model_name", "") if stage == "answer_generation" else par.get("model_name", "")
+        u_model.append(str(entry.get("model") or entry.get("model_name") or fallback))
+        u_in.append(_tokens(entry, "input_tokens"))
+        u_out.append(_tokens(entry, "output_tokens"))
+        c = entry.get("cost_usd")
+        u_cost.append(float(c) if isinstance(c, int | float) else None)
+    total = usage.get("total")
+    if isinstance(total, dict):
+        t_in, t_out = _tokens(total, "input_tokens"), _tokens(total, "output_tokens")
+        t_all = _tokens(total, "total_tokens") or t_in + t_out
+    else:
+        t_in, t_out = sum(u_in), sum(u_out)
+        t_all = t_in + t_out
+    replicate = meta.get("replicate")
+
+    return {
+        "run_id": run_id,
+        "result_id": meta.get("result_id", ""),
+        "version": version if version is not None else _us(time.time()),
+        "run_name": _opt_str(meta.get("run_name")),
+        "question_id": meta.get("question_id", ""),
+        "question_text": meta.get("question_text") or "",
+        "template_id": meta.get("template_id") or "no_template",
+        "keywords": [str(k) for k in meta.get("keywords") or []],
+        "answering_model": _display(ans),
+        "answering_interface": ans.get("interface", ""),
+        "answering_model_name": ans.get("model_name", ""),
+        "answering_tools": [str(x) for x in ans.get("tools") or []],
+        "parsing_model": _display(par),
+        "parsing_interface": par.get("interface", ""),
+        "parsing_model_name": par.get("model_name", ""),
+        "replicate": replicate if isinstance(replicate, int) and replicate >= 0 else None,
+        "evaluation_mode": _opt_str(meta.get("evaluation_mode")),
+        "timestamp": meta.get("timestamp") or "",
+        "run_timestamp": _iso_to_us(meta.get("timestamp")),
+        "execution_time": float(meta.get("execution_time") or 0.0),
+        "completed_without_errors": bool(meta.get("completed_without_errors", True)),
+        "error": _opt_str(meta.get("error")),
+        "failure_category": _opt_str(failure.get("category")),
+        "failure_stage": _opt_str(failure.get("stage")),
+        "has_template": tpl is not None,
+        "template_verification_performed": bool(t.get("template_verification_performed", False)),
+        "verify_result": _opt_bool(t.get("verify_result")),
+        "verify_granular_result": _opt_float(t.get("verify_granular_result")),
+        "template_validation_error": _opt_str(t.get("template_validation_error")),
+        "field_verification_error": _opt_str(t.get("field_verification_error")),
+        "raw_llm_response": t.get("raw_llm_response") or "",
+        "embedding_check_performed": bool(t.get("embedding_check_performed", False)),
+        "embedding_similarity_score": _opt_float(t.get("embedding_similarity_score")),
+        "embedding_override_applied": bool(t.get("embedding_override_applied", False)),
+        "embedding_model_used": _opt_str(t.get("embedding_model_used")),
+        "regex_validations_performed": bool(t.get("regex_validations_performed", False)),
+        "regex_overall_success": _opt_bool(t.get("regex_overall_success")),
+        "recursion_limit_reached": bool(t.get("recursion_limit_reached", False)),
+        "abstention_check_performed": bool(t.get("abstention_check_performed", False)),
+        "abstention_detected": _opt_bool(t.get("abstention_detected")),
+        "abstention_override_applied": bool(t.get("abstention_override_applied", False)),
+        "sufficiency_check_performed": bool(t.get("sufficiency_check_performed", False)),
+        "sufficiency_detected": _opt_bool(t.get("sufficiency_detected")),
+        "sufficiency_override_applied": bool(t.get("sufficiency_override_applied", False)),
+        "input_tokens": t_in,
+        "output_tokens": t_out,
+        "total_tokens": t_all,
+        "usage_stage": u_stage,
+        "usage_model": u_model,
+        "usage_input_tokens": u_in,
+        "usage_output_tokens": u_out,
+        "has_rubric": rub is not None,
+        "rubric_evaluation_performed": bool(r.get("rubric_evaluation_performed", False)),
+        "rubric_evaluation_strategy": _opt_str(r.get("rubric_evaluation_strategy")),
+        "llm_trait_scores": _score_map(r.get("llm_trait_scores")),
+        "llm_trait_labels": {str(k): str(v) for k, v in (r.get("llm_trait_labels") or {}).items()},
+        "regex_trait_scores": _score_map(r.get("regex_trait_scores")),
+        "callable_trait_scores": _score_map(r.get("callable_trait_scores")),
+        "metric_trait_scores": _metric_map(r.get("metric_trait_scores")),
+        "deep_judgment_performed": bool((dj or {}).get("deep_judgment_performed", False)),
+        "deep_judgment_rubric_performed": bool((djr or {}).get("deep_judgment_rubric_performed", False)),
+        "template_json": _json_or_empty(tpl),
+        "rubric_json": _json_or_empty(rub),
+        "deep_judgment_json": _json_or_empty(dj),
+        "deep_judgment_rubric_json": _json_or_empty(djr),
+        "usage_json": _json_or_empty(usage or None),
+        "result_json": _json.encode(data),
+        **_cost_columns(usage, u_cost),
+    }
+
+
+def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> dict[str, Any]:
+    """cost_usd (None when any stage that made calls has no price), model calls, cached replies."""
+    total = usage.get("total") if isinstance(usage.get("total"), Mapping) else {}
+    entries = [e for k, e in usage.items() if k != "total" and isinstance(e, Mapping)]
+    calls = int(total.get("model_calls") or sum(int(e.get("model_calls") or 0) for e in entries))
+    cached = int(total.get("cached_replies") or sum(int(e.get("cached_replies") or 0) for e in entries))
+    c = total.get("cost_usd")
+    if not isinstance(c, int | float):
+        c = sum(x for x in u_cost if x is not None) if u_cost and all(x is not None for x in u_cost) else None
+    return {"cost_usd": float(c) if c is not None else None, "model_calls": calls, "cached_replies": cached,
+            "usage_cost_usd": u_cost}
+
+
+def row_to_result(result_json: str | bytes | Mapping[str, Any]) -> VerificationResult:
+    """The `result_json` column (or a whole row dict) back into the model, exactly."""
+    if isinstance(result_json, Mapping):
+        result_json = result_json["result_json"]
+    return VerificationResult.model_validate_json(result_json)
+
+
+def run_row(run: RunRequested | Mapping[str, Any], requested_at: float | None = None) -> list[Any]:
+    """One `runs` row (RUN_COLUMNS order) from a run.requested payload."""
+    r = run if isinstance(run, RunRequested) else msgspec.convert(run, RunRequested)
+    at = requested_at if requested_at is not None else time.time()
+    return [
+        r.run_id, _us(at), r.run_name, r.timestamp, _us(at), min(max(r.job_count, 0), 2**32 - 1),
+        min(max(r.answer_count, 0), 2**32 - 1),
+        r.benchmark_name, r.evaluation_mode, r.parent_run_id, list(r.unfinished_skipped),
+        _json.encode(r.config),
+    ]
+
+
+@dataclass
+class Projection:
+    """Rows for the three tables, from one batch of messages."""
+
+    events: list[list[Any]] = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[list[Any]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+def project_envelope(env: Envelope, out: Projection) -> None:
+    """Fold one decoded envelope into rows. A payload that does not fit its type is still an
+    events row (status payload_invalid), never an exception."""
+    try:
+        if env.event_type == RESULT_FINALIZED:
+            result = _result_dec.decode(env.payload).result
+            out.results.append(result_to_row(result, env.run_id, version=_us(env.occurred_at)))
+            out.events.append(event_row(env, result))
+            return
+        if env.event_type == RUN_REQUESTED and env.result_id == RUN_KEY:
+            out.runs.append(run_row(_run_dec.decode(env.payload), env.occurred_at))
+    except Exception as exc:  # noqa: BLE001 - a malformed payload is recorded, never raised
+        row = _base_event_row(env)
+        _mark_invalid(row, exc)
+        out.events.append(row)
+        return
+    out.events.append(event_row(env))
+
+
+def project_envelopes(envs: Iterable[Envelope]) -> Projection:
+    out = Projection()
+    for env in envs:
+        project_envelope(env, out)
+    return out
