@@ -239,7 +239,7 @@ class StageService:
             else:
                 await msg.nack(delay=backoff_s(delivered))
             return
-        CACHE_SCOPE.set(scope_for(env.run_id, payload))
+        CACHE_SCOPE.set(env.run_id)
         suffix = chain_suffix(env)
         CHAIN.set(suffix)
         if give_up is not None and env.event_type in self.gated_event_types:
@@ -257,6 +257,7 @@ class StageService:
         cost_before_ = await self._cost_before(env, payload)
         try:
             payload = await self.content.hydrate_payload(payload)
+            CACHE_SCOPE.set(scope_for(env.run_id, payload))  # the run's options are in the content
             outs = await fn(env, payload)
             await self.publish(apply_suffix(suffix, outs))
             await msg.ack()

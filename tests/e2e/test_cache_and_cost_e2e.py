@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from shared.control import runner
+from shared.core.benchmark.model import Benchmark
+from shared.runtime import bus
 from shared.runtime.costcontrol import run_cost_spent, set_cost_budget
 from tests.integration.test_durability import (
     Stack,
@@ -97,9 +100,6 @@ def test_cost_budget_stops_dispatch(cstack: Stack, tmp_path: Path) -> None:
     per_job = max(r.template.usage_metadata["total"]["cost_usd"] for r in results_of(cstack, probe.run_id).values())
     assert per_job > 0
     budget = 8 * per_job
-    from shared import runner
-    from shared.core.benchmark.model import Benchmark
-
     plan = runner.plan_run(Benchmark.load(path), config)
     set_cost_budget(plan.run_event, budget)
     sync(runner.submit(cstack.settings, plan))
@@ -117,8 +117,6 @@ def test_cost_budget_stops_dispatch(cstack: Stack, tmp_path: Path) -> None:
     time.sleep(0.6)  # services flush their counters every 0.2 s
 
     async def counter() -> float:
-        from shared import bus
-
         nc = await bus.connect(cstack.settings)
         try:
             return await run_cost_spent(nc.jetstream(), plan.run_id)
