@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import analysis, backpressure, run
+from bench import analysis, backpressure, limits, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hold-s", type=float, default=20.0, help="seconds to hold the queue for --backpressure")
     b.add_argument("--analysis", action="store_true",
                    help="instead: time summaries and a streamed export over a synthetic results table")
+    b.add_argument("--limits", action="store_true",
+                   help="instead: the per-call overhead of the deployment-wide model limiter")
+    b.add_argument("--limit-calls", type=int, default=3000, help="calls for --limits")
     analysis.add_arguments(b)
     return b
 
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         return backpressure.main(args)
     if args.analysis:
         return analysis.main(args)
+    if args.limits:
+        return limits.main(args)
     return run.main(args)
 
 
