@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# the read-only reference material sits beside the repository (worktrees sit one level deeper)
+SHARED = next((p / "shared" for p in REPO.parents if (p / "shared" / "reference").is_dir()), REPO.parent / "shared")
 REFERENCE = SHARED / "reference" / "karenina"
 CHECKPOINTS = REFERENCE / "checkpoints"
 LLM_RESPONSES = REFERENCE / "llm_responses" / "claude-haiku-4-5"

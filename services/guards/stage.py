@@ -80,7 +80,9 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
     template_mode = job.evaluation_mode != "rubric_only"
     use_full = bool(opts.get("use_full_trace_for_template", False)) if template_mode else bool(
         opts.get("use_full_trace_for_rubric", True))
-    state.root["used_full_trace"] = use_full or not is_agent
+    # as the reference records it: the configured choice, also for plain replies (whose final AI
+    # message is the whole reply, so "not the full trace" is what was evaluated)
+    state.root["used_full_trace"] = use_full
     state.root["evaluation_input"] = evaluation_text(state, use_full)
     text = state.root["evaluation_input"]
 
@@ -126,7 +128,7 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
             reply = await llm.complete(
                 job.parsing, prompts.sufficiency_messages(job.question_text, text, template_schema, opts),
                 stage="sufficiency_check", response_schema=prompts.SUFFICIENCY_SCHEMA,
-                schema_name="sufficiency", validate=_require("sufficient"),
+                schema_name="sufficiency", validate=_sufficiency_verdict,
             )
             sufficient = bool(reply.parsed["sufficient"])
             tmpl["sufficiency_check_performed"] = True
@@ -140,6 +142,19 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
             log.warning("result %s: sufficiency check failed (non-fatal): %s", job.result_id, exc)
             record(state, "sufficiency_check", "failed", t, str(exc)[:300])
     return state
+
+
+_SUFFICIENCY_KEYS = ("sufficient", "is_sufficient", "sufficiency_detected")
+
+
+def _sufficiency_verdict(obj: Any) -> Any:
+    """The verdict under our key or the names other judges (the reference's included) use for it."""
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    for key in _SUFFICIENCY_KEYS:
+        if isinstance(obj.get(key), bool):
+            return {**obj, "sufficient": obj[key]}
+    raise ValueError(f"missing boolean field: one of {', '.join(_SUFFICIENCY_KEYS)}")
 
 
 def _require(*keys: str):  # noqa: ANN202 - small validator factory

@@ -24,9 +24,11 @@ from nats.js.api import AckPolicy as JsAckPolicy
 
 from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT, STREAM
+from shared.runtime import observability
 from shared.runtime.bus import connect as bus_connect
 from shared.runtime.bus import connect_options, ensure_stream
 from shared.runtime.harness import broker_auth_kwargs
+from shared.runtime.observability import METRICS
 from shared.store.engine import preload_chdb
 from shared.store.projection import DEFAULT_MAX_REPLY, Projector
 
@@ -70,7 +72,9 @@ def create_app(
         decoder=lambda msg: msg.raw_message,  # raw nats Msgs: no JSON decode by FastStream
     )
     async def on_events(msgs: list[Any]) -> None:
-        ack, nak = await projector.handle_batch(msgs)
+        with METRICS.handling("projector", "vb.>", 1) as m:
+            ack, nak = await projector.handle_batch(msgs)
+            m["outcome"] = "failed" if nak else "handled"
         for m in ack:
             await m.ack()
         for m in nak:
@@ -91,10 +95,20 @@ def create_app(
         finally:
             await nc.close()
 
+    observer: list[Any] = []
+
     @app.after_startup
     async def _limits() -> None:
         conn = getattr(broker, "_connection", None)
         projector.max_reply_bytes = int(getattr(conn, "max_payload", 0) or DEFAULT_MAX_REPLY) - 1024
+        observer.append(await observability.start("projector", observability.broker_not_ready(broker, lambda: True),
+                                                  lambda: broker._connection.jetstream(), [DURABLE]))
+
+    @app.on_shutdown
+    async def _stop_observer() -> None:
+        for runner in observer:
+            if runner is not None:
+                await runner.cleanup()
 
     @app.after_shutdown
     async def _close() -> None:
@@ -106,7 +120,7 @@ def create_app(
 
 def main() -> None:
     """Entry point of `python -m services.projector` (settings from VERIBUS_* env vars)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    observability.configure_logging("projector")
     settings = Settings.from_env()
     if not settings.clickhouse_url:
         preload_chdb()

@@ -61,19 +61,6 @@ def _classes(trait: Any) -> list[str]:
     return list(classes.keys()) if isinstance(classes, dict) else list(classes)
 
 
-def _traits_text(traits: list[Any]) -> str:
-    lines = []
-    for t in traits:
-        if t.kind == "boolean":
-            kind = "boolean (true/false)"
-        elif t.kind == "literal":
-            kind = "one of: " + ", ".join(_classes(t))
-        else:
-            kind = f"integer score from {t.min_score} to {t.max_score}"
-        lines.append(f"- {t.name} [{kind}]: {t.description or ''}")
-    return "\n".join(lines)
-
-
 def _coerce(trait: Any, value: Any) -> tuple[int | bool, str | None]:
     """Judge value -> (score, label for literal traits); raises ValueError on a wrong type."""
     if trait.kind == "boolean":
@@ -109,7 +96,7 @@ async def _llm_traits(job: Job, text: str, traits: list[Any], llm: LLMClient, ou
             "required": [t.name for t in group],
             "additionalProperties": False,
         }
-        msgs = prompts.rubric_messages(job.question_text, text, _traits_text(group), schema, job.options)
+        msgs = prompts.rubric_messages(job.question_text, text, group, schema, job.options)
         try:
             reply = await llm.complete(job.parsing, msgs, stage="rubric_evaluation", response_schema=schema,
                                        schema_name="rubric", validate=_is_object)
@@ -134,13 +121,22 @@ async def _llm_traits(job: Job, text: str, traits: list[Any], llm: LLMClient, ou
 
 
 def _trait_values(parsed: dict[str, Any], group: list[Any]) -> dict[str, Any]:
-    """Trait name -> judge value, from `{trait: v}`, `{"scores": {trait: v}}`, or (one trait) `{"result": v}`."""
+    """Trait name -> judge value, from `{trait: v}`, the reference's `{"scores": {trait: v}}` and
+    `{"classifications": [{"trait_name", "class_name"}]}` (literal traits), or (one trait) `{"result": v}`."""
     names = {t.name for t in group}
     if names & parsed.keys():
         return parsed
     scores = parsed.get("scores")
-    if isinstance(scores, dict):
-        return scores
+    classified = parsed.get("classifications")
+    if isinstance(scores, dict) or isinstance(classified, list | dict):
+        out = dict(scores) if isinstance(scores, dict) else {}
+        if isinstance(classified, dict):
+            out.update(classified)
+        elif isinstance(classified, list):
+            for item in classified:
+                if isinstance(item, dict) and "trait_name" in item:
+                    out[str(item["trait_name"])] = item.get("class_name")
+        return out
     if len(group) == 1:
         for key in _SINGLE_KEYS:
             if key in parsed:
@@ -176,44 +172,59 @@ def _metrics(tp: int, fp: int, fn: int, tn: int | None, wanted: list[str]) -> di
     return vals
 
 
-async def _metric_trait(job: Job, text: str, trait: Any, llm: LLMClient, out: dict[str, Any]) -> None:
+def _as_list(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        return []
+    out: list[str] = []
+    for x in value:
+        text = str(x).strip()
+        if text and text not in out:
+            out.append(text)
+    return out
+
+
+def confusion_from_reply(trait: Any, parsed: dict[str, Any]) -> dict[str, list[str]]:
+    """The judge's tp/fn/fp/tn lists (tp and fp as found in the answer, fn and tn as instruction
+    content), as the reference records them; tn is empty in tp_only mode. Our older shape
+    `{"found": [...], "extra_items": [...]}` is still read: found instructions count as tp, the
+    rest of the instructions as fn, extra items as fp."""
+    full = trait.evaluation_mode == "full_matrix"
+    if any(k in parsed for k in ("tp", "fn", "fp", "tn")):
+        return {"tp": _as_list(parsed.get("tp")), "fn": _as_list(parsed.get("fn")),
+                "fp": _as_list(parsed.get("fp")), "tn": _as_list(parsed.get("tn")) if full else []}
     expected = list(trait.tp_instructions or [])
-    negatives = list(trait.tn_instructions or []) if trait.evaluation_mode == "full_matrix" else []
-    items = expected + negatives
-    schema = {
-        "type": "object",
-        "properties": {
-            "found": {"type": "array", "items": {"type": "string", "enum": items} if items else {"type": "string"}},
-            "extra_items": {"type": "array", "items": {"type": "string"}},
-        },
-        "required": ["found", "extra_items"],
-        "additionalProperties": False,
+    negatives = list(trait.tn_instructions or []) if full else []
+    found = {x.lower() for x in _as_list(parsed.get("found"))}
+    return {
+        "tp": [i for i in expected if i.lower() in found],
+        "fn": [i for i in expected if i.lower() not in found],
+        "fp": [i for i in negatives if i.lower() in found] if full else _as_list(parsed.get("extra_items")),
+        "tn": [i for i in negatives if i.lower() not in found],
     }
-    instructions = (
-        "Reference items (say which the response mentions in `found`, verbatim):\n"
-        + "\n".join(f"- {i}" for i in items)
-        + "\nList in `extra_items` other relevant items the response mentions that are not in the list."
-    )
-    msgs = prompts.metric_messages(job.question_text, text, trait.name, instructions, schema, job.options)
+
+
+def _is_confusion_reply(obj: Any) -> Any:
+    obj = _is_object(obj)
+    if not any(k in obj for k in ("tp", "fn", "fp", "tn", "found")):
+        raise ValueError("expected the confusion lists tp, fn, fp (and tn in full-matrix mode)")
+    return obj
+
+
+async def _metric_trait(job: Job, text: str, trait: Any, llm: LLMClient, out: dict[str, Any]) -> None:
+    full = trait.evaluation_mode == "full_matrix"
+    schema = prompts.metric_schema(full)
+    msgs = prompts.metric_messages(job.question_text, text, trait, job.options)
     try:
         reply = await llm.complete(job.parsing, msgs, stage="rubric_evaluation", response_schema=schema,
-                                   schema_name="metric", validate=_is_object)
+                                   schema_name="metric", validate=_is_confusion_reply)
     except LLMError as exc:
         out["errors"][trait.name] = str(exc)
         return
     out["usage"] = add_usage(out["usage"], usage_entry(reply)) if out["usage"] else usage_entry(reply)
-    found = {str(x).strip().lower() for x in reply.parsed.get("found") or []}
-    tp_l = [i for i in expected if i.lower() in found]
-    fn_l = [i for i in expected if i.lower() not in found]
-    if trait.evaluation_mode == "full_matrix":
-        fp_l = [i for i in negatives if i.lower() in found]
-        tn_l: list[str] | None = [i for i in negatives if i.lower() not in found]
-    else:
-        fp_l = [str(x) for x in reply.parsed.get("extra_items") or []]
-        tn_l = None
-    out["metric"][trait.name] = _metrics(len(tp_l), len(fp_l), len(fn_l), None if tn_l is None else len(tn_l),
-                                         list(trait.metrics or []))
-    out["confusion"][trait.name] = {"tp": tp_l, "fn": fn_l, "fp": fp_l, "tn": tn_l or []}
+    lists = confusion_from_reply(trait, reply.parsed)
+    out["metric"][trait.name] = _metrics(len(lists["tp"]), len(lists["fp"]), len(lists["fn"]),
+                                         len(lists["tn"]) if full else None, list(trait.metrics or []))
+    out["confusion"][trait.name] = lists
 
 
 async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: SearchTool | None = None) -> State:
@@ -311,6 +322,7 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
         "metric_trait_scores": out["metric"] if rubric.metric_traits or has["metric"] else None,
         "metric_trait_confusion_lists": out["confusion"] if rubric.metric_traits or has["metric"] else None,
         "trait_errors": out["errors"] or None,
+        "trait_provenance": trait_provenance(job.rubric, promoted),
         "dynamic_rubric_promoted_traits": promoted,
         "dynamic_rubric_skipped_traits": skipped,
     }
@@ -321,6 +333,17 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
     record(state, STAGE, "performed", t, f"{len(out['errors'])} trait error(s)" if out["errors"] else "")
     deep_judgment_rubric_autofail(job, state)
     return state
+
+
+def trait_provenance(wire: dict[str, Any] | None, promoted: list[str] | None) -> dict[str, str] | None:
+    """Where each of the job's traits came from (failed ones included): `global` (the benchmark's
+    rubric), `question_specific` (the question's own), or `dynamic` (promoted by the presence
+    check). The plan records the global names on the wire (`provenance`); the rest are the question's."""
+    given = (wire or {}).get("provenance") or {}
+    names = [str(t.get("name")) for t in (wire or {}).get("traits") or [] if isinstance(t, dict) and t.get("name")]
+    out = {n: str(given.get(n, "question_specific")) for n in names}
+    out.update({n: "dynamic" for n in promoted or []})
+    return out or None
 
 
 def _presence_verdicts(parsed: Any) -> dict[str, tuple[bool, str]]:

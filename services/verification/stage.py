@@ -109,6 +109,11 @@ async def verify_template(job: Job, state: State, llm: LLMClient | None = None,
         return state
     for name in _OUTCOME_FIELDS:
         state.template[name] = getattr(outcome, name, None)
+    if not state.template.get("regex_validations_performed"):
+        # the reference's empty regex outcome when the template has no regex checks
+        for name in ("regex_validation_results", "regex_validation_details", "regex_extraction_results"):
+            state.template[name] = state.template.get(name) or {}
+        state.template["regex_overall_success"] = True
     field_ok = getattr(outcome, "field_verification_result", None)
     state.signals["field_verification_result"] = bool(outcome.verify_result if field_ok is None else field_ok)
     record(state, STAGE, "performed", t)
@@ -205,6 +210,7 @@ def deep_judgment_autofail(job: Job, state: State) -> None:
         record(state, DJ_AUTOFAIL_STAGE, "skipped", t, "no attributes missing excerpts")
     else:
         missing = list(dj["attributes_without_excerpts"])
+        state.signals["dj_autofail"] = True
         state.template["verify_result"] = False
         state.signals["field_verification_result"] = False
         log.warning("result %s: deep judgment auto-fail: no excerpts for %s after %d retr%s -> verify_result=False",

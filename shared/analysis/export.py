@@ -13,9 +13,14 @@ in bounded memory. The JSON file has the reference's layout, one result per line
 verification_config, job_summary; each result is a `VerificationResult` dump. The same files
 load back with `VerificationResultSet.from_file`, as the reference's own exports do.
 
-CSV and Parquet are flat: one row per result with the typed columns of `verification_results`
-and one column per rubric trait (`trait.<name>`, `trait.<name>.<metric>` for metric traits,
-`label.<name>` for literal-trait labels). Parquet also carries `result_json` (the whole result).
+CSV starts with the reference's columns in its value formats (`shared.analysis.reference_csv`: 53 columns,
+plus `rubric_<trait>` per global trait and `question_specific_rubrics`), then ours that it does not
+have, then `result_json` (the whole result, so our CSV reads back exactly). Booleans are written
+`True`/`False` throughout, as the reference does.
+
+Parquet is flat: one row per result with the typed columns of `verification_results` and one
+column per rubric trait (`trait.<name>`, `trait.<name>.<metric>` for metric traits, `label.<name>`
+for literal-trait labels), and `result_json`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import msgspec
 
+from shared.analysis import reference_csv
 from shared.core.models import VerificationResult
 from shared.core.rubric import Rubric, RubricError
 from shared.store.reads import ResultFilter, RowSource, iter_pages, open_source, resolve_run
@@ -193,23 +199,36 @@ def _discover_trait_columns(source: RowSource, where: ResultFilter) -> list[str]
 
 
 def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[list[Any]]]) -> int:
-    """Rows (lists in `columns` order) as CSV: booleans as true/false, lists as JSON, NULL empty."""
+    """Rows (lists in `columns` order) as CSV, converting by value: booleans as True/False (the
+    reference's format), lists as JSON, NULL empty; text (already formatted cells) as it is."""
     w = csv.writer(fh)
     w.writerow(columns)
-    bools = [j for j, c in enumerate(columns) if _KINDS.get(c) == "bool"]
-    lists = [j for j, c in enumerate(columns) if _KINDS.get(c) == "list"]
     n = 0
     for page in pages:
         for row in page:
-            for j in bools:
-                v = row[j]
-                if v is not None:
-                    row[j] = "true" if v else "false"
-            for j in lists:
-                row[j] = _enc.encode(row[j] or []).decode()
+            for j, v in enumerate(row):
+                if isinstance(v, bool):
+                    row[j] = "True" if v else "False"
+                elif isinstance(v, list | tuple):
+                    row[j] = _enc.encode(list(v)).decode()
         w.writerows(page)
         n += len(page)
     return n
+
+
+def csv_columns(global_traits: Sequence[str], question_traits: Sequence[str], ours: Sequence[str]) -> tuple[
+        list[str], list[str]]:
+    """(the reference's columns, ours that are not among them + result_json)."""
+    ref = reference_csv.columns(global_traits, question_traits)
+    taken = set(ref)
+    return ref, [c for c in ours if c not in taken and c != "result_json"] + ["result_json"]
+
+
+def csv_row(result: VerificationResult, blob: str, ours: list[Any], ref_layout: tuple[list[str], list[str]],
+            export_meta: Mapping[str, Any]) -> list[Any]:
+    """The reference's cells for `result`, then our own (`ours`, already in our-column order)."""
+    glob, qs = ref_layout
+    return reference_csv.row(result, glob, qs, export_meta) + ours + [blob]
 
 
 def _arrow_schema(columns: Sequence[str]) -> Any:
@@ -254,10 +273,35 @@ def write_parquet(path: Path, columns: Sequence[str], pages: Iterable[list[list[
     return n
 
 
+REFERENCE_RUBRIC_KEYS = ("llm_traits", "regex_traits", "callable_traits", "metric_traits", "agentic_traits")
+
+
+def reference_rubric_definition(definition: Any) -> Any:
+    """`shared_data.rubric_definition` with the reference's keys: the four trait lists and
+    `agentic_traits` (veribus has none: an empty list), each trait with all its fields, nulls
+    included. Our dynamic traits, which the reference does not have, follow as `dynamic_traits`."""
+    if not isinstance(definition, Mapping):
+        return definition
+    data = dict(definition)
+    agentic = data.pop("agentic_traits", None) or []
+    try:
+        dumped = Rubric.model_validate(data).model_dump(mode="json")
+    except ValueError:
+        dumped = dict(data)
+    for key in ("llm_traits", "regex_traits", "callable_traits", "metric_traits"):
+        dumped[key] = [{k: v for k, v in t.items() if not (k == "load_error" and v is None)}
+                       if isinstance(t, dict) else t for t in dumped.get(key) or []]
+    out = {key: dumped.get(key) or [] for key in REFERENCE_RUBRIC_KEYS[:4]}
+    out["agentic_traits"] = list(agentic)
+    if dumped.get("dynamic_traits"):
+        out["dynamic_traits"] = dumped["dynamic_traits"]
+    return out
+
+
 def json_header(metadata: Mapping[str, Any], rubric_definition: Any) -> str:
     """The export's first line, ending in `"results":[` as the reference writes it."""
     head = {"format_version": FORMAT_VERSION, "metadata": dict(metadata),
-            "shared_data": {"rubric_definition": rubric_definition}}
+            "shared_data": {"rubric_definition": reference_rubric_definition(rubric_definition)}}
     return json.dumps(head, ensure_ascii=False, default=str)[:-1] + ',"results":['
 
 
@@ -357,6 +401,28 @@ def _store_run_info(source: RowSource, run_id: str, where: ResultFilter) -> tupl
     return summary, config
 
 
+def trait_split_from_store(source: RowSource, run_id: str, where: ResultFilter) -> tuple[list[str], list[str]]:
+    """(global, question-specific) trait names of a run's results, by the provenance the plan put
+    on each job's rubric (traits it does not call global are question-specific)."""
+    cond, params = where.sql()
+    res = source.query(
+        "SELECT groupUniqArrayArray(arrayConcat(mapKeys(llm_trait_scores), mapKeys(regex_trait_scores), "
+        "mapKeys(callable_trait_scores), mapKeys(metric_trait_scores))) "
+        f"FROM verification_results WHERE {cond}", params)
+    names = set(res.rows[0][0] or []) if res.rows else set()
+    prov = source.query(
+        "SELECT DISTINCT JSONExtractRaw(payload, 'job', 'rubric', 'provenance') FROM events "
+        "WHERE run_id = {r:String} AND event_type = 'answer.generated' LIMIT 10000", {"r": run_id})
+    glob: set[str] = set()
+    for (raw,) in prov.rows:
+        raw = raw.decode() if isinstance(raw, bytes | bytearray) else raw
+        try:
+            glob.update(k for k, v in (json.loads(raw) or {}).items() if v == "global")
+        except (TypeError, ValueError, AttributeError):
+            continue
+    return sorted(names & glob), sorted(names - glob)
+
+
 def rubric_definition_from_store(source: RowSource, run_id: str) -> dict[str, Any] | None:
     """The run's rubric (every trait any job carried, global and question-specific), in the
     reference's `Rubric` shape, read from the jobs recorded on `answer.generated` events."""
@@ -380,7 +446,7 @@ def rubric_definition_from_store(source: RowSource, run_id: str) -> dict[str, An
         rubric = Rubric.from_wire({"traits": list(traits.values())})
     except (RubricError, ValueError):
         return None
-    return rubric.model_dump(mode="json", exclude_none=True)
+    return reference_rubric_definition(rubric.model_dump(mode="json"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,22 +497,35 @@ def export_from_source(
                 n = write_jsonl(fh, blobs())
     else:
         columns = BASE_NAMES + _discover_trait_columns(source, where)
+        selected = [c for c in BASE_NAMES if c not in ("run_id", "result_id")] + MAP_COLUMNS + ["result_json"]
         if fmt == "parquet":
             columns.append("result_json")
-        selected = [c for c in BASE_NAMES if c not in ("run_id", "result_id")] + MAP_COLUMNS
-        if fmt == "parquet":
-            selected.append("result_json")
 
-        def pages() -> Iterator[list[list[Any]]]:
-            for page in counted(iter_pages(source, ", ".join(selected), where, page_size=page_size), len):
-                build = row_builder(columns, page.columns)
-                yield [build(row) for row in page.rows]
+            def pages() -> Iterator[list[list[Any]]]:
+                for page in counted(iter_pages(source, ", ".join(selected), where, page_size=page_size), len):
+                    build = row_builder(columns, page.columns)
+                    yield [build(row) for row in page.rows]
 
-        if fmt == "csv":
-            with out.open("w", encoding="utf-8", newline="") as fh:
-                n = write_csv(fh, columns, pages())
-        else:
             n = write_parquet(out, columns, pages())
+        else:
+            glob, qs = trait_split_from_store(source, run_id, where)
+            ref_cols, our_cols = csv_columns(glob, qs, columns)
+            summary, config = _store_run_info(source, run_id, where)
+            meta = export_metadata(run_id, config, summary)
+
+            def csv_pages() -> Iterator[list[list[Any]]]:
+                for page in counted(iter_pages(source, ", ".join(selected), where, page_size=page_size), len):
+                    build = row_builder(our_cols, page.columns)
+                    rows = []
+                    for raw in page.rows:
+                        ours = build(raw)
+                        blob = ours.pop()  # result_json, decoded by the builder
+                        rows.append(csv_row(VerificationResult.model_validate_json(blob), blob, ours, (glob, qs),
+                                            meta))
+                    yield rows
+
+            with out.open("w", encoding="utf-8", newline="") as fh:
+                n = write_csv(fh, ref_cols + our_cols, csv_pages())
     return ExportStats(str(out), fmt, n, out.stat().st_size, time.perf_counter() - t0)
 
 
@@ -477,12 +556,15 @@ def export_results(
     elif fmt == "jsonl":
         with out.open("w", encoding="utf-8") as fh:
             n = write_jsonl(fh, blobs)
+    elif fmt == "csv":
+        glob, qs = reference_csv.trait_split(rs)
+        ref_cols, our_cols = csv_columns(glob, qs, flat_columns_for(rs))
+        ours = flat_lists_from_results(rs, our_cols[:-1], run_id)
+        meta = export_metadata(job_id or run_id or None, config, job_summary_of(rs))
+        page = [csv_row(r, b, o, (glob, qs), meta) for r, b, o in zip(rs, blobs, ours, strict=True)]
+        with out.open("w", encoding="utf-8", newline="") as fh:
+            n = write_csv(fh, ref_cols + our_cols, [page])
     else:
-        columns = flat_columns_for(rs) + (["result_json"] if fmt == "parquet" else [])
-        page = flat_lists_from_results(rs, columns, run_id)
-        if fmt == "csv":
-            with out.open("w", encoding="utf-8", newline="") as fh:
-                n = write_csv(fh, columns, [page])
-        else:
-            n = write_parquet(out, columns, [page])
+        columns = flat_columns_for(rs) + ["result_json"]
+        n = write_parquet(out, columns, [flat_lists_from_results(rs, columns, run_id)])
     return ExportStats(str(out), fmt, n, out.stat().st_size, time.perf_counter() - t0)

@@ -8,7 +8,11 @@ table it was drawn from. Sections:
 3. rubric trait score distributions per model;
 4. token usage per stage (from `usage_metadata`) and latency per stage (from the `events`
    table's stage records via `v_stage_latency`), plus end-to-end time per model;
-5. pass@k / pass^k across replicates and the flakiest questions.
+5. pass@k / pass^k across replicates and the flakiest questions;
+6. errors grouped by stage and error type, one example each (also summarised in a banner on top);
+7. an appendix per question: ground truth and every result's response, collapsed.
+
+A simulated run (models served by the offline LLM simulator) carries a SIMULATED banner.
 """
 
 from __future__ import annotations
@@ -257,7 +261,44 @@ def section_pass_rates(results: Sequence[VerificationResult]) -> str:
     return chart + table
 
 
-def section_heatmap(results: Sequence[VerificationResult]) -> str:
+def svg_question_heatmap(questions: Sequence[tuple[str, str]], models: Sequence[str],
+                         cells: Mapping[tuple[str, str], tuple[int, int]], title: str) -> str:
+    """Question x answering model grid coloured by pass rate: one row per question, labelled
+    with the question's text (its id in the tooltip), one column per model."""
+    label_w, top, row_h, col_w = 430, 40, 18, 120
+    w = label_w + col_w * max(1, len(models)) + 20
+    h = top + row_h * len(questions) + 44
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" aria-label="{_esc(title)}">',
+           f'<text x="8" y="20" class="t">{_esc(title)}</text>']
+    for j, m in enumerate(models):
+        x = label_w + j * col_w + col_w / 2
+        out.append(f'<text x="{x}" y="{top - 6}" class="ax" text-anchor="middle">{_esc(_short(m.split(":", 1)[-1], 20))}'
+                   f'<title>{_esc(m)}</title></text>')
+    for i, (qid, text) in enumerate(questions):
+        y = top + i * row_h
+        out.append(f'<text x="{label_w - 6}" y="{y + row_h * 0.7}" text-anchor="end" class="lb">'
+                   f'{_esc(_short(text or qid, 64))}<title>{_esc(qid)}: {_esc(text)}</title></text>')
+        for j, m in enumerate(models):
+            passed, n = cells.get((m, qid), (0, 0))
+            rate = passed / n if n else None
+            x = label_w + j * col_w
+            out.append(f'<rect x="{x}" y="{y}" width="{col_w - 2}" height="{row_h - 2}" fill="{_color(rate)}">'
+                       f'<title>{_esc(m)} · {_esc(text or qid)}: {passed}/{n}</title></rect>'
+                       f'<text x="{x + col_w / 2}" y="{y + row_h * 0.68}" text-anchor="middle" class="ax">'
+                       f'{passed}/{n}</text>')
+    ly = top + row_h * len(questions) + 16
+    for k in range(11):
+        out.append(f'<rect x="{label_w + k * 24}" y="{ly}" width="24" height="12" fill="{_color(k / 10)}"/>')
+    out.append(f'<text x="{label_w - 6}" y="{ly + 10}" text-anchor="end" class="ax">pass rate 0%</text>'
+               f'<text x="{label_w + 11 * 24 + 6}" y="{ly + 10}" class="ax">100%</text>'
+               f'<rect x="{label_w + 11 * 24 + 50}" y="{ly}" width="12" height="12" fill="{_color(None)}"/>'
+               f'<text x="{label_w + 11 * 24 + 68}" y="{ly + 10}" class="ax">no verdict</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _question_cells(results: Sequence[VerificationResult]) -> tuple[dict[tuple[str, str], list[int]],
+                                                                     dict[str, list[int]], dict[str, str]]:
     cells: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     per_q: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     texts: dict[str, str] = {}
@@ -273,17 +314,27 @@ def section_heatmap(results: Sequence[VerificationResult]) -> str:
         cells[(r.metadata.answering_model, q)][0] += 1 if v else 0
         per_q[q][1] += 1
         per_q[q][0] += 1 if v else 0
+    return cells, per_q, texts
+
+
+def _hardest_first(per_q: Mapping[str, list[int]]) -> list[str]:
+    return sorted(per_q, key=lambda q: (per_q[q][0] / per_q[q][1] if per_q[q][1] else 2.0, q))
+
+
+def section_heatmap(results: Sequence[VerificationResult]) -> str:
+    cells, per_q, texts = _question_cells(results)
     if not any(n for _, n in per_q.values()):
         return "<p class='muted'>No template verdicts to map.</p>"
-    order = sorted(per_q, key=lambda q: (per_q[q][0] / per_q[q][1] if per_q[q][1] else 2.0, q))
+    order = _hardest_first(per_q)
     note = ""
     if len(order) > MAX_HEAT_COLUMNS:
         note = (f"<p class='muted'>Showing the {MAX_HEAT_COLUMNS} hardest of {len(order)} questions; the table "
                 f"below lists them all.</p>")
     shown = order[:MAX_HEAT_COLUMNS]
     models = _models(results)
-    chart = svg_heatmap(models, shown, {k: (v[0], v[1]) for k, v in cells.items()},
-                        "Pass rate, answering model × question (hardest questions first; column number = table row)")
+    chart = svg_question_heatmap([(q, texts.get(q, "")) for q in shown], models,
+                                 {k: (v[0], v[1]) for k, v in cells.items()},
+                                 "Pass rate, question × answering model (hardest questions first)")
     rows = []
     for i, q in enumerate(order, 1):
         p = per_q[q]
@@ -296,6 +347,85 @@ def section_heatmap(results: Sequence[VerificationResult]) -> str:
         rows.append(row)
     table = _table(["#", "question id", "question", *models, "all models"], rows)
     return chart + note + f"<details><summary>Table: pass counts per question and model ({len(order)} questions)</summary>{table}</details>"
+
+
+def error_groups(results: Sequence[VerificationResult]) -> list[dict[str, Any]]:
+    """Errored results grouped by (stage, type): count and the first example (question, error).
+    Errors read `stage: Type: message` (ours) or come from a reference `failure` record."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in results:
+        m = r.metadata
+        if m.completed_without_errors:
+            continue
+        err = m.error or ""
+        failure = m.failure if isinstance(m.failure, dict) else {}
+        parts = err.split(": ", 2)
+        stage = str(failure.get("stage") or (parts[0] if len(parts) == 3 else "") or "–")
+        kind = parts[1] if len(parts) == 3 else str(failure.get("category") or "error")
+        g = groups.setdefault((stage, kind), {"stage": stage, "type": kind, "count": 0, "questions": set(),
+                                              "example": err or str(failure.get("reason") or ""),
+                                              "example_question": m.question_text or m.question_id})
+        g["count"] += 1
+        g["questions"].add(m.question_id)
+    return sorted(groups.values(), key=lambda g: (-g["count"], g["stage"], g["type"]))
+
+
+def section_errors(results: Sequence[VerificationResult]) -> str:
+    groups = error_groups(results)
+    if not groups:
+        return "<p class='muted'>No errors: every job completed.</p>"
+    return _table(["stage", "type", "results", "questions", "example question", "example error"],
+                  [(g["stage"], g["type"], g["count"], len(g["questions"]), _short(g["example_question"], 70),
+                    _Raw(f"<code>{_esc(_short(g['example'], 400))}</code>")) for g in groups],
+                  "Errored results by stage and error type (one example each)")
+
+
+MAX_APPENDIX_RESPONSES = 2000
+
+
+def section_appendix(results: Sequence[VerificationResult]) -> str:
+    """Per question (hardest first): ground truth and each result's response, all collapsed."""
+    by_q: dict[str, list[VerificationResult]] = defaultdict(list)
+    for r in results:
+        by_q[r.metadata.question_id].append(r)
+    _, per_q, texts = _question_cells(results)
+    shown = 0
+    parts: list[str] = []
+    for q in _hardest_first(per_q):
+        rs = sorted(by_q[q], key=lambda r: (r.metadata.answering_model, r.metadata.parsing_model,
+                                            r.metadata.replicate or 0))
+        p = per_q[q]
+        first = rs[0].metadata
+        items = []
+        for r in rs:
+            if shown >= MAX_APPENDIX_RESPONSES:
+                break
+            shown += 1
+            m, t = r.metadata, r.template
+            v = t.verify_result if t else None
+            verdict = "error" if not m.completed_without_errors else ("no verdict" if v is None else
+                                                                       "pass" if v else "fail")
+            body = f"<pre>{_esc((t.raw_llm_response if t else '') or '(no response)')}</pre>"
+            if m.error:
+                body += f"<p class='errtext'>{_esc(m.error)}</p>"
+            if t and t.parsed_llm_response is not None:
+                body += f"<p class='muted'>judge's parse: <code>{_esc(_json(t.parsed_llm_response))}</code></p>"
+            items.append(f"<details class='resp'><summary><span class='v {verdict.replace(' ', '')}'>{verdict}</span> "
+                         f"{_esc(m.answering_model)} · judge {_esc(m.parsing_model)}"
+                         f"{f' · replicate {m.replicate}' if m.replicate is not None else ''}</summary>{body}</details>")
+        if not items:
+            break
+        gt = first.raw_answer
+        parts.append(f"<details class='q'><summary><b>{_esc(texts.get(q) or q)}</b> <span class='muted'>{_esc(q)} · "
+                     f"{p[0]}/{p[1]} passed</span></summary>"
+                     + (f"<p>ground truth: <code>{_esc(gt)}</code></p>" if gt else "") + "".join(items) + "</details>")
+    note = (f"<p class='muted'>Responses of the first {MAX_APPENDIX_RESPONSES} results shown (of {len(results)}); "
+            "`veribus view` browses them all.</p>") if len(results) > MAX_APPENDIX_RESPONSES else ""
+    return note + "".join(parts)
+
+
+def _json(v: Any) -> str:
+    return json.dumps(v, ensure_ascii=False, default=str)
 
 
 def section_traits(results: Sequence[VerificationResult]) -> str:
@@ -413,6 +543,9 @@ def section_usage_latency(results: Sequence[VerificationResult], stage_latency: 
         parts.append(_table(["stage", "results", "input tokens", "output tokens", "total tokens"],
                             [(s, tokens[s][2], tokens[s][0], tokens[s][1], tokens[s][0] + tokens[s][1])
                              for s in sorted(tokens)], "Token usage per stage"))
+    elif results and all(not r.metadata.completed_without_errors for r in results):
+        parts.append("<p class='muted'>No token usage: every job errored before a model reported usage "
+                     "(see the errors section).</p>")
     else:
         parts.append("<p class='muted'>No token usage recorded (manual traces, or usage not reported).</p>")
     if lat:
@@ -480,6 +613,14 @@ svg .grid{stroke:#e5e5e5;stroke-width:1} svg .ci{stroke:#222;stroke-width:1.6}
 .key i{display:inline-block;width:10px;height:10px;margin-right:4px;vertical-align:middle}
 .cell{display:inline-block;min-width:34px;padding:0 3px;border-radius:3px}
 details summary{cursor:pointer;color:#225;margin:6px 0}
+.banner{padding:10px 14px;border-radius:6px;margin:10px 0;font-weight:600}
+.banner.sim{background:#fff3cd;color:#7a5b00;border:1px solid #e6c86e}
+.banner.err{background:#fde2e1;color:#9b1c1c;border:1px solid #f3b1ae}
+details.q{border-bottom:1px solid #eee;padding:2px 0} details.resp{margin-left:18px}
+details.resp pre{white-space:pre-wrap;background:#f8f8f8;border:1px solid #eee;padding:6px;max-height:360px;overflow:auto}
+.v{display:inline-block;min-width:64px;font-size:11px;font-weight:600;text-align:center;border-radius:8px}
+.v.pass{background:#e3f4e7;color:#1e6b34} .v.fail{background:#fde2e1;color:#9b1c1c}
+.v.error{background:#4a1010;color:#fff} .v.noverdict{background:#eee;color:#555} .errtext{color:#9b1c1c}
 """
 
 
@@ -488,7 +629,17 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
     results = data.results
     s = summarize(results)
     title = f"veribus report — {data.run_name or data.run_id}"
-    sim = "<span class='badge sim'>SIMULATED LLM</span>" if data.simulated else ""
+    simulated = bool(data.simulated) or any("simulator" in (r.metadata.answering.interface, r.metadata.parsing.interface)
+                                             for r in results)
+    sim = "<span class='badge sim'>SIMULATED LLM</span>" if simulated else ""
+    banner = ("<div class='banner sim' id='simulated'>SIMULATED: the answers and judgments in this report come from "
+              "the offline LLM simulator, not from a real model.</div>") if simulated else ""
+    n_err = sum(1 for r in results if not r.metadata.completed_without_errors)
+    if n_err:
+        top = error_groups(results)[0]
+        banner += (f"<div class='banner err'>{n_err} of {len(results)} results errored; most often "
+                   f"{_esc(top['stage'])} / {_esc(top['type'])} ({top['count']}): "
+                   f"{_esc(_short(top['example'], 200))} — see section 6.</div>")
     gates = "".join(f"<li><span class='badge {'pass' if 'PASSED' in g else 'fail'}'>"
                     f"{'PASSED' if 'PASSED' in g else 'FAILED'}</span> {_esc(g)}</li>" for g in gate_lines)
     cfg = data.config or {}
@@ -508,7 +659,7 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
         f"<p class='muted'>run id {_esc(data.run_id)} · benchmark {_esc(data.benchmark_name or '–')} · "
         f"mode {_esc(cfg.get('evaluation_mode', '–'))} · answering {_esc(models)} · judges {_esc(judges)} · "
         f"generated {_esc(datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC'))}</p>",
-        f"<div class='kpis'>{kpi_html}</div>",
+        banner, f"<div class='kpis'>{kpi_html}</div>",
         f"<ul>{gates}</ul>" if gates else "",
         (f"<p class='muted'>* cost unknown for {_esc(', '.join(s['usage']['cost_unknown_models']))} "
          "(no price in litellm's map or the run config)</p>") if s["usage"]["cost_unknown_models"] else "",
@@ -517,6 +668,8 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
         "<h2>3. Rubric trait scores</h2>", section_traits(results),
         "<h2>4. Token usage and latency per stage</h2>", section_usage_latency(results, data.stage_latency),
         "<h2>5. Replicates: pass@k and flakiness</h2>", section_replicates(results),
+        "<h2>6. Errors by stage and type</h2>", section_errors(results),
+        "<h2>7. Appendix: questions and responses</h2>", section_appendix(results),
     ]
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_esc(title)}</title>"
             f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>")

@@ -65,7 +65,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings()
     sim_args = _simulator_args(args)
     state = stack.up(settings, replicas=_parse_replicas(args.replicas), simulator=not args.no_simulator,
-                     simulator_args=sim_args)
+                     simulator_args=sim_args,
+                     extra_env={"VERIBUS_LOG_FORMAT": args.log_format} if args.log_format else None)
     print(f"stack up: nats {state.nats_url}" + (f", simulator {state.simulator_url}" if state.simulator_url else ""))
     for p in state.procs:
         print(f"  {p.name:<16} pid {p.pid}")
@@ -96,6 +97,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"stack: running (nats {st['nats_url']}, home {st['home']})")
         for p in st["procs"]:
             extra = f" rss {p.get('rss_mb')} MB cpu {p.get('cpu_s')} s" if p["alive"] else ""
+            if p.get("metrics_port"):
+                extra += f" metrics http://127.0.0.1:{p['metrics_port']}/metrics"
             print(f"  {p['name']:<16} pid {p['pid']:<8} {'up' if p['alive'] else 'DOWN'}{extra}")
     if args.run:
         sql = (
@@ -113,6 +116,12 @@ def cmd_query(args: argparse.Namespace) -> int:
     res = run_query(_settings(), args.sql)
     print(format_json(res) if args.format == "json" else format_table(res))
     return EXIT_OK
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from shared.cli.view import serve  # aiohttp: only `veribus view` serves HTTP
+
+    return serve(_settings(), host=args.host, port=args.port, open_browser=args.open)
 
 
 def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa: ANN202
@@ -329,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-simulator", action="store_true", help="do not start the LLM simulator")
     up.add_argument("--sim-latency-ms", type=float, help="simulator latency per call")
     up.add_argument("--sim-error-rate", type=float, help="simulator injected error rate")
+    up.add_argument("--log-format", choices=["text", "json"], help="service log lines: text (default) or JSON")
     up.set_defaults(fn=cmd_up)
 
     down = sub.add_parser("down", help="stop the local stack")
@@ -372,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_query)
 
     cli_analysis.register(sub)  # results, export, report, compare
+    v = sub.add_parser("view", help="browse runs, results and comparisons in a local web app")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    v.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
+    v.add_argument("--open", action="store_true", help="open the page in a web browser")
+    v.set_defaults(fn=cmd_view)
 
     cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
     cli_scale.register(sub)  # cache clear / info

@@ -86,6 +86,9 @@ def plan_run(
     for q in selected:
         rubric = benchmark.rubric_for(q) if mode != "template_only" else None
         rubric_wire = rubric.to_wire() if rubric is not None and not rubric.is_empty() else None
+        if rubric_wire is not None and benchmark.global_rubric is not None:
+            # which traits are the benchmark's (the rest are the question's): rubric.trait_provenance
+            rubric_wire["provenance"] = {n: "global" for n in benchmark.global_rubric.trait_names()}
         for am in config.answering_models:
             a_spec = am.to_spec()
             for rep in range(1, config.replicate_count + 1):

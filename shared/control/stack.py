@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ class Proc:
     cmd: list[str]
     log: str
     log_offset: int = 0  # where this process's output starts in its (appended) log
+    metrics_port: int | None = None  # its /healthz /readyz /metrics (shared.runtime.observability)
 
     def log_text(self) -> str:
         """What this process has logged so far (not earlier runs that used the same log file)."""
@@ -56,11 +59,15 @@ class Proc:
             return fh.read().decode(errors="replace")
 
     def ready(self) -> bool:
-        """True once the service logged that it is ready; raises if it died during start-up."""
-        text = self.log_text()
-        if any(marker in text for marker in READY_MARKERS):
+        """True once the service's /readyz says so (or, without a metrics port, once it logged
+        that it is ready); raises if it died during start-up."""
+        if self.metrics_port is not None:
+            if readyz(self.metrics_port):
+                return True
+        elif any(marker in self.log_text() for marker in READY_MARKERS):
             return True
         if not self.alive():
+            text = self.log_text()
             tail = "\n".join(text.splitlines()[-15:])
             raise RuntimeError(f"service {self.name} exited during start-up; log {self.log}:\n{tail}")
         return False
@@ -110,6 +117,15 @@ def running_stack(settings: Settings) -> StackState | None:
     if nats_proc is None or not nats_proc.alive():
         return None
     return state
+
+
+def readyz(port: int, timeout: float = 1.0) -> bool:
+    """GET /readyz on a service's metrics port: True on 200."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=timeout) as resp:  # noqa: S310
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def _spawn(name: str, cmd: list[str], env: dict[str, str], logdir: Path) -> Proc:
@@ -175,7 +191,11 @@ def up(
         for name in SERVICES:
             for i in range((replicas or {}).get(name, 1)):
                 label = name if i == 0 else f"{name}-{i + 1}"
-                procs.append(_spawn(label, [sys.executable, "-m", f"services.{name}"], env, home / "logs"))
+                mport = free_port()
+                proc = _spawn(label, [sys.executable, "-m", f"services.{name}"], {**env, "VERIBUS_METRICS_PORT": str(mport)},
+                              home / "logs")
+                proc.metrics_port = mport
+                procs.append(proc)
         state.save()
         wait_ready(state)
     except BaseException:
@@ -235,7 +255,7 @@ def status(settings: Settings) -> dict[str, Any]:
         return {"running": False, "procs": []}
     procs = []
     for p in state.procs:
-        info: dict[str, Any] = {"name": p.name, "pid": p.pid, "alive": p.alive()}
+        info: dict[str, Any] = {"name": p.name, "pid": p.pid, "alive": p.alive(), "metrics_port": p.metrics_port}
         if info["alive"]:
             try:
                 pp = psutil.Process(p.pid)
@@ -305,8 +325,12 @@ def restart_proc(state: StackState, name: str, *, extra_env: dict[str, str] | No
     if old.alive():
         stop_proc(old)
     env = _stack_env(state, skip_pid=old.pid)
+    env.pop("VERIBUS_METRICS_PORT", None)  # a sibling's port: each process has its own
+    if old.metrics_port is not None:
+        env["VERIBUS_METRICS_PORT"] = str(old.metrics_port)
     env.update(extra_env or {})
     new = _spawn(name, list(old.cmd), env, Path(old.log).parent)
+    new.metrics_port = old.metrics_port
     state.procs[state.procs.index(old)] = new
     state.save()
     if name == "nats":

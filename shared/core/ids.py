@@ -12,10 +12,14 @@ def question_id_for(text: str) -> str:
 
 
 def template_id_for(template_code: str | None) -> str:
-    """MD5 of the template code, or `no_template`."""
+    """MD5 of the stripped template code (as the reference computes it), or `no_template`.
+
+    Stripping first means a template re-saved with a trailing newline keeps its id, and ids agree
+    with results the reference wrote for the same checkpoint.
+    """
     if not template_code or not template_code.strip():
         return "no_template"
-    return hashlib.md5(template_code.encode("utf-8")).hexdigest()
+    return hashlib.md5(template_code.strip().encode("utf-8")).hexdigest()
 
 
 def compute_result_id(

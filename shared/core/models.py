@@ -12,6 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.core.ids import compute_result_id
 
+# the reference's failure category -> group (for reference files whose failure lacks `group`)
+FAILURE_GROUP_OF = {
+    "content": "content", "recursion_limit": "autofail", "trace_validation": "autofail",
+    "deep_judgment": "autofail", "deep_judgment_rubric": "autofail", "timeout": "retry", "connection": "retry",
+    "rate_limit": "retry", "server_error": "retry", "abstention": "abstained", "sufficiency": "abstained",
+    "template_validation": "system", "parsing": "system", "unexpected_error": "system",
+}
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
@@ -60,17 +68,30 @@ class VerificationResultMetadata(_Section):
     few_shot_enabled: bool = False
     few_shot_example_count: int = 0
     evaluation_mode: str | None = None
+    # the reference's multi-turn scenario fields (format 2.2); veribus runs single questions: null
+    scenario_id: str | None = None
+    scenario_node: str | None = None
+    scenario_turn: int | None = None
+    scenario_path: list[Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _status_from_failure(cls, data: Any) -> Any:
-        """Reference exports (format 2.2) record a failure as `failure` with no
-        `completed_without_errors`: derive both status fields from it."""
+        """Reference exports (format 2.2) record a non-pass as `failure` with no
+        `completed_without_errors`: derive both status fields from it. A verdict (content,
+        auto-fail, abstention/sufficiency) still completed without errors; retry and system
+        failures did not."""
         if isinstance(data, dict) and "completed_without_errors" not in data and data.get("failure"):
             failure = data["failure"]
-            reason = failure.get("reason") if isinstance(failure, dict) else str(failure)
-            data = {**data, "completed_without_errors": False}
-            data.setdefault("error", f"{failure.get('stage', 'pipeline')}: {reason}" if isinstance(failure, dict) else reason)
+            if isinstance(failure, dict):
+                group = failure.get("group") or FAILURE_GROUP_OF.get(str(failure.get("category")), "system")
+                if group in ("content", "autofail", "abstained"):
+                    return {**data, "completed_without_errors": True}
+                data = {**data, "completed_without_errors": False}
+                data.setdefault("error", f"{failure.get('stage', 'pipeline')}: {failure.get('reason')}")
+            else:
+                data = {**data, "completed_without_errors": False}
+                data.setdefault("error", str(failure))
         return data
 
     @property
@@ -97,6 +118,7 @@ class VerificationResultMetadata(_Section):
 class VerificationResultTemplate(_Section):
     raw_llm_response: str = ""
     trace_messages: list[dict[str, Any]] = Field(default_factory=list)
+    conversation_context: list[Any] = Field(default_factory=list)  # reference 2.2 (scenarios): empty here
     parsed_gt_response: dict[str, Any] | None = None
     parsed_llm_response: dict[str, Any] | None = None
     template_validation_error: str | None = None
@@ -105,6 +127,7 @@ class VerificationResultTemplate(_Section):
     verify_granular_result: Any = None
     field_verification_error: str | None = None
     field_results: dict[str, bool] | None = None
+    field_scores: dict[str, Any] | None = None  # reference 2.2; not computed by veribus
     composition_strategy: str | None = None
     embedding_check_performed: bool = False
     embedding_similarity_score: float | None = None
@@ -116,6 +139,17 @@ class VerificationResultTemplate(_Section):
     regex_overall_success: bool | None = None
     regex_extraction_results: dict[str, Any] | None = None
     recursion_limit_reached: bool = False
+    # reference 2.2 fields for features veribus does not have (partial timeouts, agentic and dynamic
+    # parsing): present with the reference's "did not happen" values so files match key for key
+    response_timeout_partial: bool = False
+    usage_unavailable: bool = False
+    investigation_trace: Any = None
+    agentic_parsing_performed: bool = False
+    agentic_extraction_recovery: Any = None
+    agentic_extraction_error: str | None = None
+    dynamic_parsing_performed: bool = False
+    dynamic_parse_decision: Any = None
+    dynamic_decision_reasoning: str | None = None
     abstention_check_performed: bool = False
     abstention_detected: bool | None = None
     abstention_override_applied: bool = False
@@ -139,6 +173,7 @@ class VerificationResultRubric(_Section):
     metric_trait_scores: dict[str, dict[str, float]] | None = None
     metric_trait_confusion_lists: dict[str, dict[str, list[str]]] | None = None
     trait_errors: dict[str, str] | None = None
+    trait_provenance: dict[str, str] | None = None  # trait -> global | question_specific | dynamic
     dynamic_rubric_promoted_traits: list[str] | None = None
     dynamic_rubric_skipped_traits: dict[str, str] | None = None
 

@@ -13,13 +13,22 @@ def _custom(job_options: dict[str, Any], key: str) -> str:
     return f"\n\nAdditional instructions:\n{extra}" if extra else ""
 
 
+# The answering model's instruction when the run configures none (the reference gives every
+# answering model a default one, and records it on the result).
+DEFAULT_ANSWERING_SYSTEM_PROMPT = "You are a knowledgeable expert. Give a correct, concise answer to the question."
+
+
+def answering_system_prompt(configured: str | None) -> str:
+    """The system prompt the answering model is sent: the configured one, else the default."""
+    return configured if configured and configured.strip() else DEFAULT_ANSWERING_SYSTEM_PROMPT
+
+
 def answer_messages(
     question: str, system_prompt: str | None, few_shot: list[dict[str, str]] | None
 ) -> list[dict[str, str]]:
-    """Messages for the answering model: system prompt, few-shot pairs, then the question."""
-    msgs: list[dict[str, str]] = []
-    if system_prompt:
-        msgs.append({"role": "system", "content": system_prompt})
+    """Messages for the answering model: system prompt (the default when none is configured),
+    few-shot pairs, then the question."""
+    msgs: list[dict[str, str]] = [{"role": "system", "content": answering_system_prompt(system_prompt)}]
     for ex in few_shot or []:
         msgs.append({"role": "user", "content": ex.get("question", "")})
         msgs.append({"role": "assistant", "content": ex.get("answer", "")})
@@ -43,80 +52,213 @@ def parsing_messages(
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
+# Reasoning first, verdict second (the reference's order: the judge quotes before it decides).
 ABSTENTION_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "abstention_detected": {"type": "boolean"},
         "reasoning": {"type": "string"},
+        "abstention_detected": {"type": "boolean"},
     },
-    "required": ["abstention_detected", "reasoning"],
+    "required": ["reasoning", "abstention_detected"],
     "additionalProperties": False,
 }
 
+ABSTENTION_SYSTEM = """You decide whether a model's response openly declines to answer the question it was asked.
+Base every decision on words that really occur in the response; never invent or reword a quote.
+
+Work through these steps in order and stop at the first one that settles the case.
+
+Step 1 - look for an explicit disclaimer, copied word for word. It must be a sentence in which the model says,
+about THIS question, one of:
+  * it cannot or will not act (for example "I can't answer that", "I won't provide", "I'm unable to give");
+  * it cannot reach the information or the tools needed ("I do not have access to", "I can't retrieve",
+    "I have no real-time access");
+  * it does not know ("I have no information on", "I could not find any data about");
+  * a policy forbids it ("that is against my guidelines", "I am not permitted to").
+Put the exact sentence in your reasoning. No such sentence: abstention_detected = false, stop.
+
+Step 2 - does the response still commit to an answer anyway? A commitment is an assertion offered as the
+response's own answer: a plain yes or no, a named entity, a number, a category, a definite claim. A
+conditional ("if A then B"), a list of places or steps for the reader to consult, or general background on
+the topic is not a commitment.
+  * A commitment is present: abstention_detected = false (the disclaimer only qualifies the answer), stop.
+  * No commitment (only caveats, how-to advice, background, pointers elsewhere): abstention_detected = true, stop.
+
+Step 3 - if steps 1 and 2 left it unclear, answer abstention_detected = false.
+
+Keep these apart:
+  * Disclaimers about the model's own ability (can't act, can't access, doesn't know) signal abstention.
+    Hedges about the answer itself ("usually", "typically", "probably", "about") do not: "it is probably X"
+    is a committed answer.
+  * Caveats attached to a committed answer ("please double-check this with a current source") are not abstention.
+  * Disclaiming ability and then giving only background, a method or places to look IS abstention, however
+    long and informative the background is.
+  * Reporting that a tool returned nothing is a factual report, not a refusal.
+
+Reply with JSON: "reasoning" (the quote from step 1, or a note that there is none, then one sentence on
+whether the response commits to an answer) followed by "abstention_detected" (the boolean verdict)."""
+
 
 def abstention_messages(question: str, response: str, options: dict[str, Any]) -> list[dict[str, str]]:
-    system = (
-        "You decide whether a model abstained from answering. Abstention: explicit refusals "
-        "('I cannot answer'), evasive replies that answer a different question, or pure deflection "
-        "('consult an expert'). NOT abstention: qualified answers with caveats, partial answers, "
-        "approximate or estimated values."
-    )
+    """Abstention check: did the model explicitly decline (verbatim disclaimer, no committed answer)?"""
     user = (
-        f"Question:\n{question}\n\nResponse:\n{response}\n\n"
+        f"Question:\n{question}\n\nResponse:\n<response>\n{response}\n</response>\n\n"
+        "Does the response explicitly declare that it is not answering? Reasoning first, verdict second.\n"
         f"Return only JSON matching: {json.dumps(ABSTENTION_SCHEMA)}" + _custom(options, "abstention_detection")
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": ABSTENTION_SYSTEM}, {"role": "user", "content": user}]
 
 
 SUFFICIENCY_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {"sufficient": {"type": "boolean"}, "reasoning": {"type": "string"}},
-    "required": ["sufficient", "reasoning"],
+    "properties": {"reasoning": {"type": "string"}, "sufficient": {"type": "boolean"}},
+    "required": ["reasoning", "sufficient"],
     "additionalProperties": False,
 }
+
+SUFFICIENCY_SYSTEM = """You decide whether a model's response holds enough information to fill in an answer template.
+
+Rule: the response is sufficient exactly when every REQUIRED field of the template schema has at least one
+piece of the response that can be mapped onto it. Map leniently: a hedged, approximate or qualified value
+counts as present. Optional fields, and fields that have a default, do not count either way - a missing
+optional field never makes a response insufficient.
+
+Which fields are required: those listed in the schema's "required" array (or otherwise marked as not optional).
+
+A required field is satisfied when the response gives
+  * an explicit value or statement for it,
+  * a hedged or approximate value ("roughly 40", "most likely Y"),
+  * a value that clearly follows from what the response says nearby,
+  * a qualified answer that still commits to a value despite its caveats.
+A required field is NOT satisfied when
+  * nothing in the response could plausibly fill it,
+  * the response says the information is unknown, unavailable or cannot be obtained,
+  * the response stays so vague that no candidate value for that field can be read from it.
+
+How to work: go through the required fields one at a time; use each field's description (and the question,
+when a field's name or description is ambiguous) to see what it needs; be lenient - any plausible span counts.
+Then give the verdict: sufficient only if every required field is satisfied. Judge presence, not correctness.
+
+Reply with JSON: "reasoning" (one line per required field) followed by "sufficient" (the boolean verdict)."""
+
+
+def required_fields(schema: dict[str, Any]) -> list[str]:
+    """The schema's required fields (the ones sufficiency is judged on)."""
+    req = schema.get("required")
+    return [str(r) for r in req] if isinstance(req, list) else []
 
 
 def sufficiency_messages(
     question: str, response: str, schema: dict[str, Any], options: dict[str, Any]
 ) -> list[dict[str, str]]:
-    system = (
-        "You decide whether a response contains enough information to fill every field of a JSON "
-        "schema. Judge only presence of information, not its correctness."
-    )
+    """Sufficiency check: can every required template field be filled from the response (leniently)?"""
+    required = required_fields(schema)
     user = (
-        f"Question:\n{question}\n\nResponse:\n{response}\n\nSchema to fill:\n{json.dumps(schema, sort_keys=True)}"
-        f"\n\nReturn only JSON matching: {json.dumps(SUFFICIENCY_SCHEMA)}" + _custom(options, "sufficiency_detection")
+        f"Question:\n{question}\n\nResponse:\n<response>\n{response}\n</response>\n\n"
+        f"Template schema:\n{json.dumps(schema, sort_keys=True)}\n\n"
+        f"Required fields: {', '.join(required) if required else '(none listed)'}\n\n"
+        "Can every required field be filled from the response? Reasoning first, verdict second.\n"
+        f"Return only JSON matching: {json.dumps(SUFFICIENCY_SCHEMA)}" + _custom(options, "sufficiency_detection")
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": SUFFICIENCY_SYSTEM}, {"role": "user", "content": user}]
+
+
+def _kind_text(trait: Any) -> str:
+    if trait.kind == "boolean":
+        return "boolean: true if the response meets the criterion, false if not"
+    if trait.kind == "literal":
+        return "literal: exactly one of the classes below, by its exact name"
+    return f"score: an integer from {trait.min_score} (worst) to {trait.max_score} (best)" if getattr(
+        trait, "higher_is_better", True) else (
+        f"score: an integer from {trait.min_score} to {trait.max_score} (lower is better)")
+
+
+def trait_lines(traits: list[Any]) -> str:
+    """Every trait the judge scores: name, kind with its range, description, and for literal traits
+    each class with its own description (the class descriptions are what tell classes apart)."""
+    lines = []
+    for t in traits:
+        lines.append(f"- {t.name} [{_kind_text(t)}]: {t.description or 'no description given'}")
+        if t.kind == "literal":
+            for i, (cname, cdesc) in enumerate((t.classes or {}).items()):
+                lines.append(f"    class {i} \"{cname}\": {cdesc}")
+    return "\n".join(lines)
+
+
+RUBRIC_SYSTEM = """You grade a model's response against rubric traits, one value per trait.
+- Use the trait names exactly as given.
+- Boolean traits: true or false. Score traits: an integer inside the stated range. Literal traits: the exact
+  name of one of the listed classes - read each class's description, pick the single class that fits the
+  response best (the dominant one when several apply), never invent a class.
+- Judge only what the response shows; apply each trait's criterion as written, weigh what speaks for and
+  against, and be consistent across responses.
+- Every trait must get a value."""
 
 
 def rubric_messages(
-    question: str, response: str, traits_text: str, schema: dict[str, Any], options: dict[str, Any]
+    question: str, response: str, traits: list[Any], schema: dict[str, Any], options: dict[str, Any]
 ) -> list[dict[str, str]]:
-    system = (
-        "You grade a response against rubric traits. For each trait return the value its type asks for: "
-        "true/false for boolean traits, an integer within the stated range for score traits, the exact "
-        "class name for literal traits."
-    )
+    """LLM rubric traits (one batch, or one trait per call in the sequential strategy)."""
     user = (
-        f"Question:\n{question}\n\nResponse:\n{response}\n\nTraits:\n{traits_text}\n\n"
+        f"Question:\n{question}\n\nResponse:\n<response>\n{response}\n</response>\n\n"
+        f"Traits:\n{trait_lines(traits)}\n\n"
         f"Return only JSON matching: {json.dumps(schema, sort_keys=True)}" + _custom(options, "rubric_evaluation")
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": RUBRIC_SYSTEM}, {"role": "user", "content": user}]
 
 
-def metric_messages(
-    question: str, response: str, trait_name: str, instructions: str, schema: dict[str, Any], options: dict[str, Any]
-) -> list[dict[str, str]]:
-    system = (
-        "You classify the items a response mentions against reference lists, to build a confusion "
-        "matrix. Copy items verbatim from the lists where they match."
-    )
+def metric_schema(full_matrix: bool) -> dict[str, Any]:
+    """The four confusion lists (tn only in full-matrix mode), as the reference asks for them."""
+    keys = ["tp", "fn", "fp"] + (["tn"] if full_matrix else [])
+    return {
+        "type": "object",
+        "properties": {k: {"type": "array", "items": {"type": "string"}} for k in keys},
+        "required": keys,
+        "additionalProperties": False,
+    }
+
+
+METRIC_SYSTEM = """You analyse a response for a confusion matrix: you sort what it says into four lists.
+- tp (true positives): content that SHOULD be in the answer and IS - copy the words as they appear IN THE
+  ANSWER (a term or short phrase), not the instruction text.
+- fn (false negatives): content that SHOULD be in the answer but is NOT - name the missing instruction content.
+- tn (true negatives): content that should NOT be in the answer and is correctly absent - name those
+  instructions.
+- fp (false positives): content that should NOT be in the answer but IS - copy the words as they appear IN
+  THE ANSWER.
+Matching: exact wording, close variants and synonyms all count ("tumour" matches "neoplasm"), case does not
+matter, and a more specific mention satisfies a general one ("lung cancer" satisfies "mention cancer").
+Use short terms or phrases, never whole sentences; no duplicates within a list; when unsure whether an item
+matches, include it."""
+
+
+def metric_messages(question: str, response: str, trait: Any, options: dict[str, Any]) -> list[dict[str, str]]:
+    """A metric trait: tp/fn/fp(/tn) lists for the trait's instructions (tp_only or full_matrix)."""
+    full = getattr(trait, "evaluation_mode", "tp_only") == "full_matrix"
+    tp = "\n".join(f"  {i}. {x}" for i, x in enumerate(trait.tp_instructions or [], 1))
+    parts = [f"Metric trait: {trait.name}"]
+    if trait.description:
+        parts.append(f"Description: {trait.description}")
+    parts.append(f"Content that SHOULD be present (true-positive instructions):\n{tp}")
+    if full:
+        tn = "\n".join(f"  {i}. {x}" for i, x in enumerate(trait.tn_instructions or [], 1))
+        parts.append(f"Content that should NOT be present (true-negative instructions):\n{tn}")
+        parts.append(
+            "fp here: words of the answer that match a true-negative instruction (same matching rules as tp). "
+            "tn: the true-negative instructions the answer does not touch.")
+    else:
+        parts.append(
+            "There are no true-negative instructions: leave tn out. fp here: words of the answer that try to "
+            "satisfy a true-positive instruction but are wrong - items of the same kind or category as the "
+            "expected ones that look like valid answers and are not. Do NOT list filler, explanations or other "
+            "content that is not an attempt at one of the instructions.")
     user = (
-        f"Question:\n{question}\n\nResponse:\n{response}\n\nMetric trait '{trait_name}':\n{instructions}\n\n"
-        f"Return only JSON matching: {json.dumps(schema, sort_keys=True)}" + _custom(options, "rubric_evaluation")
+        f"Question:\n{question}\n\nAnswer to analyse:\n<response>\n{response}\n</response>\n\n"
+        + "\n\n".join(parts)
+        + f"\n\nReturn only JSON matching: {json.dumps(metric_schema(full), sort_keys=True)}"
+        + _custom(options, "rubric_evaluation")
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": METRIC_SYSTEM}, {"role": "user", "content": user}]
 
 
 # ---------------------------------------------------------------- deep judgment (templates and rubrics)
@@ -225,17 +367,25 @@ def deep_judgment_parameters_messages(
     question: str, response: str, schema: dict[str, Any], excerpts: dict[str, list[dict[str, Any]]],
     reasoning: dict[str, str], options: dict[str, Any], system_prompt: str | None,
 ) -> list[dict[str, str]]:
-    """Stage 3 of template deep judgment: the normal structured parse, informed by the evidence."""
-    msgs = parsing_messages(question, response, schema, options, system_prompt)
-    evidence = []
-    for name in schema.get("properties", {}):
-        quotes = "; ".join(f'"{e["text"]}"' for e in excerpts.get(name) or []) or "none found"
-        evidence.append(f"- {name}: excerpts: {quotes}\n  reasoning: {reasoning.get(name, '')}")
-    msgs[-1]["content"] += (
-        "\n\nEvidence gathered from the response (verbatim excerpts and reasoning per field) - base each field "
-        "on it; do not fill a field with a value the evidence does not support:\n" + "\n".join(evidence)
+    """Stage 3 of template deep judgment: the structured parse, as in the reference, OF THE REASONING
+    (each field's value is the one its reasoning concluded), not of the response again. `response`
+    and `excerpts` are accepted for the callers' convenience and are not sent: the reasoning already
+    carries the evidence."""
+    del response, excerpts
+    names = list(schema.get("properties", {})) or list(reasoning)
+    block = "\n".join(f"- {name}: {reasoning.get(name) or '(no reasoning given)'}" for name in names)
+    system = _with_system(system_prompt, (
+        "You fill in a JSON schema from a grader's reasoning about a response. Each field of the schema has a "
+        "reasoning paragraph that concludes what value the response gives for it; put that concluded value in "
+        "the field. Where the reasoning concludes the response gives no value, use null when the schema allows "
+        "it. Do not add values the reasoning does not support. Reply with JSON only."
+    ))
+    user = (
+        f"Question:\n{question}\n\nReasoning per field:\n{block}\n\n"
+        f"Return only a JSON object that matches this JSON schema:\n{json.dumps(schema, sort_keys=True)}"
+        + _custom(options, "parsing")
     )
-    return msgs
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
 HALLUCINATION_SCHEMA: dict[str, Any] = {

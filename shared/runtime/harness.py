@@ -36,7 +36,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.core import events
 from shared.core.config import Settings
-from shared.runtime import bus
+from shared.runtime import bus, observability
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
 from shared.runtime.limits import deployment_limiter
@@ -49,6 +49,9 @@ from shared.runtime.runcontrol import RunControl, apply_suffix, chain_suffix, to
 log = logging.getLogger("veribus.service")
 
 VERSION = "0.1.0"
+
+OUTCOME: ContextVar[str] = ContextVar("veribus_outcome", default="")
+"""How `_dispatch` ended a message when not simply handled or nacked (for the metrics)."""
 
 CHAIN: ContextVar[str] = ContextVar("veribus_chain", default="")
 """The attempt key of the event being handled ('' for a first run; see `lifecycle.chain_suffix`)."""
@@ -100,7 +103,7 @@ class StageService:
         kwargs.update(broker_auth_kwargs(self.settings))
         self.broker = NatsBroker(opts["servers"], **kwargs)
         self.app = FastStream(self.broker, on_startup=[self._startup], after_startup=[self._after_startup],
-                              on_shutdown=[close_transports, self._close_control])
+                              on_shutdown=[close_transports, self._close_control, self._stop_observer])
         self._js: JetStreamContext | None = None
         self._stream = JStream(name=events.STREAM, declare=False)
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
@@ -109,6 +112,8 @@ class StageService:
         self.content = ContentStore(lambda: self.js)  # job contents by hash (lean events)
         # events whose handling is dispatch of new model work: skipped for a stopped run
         self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
+        self.durables: list[str] = []
+        self._observer: Any = None  # the /healthz /readyz /metrics server (shared.runtime.observability)
 
     def llm_client(self) -> LLMClient:
         """The service's model client; its response cache moves to the shared JetStream KV bucket
@@ -147,7 +152,13 @@ class StageService:
         self._js = self.broker.connection.jetstream()
         for hook in self.startup_hooks:
             await hook()
+        self._observer = await observability.start_for(self)
         log.info("%s ready", self.name)
+
+    async def _stop_observer(self) -> None:
+        if self._observer is not None:
+            await self._observer.cleanup()
+            self._observer = None
 
     async def last_event(self, subject: str) -> events.Envelope | None:
         """The newest event on an exact subject, if it belongs to the same run attempt as the
@@ -199,6 +210,8 @@ class StageService:
             max_deliver=max_deliver + 1,  # the last delivery is ours: it records the give-up
         )
 
+        self.durables.append(durable or self.name)
+
         def decorator(fn: Handler) -> Handler:
             @self.broker.subscriber(
                 events.subscription(event_type),
@@ -212,7 +225,12 @@ class StageService:
             )
             async def _on_message(body: bytes) -> None:
                 msg: NatsMessage = self.broker.context.get_local("message")
-                await self._dispatch(fn, payload_type, give_up, body, msg, max_deliver)
+                meta = msg.raw_message.metadata
+                OUTCOME.set("")
+                with observability.METRICS.handling(self.name, event_type, meta.num_delivered if meta else 1) as m:
+                    await self._dispatch(fn, payload_type, give_up, body, msg, max_deliver)
+                    m["outcome"] = OUTCOME.get() or ("failed" if str(msg.committed).lower().endswith("nacked")
+                                                     else "handled")
 
             return fn
 
@@ -236,6 +254,7 @@ class StageService:
             if delivered >= max_deliver:
                 await self._dead_letter(raw.subject, body, exc, delivered)
                 await msg.ack()
+                OUTCOME.set("dead_letter")
             else:
                 await msg.nack(delay=backoff_s(delivered))
             return
@@ -252,6 +271,7 @@ class StageService:
             if stop is not None:
                 await self.publish(apply_suffix(suffix, give_up(env, payload, stop)))
                 await msg.ack()
+                OUTCOME.set("stopped")
                 return
         before = await self._tokens_before(env, payload)
         cost_before_ = await self._cost_before(env, payload)
@@ -273,6 +293,7 @@ class StageService:
             try:
                 await self.publish(apply_suffix(suffix, [failed, *fallback]))
                 await msg.ack()
+                OUTCOME.set("gave_up")
             except Exception:
                 log.exception("%s: could not record the give-up of %s", self.name, env.event_id)
                 await msg.nack(delay=backoff_s(delivered))
@@ -351,9 +372,6 @@ def record(state: events.State, stage: str, status: str, started: float, reason:
 
 def run(service: StageService) -> None:
     """Entry point of `python -m services.<name>`."""
-    logging.basicConfig(
-        level=os.environ.get("VERIBUS_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s {service.name} %(levelname)s %(message)s",
-    )
+    observability.configure_logging(service.name)
     logging.getLogger("faststream").setLevel(logging.WARNING)
     asyncio.run(service.app.run())

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from shared.analysis.export import export_from_source, export_results, export_run
@@ -384,3 +385,49 @@ def test_analysis_bench_small(tmp_path: Path) -> None:
     assert figures["export_bytes"] > 0 and figures["rss_peak_mb"] >= figures["rss_before_export_mb"]
     assert 0.0 < figures["pass_rate"] < 1.0 and figures["wilson"][0] < figures["pass_rate"] < figures["wilson"][1]
     assert not Path(figures["folder"]).exists()  # the temp folder is removed
+
+
+def test_streamed_csv_splits_global_and_question_traits_like_the_reference(settings: Settings, store: Store,
+                                                                          tmp_path: Path) -> None:
+    """The streamed CSV takes each trait's provenance from the jobs on the event log (the plan puts
+    it on the rubric wire) and lays the columns out as the reference does: rubric_<global trait>,
+    then question_specific_rubrics; the in-memory export, from rubric.trait_provenance, agrees."""
+    run = "20260101T000000-prov0001"
+    prov = {"safety": "global", "clarity": "global", "has_citations": "global",
+            "under_150w": "question_specific", "drug_coverage": "question_specific"}
+    results = []
+    for r in spec_results():
+        assert r.rubric is not None
+        names = r.rubric.get_all_trait_scores()
+        results.append(r.model_copy(update={"rubric": r.rubric.model_copy(
+            update={"trait_provenance": {n: prov[n] for n in names}})}))
+    store.insert_results([result_to_row(r, run, version=1) for r in results])
+    try:
+        _check_provenance_csv(store, run, results, prov, tmp_path)
+    finally:  # the module's other tests count every run's rows
+        db = settings.clickhouse_database
+        for table in ("verification_results", "events"):
+            store.client.command(f"ALTER TABLE {db}.{table} DELETE WHERE run_id = '{run}' SETTINGS mutations_sync = 1")
+    assert VerificationResultSet.from_store(settings, run_id=run).results == []
+
+
+def _check_provenance_csv(store: Store, run: str, results: list[VerificationResult], prov: dict[str, str],
+                          tmp_path: Path) -> None:
+    wire = {**RUBRIC_WIRE, "provenance": {n: "global" for n, p in prov.items() if p == "global"}}
+    store.insert_events([
+        events.make_envelope(events.ANSWER_GENERATED, run, r.metadata.result_id,
+                             events.StageEvent(job=msgspec.structs.replace(_job(r, run), rubric=wire),
+                                               state=events.State()), "test/1")
+        for r in results])
+    streamed = export_from_source(StoreSource(store), run, "csv", tmp_path / "s.csv", page_size=3)
+    memory = export_results(results, "csv", tmp_path / "m.csv", run_id=run)
+    with open(streamed.path, newline="") as a, open(memory.path, newline="") as b:
+        ra, rb = list(csv.DictReader(a)), list(csv.DictReader(b))
+    header = list(ra[0])
+    assert header == list(rb[0])
+    assert header[12:16] == ["rubric_clarity", "rubric_has_citations", "rubric_safety", "question_specific_rubrics"]
+    first = next(row for row in ra if row["result_id"] == "d5e150fab775efd9")
+    assert (first["rubric_clarity"], first["rubric_safety"]) == ("4", "True")
+    assert set(json.loads(first["question_specific_rubrics"])) == {"under_150w", "drug_coverage"}
+    by_id = {r.metadata.result_id: r for r in results}
+    assert {r.metadata.result_id: r for r in VerificationResultSet.from_file(streamed.path)} == by_id

@@ -1,0 +1,1 @@
+"""Helpers shared by test modules (imported, never collected)."""

@@ -60,7 +60,11 @@ def test_our_json_export_has_the_reference_shape(tmp_path: Path) -> None:
     assert our_doc["metadata"]["karenina_version"].startswith("veribus ")
     assert our_doc["metadata"]["job_id"] == "run-1"
     assert our_doc["metadata"]["job_summary"]["total_questions"] == 4
-    assert our_doc["shared_data"]["rubric_definition"] == rubric
+    defn = our_doc["shared_data"]["rubric_definition"]
+    assert list(defn) == ["llm_traits", "regex_traits", "callable_traits", "metric_traits", "agentic_traits"]
+    (clarity,) = defn["llm_traits"]
+    assert {k: clarity[k] for k in rubric["llm_traits"][0]} == rubric["llm_traits"][0]
+    assert clarity["classes"] is None and "description" in clarity  # null-valued keys kept, as the reference
     # every result carries the sections and the metadata fields the reference's do
     ref_meta = set(ref_doc["results"][0]["metadata"])
     our_meta = set(our_doc["results"][0]["metadata"])
@@ -100,7 +104,8 @@ def test_reference_results_round_trip_through_our_export(tmp_path: Path) -> None
     export_results(ref_results, "json", out)
     _, back = _read_export(out)
     assert back == ref_results
-    assert back[1].metadata.model_extra["scenario_id"] is None  # 2.2 fields we do not model survive
+    assert back[1].metadata.scenario_id is None  # the reference's 2.2 scenario fields are kept (null)
+    assert back[1].template is not None and back[1].template.response_timeout_partial is False
     assert not back[1].metadata.completed_without_errors
 
 
@@ -114,21 +119,29 @@ def test_json_and_jsonl_round_trip(tmp_path: Path, fmt: str) -> None:
         assert len(out.read_text().splitlines()) == 36
 
 
-def test_csv_is_flat_with_trait_columns(tmp_path: Path) -> None:
+def test_csv_has_the_reference_columns_first_then_ours(tmp_path: Path) -> None:
     out = tmp_path / "r.csv"
     export_results(spec_results(), "csv", out, run_id="run-1")
     with out.open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 4
     cols = list(rows[0])
-    assert cols[:3] == ["run_id", "result_id", "run_name"]
+    # no provenance on these results: every trait is question-specific, as the reference treats them
+    assert cols[:12] == ["question_id", "success", "error", "question_text", "raw_llm_response", "parsed_gt_response",
+                         "parsed_llm_response", "template_verification_performed", "verify_result",
+                         "verify_granular_result", "rubric_evaluation_performed", "keywords"]
+    assert cols[12] == "question_specific_rubrics" and cols[13:54][-1] == "agent_metrics" and len(cols[12:54]) == 42
+    assert len(set(cols)) == len(cols) and cols[-1] == "result_json"
     for c in ("trait.clarity", "trait.safety", "trait.has_citations", "trait.under_150w", "trait.drug_coverage.f1",
-              "verify_result", "answering_model", "input_tokens"):
-        assert c in cols
+              "answering_model", "input_tokens", "run_id", "result_id", "template_id"):
+        assert c in cols[54:] or c == "answering_model"
     assert [r["verify_result"] for r in rows] == ["true", "false", "true", "true"]
+    assert [r["success"] for r in rows] == ["True"] * 4  # the reference's boolean format
+    assert [r["completed_without_errors"] for r in rows] == ["True"] * 4
     assert [r["trait.clarity"] for r in rows] == ["4.0", "3.0", "5.0", "4.0"]
+    assert json.loads(rows[0]["question_specific_rubrics"])["clarity"] == 4
     assert rows[1]["trait.drug_coverage.f1"] == "" and rows[0]["trait.drug_coverage.f1"] == "0.857"
-    assert rows[0]["run_id"] == "run-1" and json.loads(rows[0]["keywords"]) == []
+    assert rows[0]["run_id"] == "run-1" and rows[0]["keywords"] == ""  # empty list: empty cell, as the reference
 
 
 def test_parquet_keeps_typed_columns_and_the_whole_result(tmp_path: Path) -> None:

@@ -318,6 +318,10 @@ async def test_retries_transient_then_succeeds(fake) -> None:
     reply = await _client().complete(MODEL, [{"role": "user", "content": "q"}], stage="answer")
     assert reply.text == "fine" and reply.attempts == 4 and len(t.calls) == 4
     assert reply.usage["model"] == "openai/fake-model" and reply.usage["total_tokens"] > 0
+    # each retry is tallied by its kind, and travels on the stage's usage entry (-> metadata.retry_counts)
+    assert reply.retries == {"server_error": 1, "timeout": 1, "connection": 1}
+    entry = usage_entry(reply)
+    assert entry["retries"] == reply.retries and add_usage(entry, entry)["retries"]["timeout"] == 2
     assert all(c["max_retries"] == 0 and c["api_key"] == "sk-none" for c in t.calls)
 
 

@@ -38,6 +38,7 @@ from shared.runtime.llm.transport import (
     _scrub,
     transport_for,
 )
+from shared.runtime.observability import METRICS
 
 log = logging.getLogger("veribus.llm")
 
@@ -83,6 +84,7 @@ class LLMClient:
                             tools=tools, replicate=replicate)
             reply = await self._from_cache(key, response_schema, validate)
             if reply is not None:
+                METRICS.model_call(model.model_name, "cache_hit")
                 return reply
 
         api_key = self._api_key(model, stage)
@@ -96,9 +98,10 @@ class LLMClient:
         convo = list(messages)
         usage: dict[str, Any] = {"model": model.model_name}
         attempts = 0
+        retries: dict[str, int] = {}
         last_error = ""
         for round_ in range(MAX_OUTPUT_RETRIES + 1):
-            resp, n = await self._call(model, convo, kwargs, stage, api_key, attempts)
+            resp, n = await self._call(model, convo, kwargs, stage, api_key, attempts, retries)
             attempts += n
             usage = add_usage(usage, _usage_of(resp, model.model_name))
             text, tool_calls = _message_of(resp)
@@ -118,6 +121,7 @@ class LLMClient:
                     {"role": "user", "content": _feedback(last_error, structured)},
                 ]
         else:
+            METRICS.model_call(model.model_name, "failed_bad_output", last_error)
             raise LLMError(
                 "bad_output",
                 f"bad_output: model {model.model_name} at stage {stage} gave no valid "
@@ -130,7 +134,7 @@ class LLMClient:
             raw_message["tool_calls"] = tool_calls
         reply = LLMReply(text=text, usage=usage, parsed=parsed, tool_calls=tool_calls, attempts=attempts,
                          cost_usd=call_cost(model, usage.get("input_tokens", 0), usage.get("output_tokens", 0)),
-                         raw_message=raw_message)
+                         raw_message=raw_message, retries=retries)
         if key is not None and self.cache is not None:
             try:
                 await self.cache.put(key, {"text": text, "usage": usage, "tool_calls": tool_calls,
@@ -201,8 +205,9 @@ class LLMClient:
         return kwargs
 
     async def _call(self, model: ModelSpec, messages: list[dict[str, Any]], kwargs: dict[str, Any], stage: str,
-                    api_key: str | None, prior_attempts: int) -> tuple[Any, int]:
-        """One reply, retrying transient failures; returns (response, attempts used)."""
+                    api_key: str | None, prior_attempts: int, retries: dict[str, int] | None = None) -> tuple[Any, int]:
+        """One reply, retrying transient failures; returns (response, attempts used). Each retry is
+        counted by its error kind in `retries` (metadata.retry_counts)."""
         direct = transport_for(model) == "direct"
         litellm = None if direct else transport._get_litellm()
         limiter = self.limiter
@@ -220,6 +225,7 @@ class LLMClient:
                     else:
                         resp = await litellm.acompletion(messages=messages, **kwargs)
                 limiter.release(lease, tokens=_usage_of(resp, model.model_name)["total_tokens"])
+                METRICS.model_call(model.model_name, "ok")
                 return resp, attempt
             except asyncio.CancelledError:
                 limiter.release(lease)
@@ -236,6 +242,9 @@ class LLMClient:
                 ra = _retry_after(exc) if kind == "rate_limit" else None
                 total = prior_attempts + attempt
                 if kind in RETRYABLE and attempt <= model.max_retries:
+                    if retries is not None:
+                        retries[kind] = retries.get(kind, 0) + 1
+                    METRICS.model_call(model.model_name, f"retry_{kind}")
                     delay = self.backoff_delay(attempt, ra)
                     log.debug("llm %s stage=%s: %s (HTTP %s), retry %d/%d in %.2fs", model.model_name, stage,
                               kind, status, attempt, model.max_retries, delay)
@@ -245,6 +254,7 @@ class LLMClient:
                 if len(detail) > 1000:
                     detail = detail[:1000] + "..."
                 http = f"HTTP {status}" if status is not None else "no HTTP status"
+                METRICS.model_call(model.model_name, f"failed_{kind}", f"{http}: {detail}")
                 raise LLMError(
                     kind,
                     f"{kind}: model {model.model_name} at stage {stage} failed after {total} attempt(s) "

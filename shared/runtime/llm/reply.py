@@ -28,6 +28,7 @@ class LLMReply:
     attempts: int = 1
     raw_message: dict[str, Any] | None = None
     cost_usd: float | None = None  # None: the model's price is unknown (shared.runtime.llm.pricing)
+    retries: dict[str, int] = field(default_factory=dict)  # transient error kind -> retries it cost
 
 
 ERROR_KINDS = ("rate_limit", "server_error", "timeout", "connection", "bad_output", "auth", "bad_request")
@@ -62,6 +63,8 @@ def usage_entry(reply: LLMReply) -> dict[str, Any]:
     out: dict[str, Any] = {k: int(reply.usage.get(k, 0) or 0) for k in USAGE_KEYS}
     if reply.usage.get("model"):
         out["model"] = reply.usage["model"]
+    if reply.retries:
+        out["retries"] = dict(reply.retries)  # folded into metadata.retry_counts, not usage_metadata
     out.update(usage_extras(cost_usd=reply.cost_usd, attempts=reply.attempts, cached=reply.cached))
     return out
 
@@ -72,6 +75,12 @@ def add_usage(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     models = {m for m in (a.get("model"), b.get("model")) if m}
     if len(models) == 1:
         out["model"] = models.pop()
+    retries: dict[str, int] = {}
+    for side in (a, b):
+        for kind, n in (side.get("retries") or {}).items():
+            retries[kind] = retries.get(kind, 0) + int(n)
+    if retries:
+        out["retries"] = retries
     return add_extras(out, a, b)  # model calls, cached replies, cost
 
 
