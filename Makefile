@@ -3,9 +3,13 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test test-deps install os-deps lint bench clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed os-deps
+
+# The template sandbox's jail is bubblewrap (Debian); without it template calls fail closed.
+os-deps:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || { echo "veribus needs bubblewrap (apt-get install bubblewrap)"; exit 1; }
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,7 +21,11 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/veribus run examples/example.yaml --mode template_and_rubric --run-name demo --output out/demo
 
-test: install
+# Browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+test-deps:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || { echo "the browser tests need Debian's chromium (apt-get install chromium)"; exit 1; }
+
+test: install test-deps
 	$(BIN)/pytest -q -p no:cacheprovider
 
 lint: install

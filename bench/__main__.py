@@ -1,5 +1,5 @@
 """`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
-the real stack; `--backpressure` and `--analysis` select the other two benchmarks.
+the real stack; `--backpressure`, `--analysis` and `--sandbox` select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
 module as a child process and passes its exit code through.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import analysis, backpressure, limits, run
+from bench import analysis, backpressure, limits, run, sandbox
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limits", action="store_true",
                    help="instead: the per-call overhead of the deployment-wide model limiter")
     b.add_argument("--limit-calls", type=int, default=3000, help="calls for --limits")
+    b.add_argument("--sandbox", action="store_true",
+                   help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
+    sandbox.add_arguments(b)
     return b
 
 
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return analysis.main(args)
     if args.limits:
         return limits.main(args)
+    if args.sandbox:
+        return sandbox.main(args)
     return run.main(args)
 
 

@@ -71,11 +71,23 @@ class Sampler(threading.Thread):
 
 
 def cpu_seconds(procs: list[stack.Proc]) -> dict[str, float]:
+    """CPU seconds per stack process, and as `<name>:sandbox` that of its sandbox workers (the
+    jails and their zygotes, with the call processes they have reaped)."""
     out = {}
     for p in procs:
         try:
-            t = psutil.Process(p.pid).cpu_times()
+            proc = psutil.Process(p.pid)
+            t = proc.cpu_times()
             out[p.name] = t.user + t.system
+            jail = 0.0
+            for child in proc.children(recursive=True):
+                try:
+                    c = child.cpu_times()
+                    jail += c.user + c.system + c.children_user + c.children_system
+                except psutil.Error:
+                    continue
+            if jail:
+                out[f"{p.name}:sandbox"] = jail
         except psutil.NoSuchProcess:
             out[p.name] = 0.0
     return out
@@ -136,7 +148,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             sampler.stop.set()
             done = len(outcome.results)
             stream_delta = asyncio.run(stream_bytes(settings)) - bytes0
-            per_service = {name: round(1000 * (cpu1[name] - cpu0.get(name, 0.0)) / max(done, 1), 3)
+            per_service = {name: round(1000 * max(0.0, cpu1[name] - cpu0.get(name, 0.0)) / max(done, 1), 3)
                            for name in cpu1}
             pipeline_cpu = sum(v for k, v in per_service.items() if k not in ("nats", "simulator"))
             bound = concurrency / (2 * latency_ms / 1000) if latency_ms > 0 else None

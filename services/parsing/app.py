@@ -20,6 +20,6 @@ async def on_guards_checked(env: events.Envelope, ev: events.StageEvent) -> list
         return []  # no template branch in this mode: the finalizer does not wait for one
     info = None
     if job.template_code and not ev.state.error:
-        info = await templates.get(job.template_id, job.template_code, job.question_id)
+        info = await templates.get(job.template_id, job.template_code, job.question_id, scope=job.run_id)
     state = await parse_template(job, ev.state, llm, info)
     return [service.emit(events.TEMPLATE_PARSED, job, events.StageEvent(job, state))]

@@ -283,7 +283,7 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
         try:
             if not ct.callable_code:
                 raise ValueError(f"callable trait {ct.name!r} has no callable_code")
-            value = await run_callable_trait(ct.callable_code, text, ct.kind,
+            value = await run_callable_trait(ct.callable_code, text, ct.kind, scope=job.run_id,
                                              timeout_s=job.options.get("template_timeout_s"))
             if getattr(ct, "invert_result", False) and isinstance(value, bool):
                 value = not value

@@ -99,7 +99,7 @@ async def verify_template(job: Job, state: State, llm: LLMClient | None = None,
         return _skip_all(state, t, "nothing parsed")
     outcome = await run_verify(
         job.template_code, parsed, job.question_id, state.template.get("raw_llm_response", ""),
-        template_id=job.template_id, timeout_s=job.options.get("template_timeout_s"),
+        template_id=job.template_id, timeout_s=job.options.get("template_timeout_s"), scope=job.run_id,
     )
     if getattr(outcome, "error", None):
         state.error = stage_error(STAGE, ValueError(outcome.error))

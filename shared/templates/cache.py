@@ -16,13 +16,16 @@ class TemplateInfoCache:
         self._pending: dict[str, asyncio.Future[TemplateInfo]] = {}
         self._max = max_entries
 
-    async def get(self, template_id: str, code: str, question_id: str | None = None) -> TemplateInfo:
+    async def get(self, template_id: str, code: str, question_id: str | None = None,
+                  scope: str | None = None) -> TemplateInfo:
+        """The template's TemplateInfo; validated in the sandbox on first use (`scope`: the run id,
+        so one run's validations share a sandbox process and no other run's)."""
         info = self._infos.get(template_id)
         if info is not None:
             return info
         fut = self._pending.get(template_id)
         if fut is None:
-            fut = asyncio.ensure_future(validate_template(code, question_id))
+            fut = asyncio.ensure_future(validate_template(code, question_id, scope=scope))
             self._pending[template_id] = fut
             try:
                 info = await fut

@@ -93,16 +93,22 @@ async def validate_template(
     template_id: str | None = None,
     sandbox: Sandbox | None = None,
     timeout_s: float | None = None,
+    scope: str | None = None,
 ) -> TemplateInfo:
-    """Stage 1: compile the template in the sandbox and describe it (never raises for bad code)."""
+    """Stage 1: compile the template in the sandbox and describe it (never raises for bad code).
+    `scope` (the run id): calls of one run may share a sandbox process; None: a fresh one."""
     if not code or not code.strip():
         return TemplateInfo(ok=False, error="template code is empty")
     reply = await (sandbox or get_sandbox()).call(
-        "validate_template", code=code, question_id=question_id, template_id=template_id, timeout_s=timeout_s
+        "validate_template", code=code, question_id=question_id, template_id=template_id, timeout_s=timeout_s,
+        scope=scope,
     )
     if not reply["ok"]:
         return TemplateInfo(ok=False, error=reply["error"])
-    return msgspec.convert(reply["value"], TemplateInfo)
+    try:  # user code can write its own reply: never trust its shape
+        return msgspec.convert(reply["value"], TemplateInfo)
+    except msgspec.ValidationError as exc:
+        return TemplateInfo(ok=False, error=f"template validation returned a malformed result: {exc}")
 
 
 async def run_verify(
@@ -114,15 +120,20 @@ async def run_verify(
     template_id: str | None = None,
     sandbox: Sandbox | None = None,
     timeout_s: float | None = None,
+    scope: str | None = None,
 ) -> VerifyOutcome:
-    """Stage 8: verify() + regex checks (+ verify_granular) on the judge's parsed dict."""
+    """Stage 8: verify() + regex checks (+ verify_granular) on the judge's parsed dict.
+    `scope` (the run id): calls of one run may share a sandbox process; None: a fresh one."""
     reply = await (sandbox or get_sandbox()).call(
         "verify_template", code=code, parsed=parsed, question_id=question_id, raw_response=raw_response,
-        template_id=template_id, timeout_s=timeout_s,
+        template_id=template_id, timeout_s=timeout_s, scope=scope,
     )
     if not reply["ok"]:
         return VerifyOutcome(error=reply["error"])
-    return msgspec.convert(reply["value"], VerifyOutcome)
+    try:  # user code can write its own reply: never trust its shape
+        return msgspec.convert(reply["value"], VerifyOutcome)
+    except msgspec.ValidationError as exc:
+        return VerifyOutcome(error=f"template verification returned a malformed result: {exc}")
 
 
 async def run_callable_trait(
@@ -134,6 +145,7 @@ async def run_callable_trait(
     max_score: int | None = None,
     sandbox: Sandbox | None = None,
     timeout_s: float | None = None,
+    scope: str | None = None,
 ) -> bool | int:
     """Run a callable trait (plain source, base64 source or base64/raw cloudpickle) on `text`.
 
@@ -143,7 +155,7 @@ async def run_callable_trait(
         raise CallableTraitError(f"unknown callable trait kind {kind!r} (expected 'boolean' or 'score')")
     reply = await (sandbox or get_sandbox()).call(
         "callable_trait", code=code, text=text, kind=kind, min_score=min_score, max_score=max_score,
-        timeout_s=timeout_s,
+        timeout_s=timeout_s, scope=scope,
     )
     if not reply["ok"]:
         err = str(reply["error"])
@@ -151,7 +163,11 @@ async def run_callable_trait(
             prefix = f"{CallableTraitError.__name__}: "
             err = err[len(prefix):] if err.startswith(prefix) else f"callable trait raised {err}"
         raise CallableTraitError(err)
-    return reply["value"]
+    value = reply["value"]
+    if (kind == "boolean" and not isinstance(value, bool)) or (
+            kind == "score" and (isinstance(value, bool) or not isinstance(value, int))):
+        raise CallableTraitError(f"callable trait returned a malformed result ({type(value).__name__})")
+    return value
 
 
 def regex_trait_score(pattern: str, text: str, case_sensitive: bool, invert: bool) -> bool:

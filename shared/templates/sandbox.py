@@ -1,21 +1,19 @@
-"""Worker sandbox: user template code and callable traits never run in a service process.
+"""Worker sandbox, the service's side: user template code and callable traits never run in a
+service process.
 
-A `Sandbox` is a pool of persistent worker processes (`python -c …_worker_main`, the worker
-side is `shared.templates.jail`), each in its
-own session (process group), started with a scrubbed environment (no API keys) and with
-resource limits set in the child: RLIMIT_AS (memory cap), RLIMIT_CPU (re-armed before each
-call), RLIMIT_NOFILE, RLIMIT_FSIZE, RLIMIT_NPROC and no core files. The parent enforces a
-per-call wall-time limit: on expiry it kill -9s the worker's process group and starts a new one.
-A worker that dies (os._exit, segfault, signal) or runs out of memory yields an error result
-that names what happened, and the pool keeps serving.
+A `Sandbox` is a pool of worker processes. Each worker is a jail (`shared.templates.boundary`:
+bubblewrap namespaces, a separate unprivileged uid, seccomp, a cleared environment) holding a
+zygote (`shared.templates.jail`) that forks a fresh process per call, or one process per scope
+(a run id) kept for that scope's later calls. The zygote enforces the per-call wall time; the
+parent keeps a backstop timer that kills a whole worker (by process group; the jail dies with
+it) if its zygote stops answering, and checks the shape of every reply (user code can write
+its own frames).
 
-Protocol: length-prefixed msgpack frames over the worker's stdin/stdout (the worker moves its
-own fd 1 to stderr so user `print`s cannot corrupt the stream). One call at a time per worker.
-The parent watches the pipes with `loop.add_reader`: no threads, no per-call tasks, and idle
-workers carry over to a new event loop.
+One call at a time per worker. The parent watches the pipes with `loop.add_reader`: no
+threads, no per-call tasks, and idle workers carry over to a new event loop.
 
-This isolates faults and resource use; it is not a security boundary against hostile code
-(no seccomp, no network namespace).
+If the jail cannot be set up the pool fails closed (every call: kind "unavailable").
+`VERIBUS_SANDBOX=unsafe` runs the same zygote without the jail, seccomp or uid drop.
 
 Every `call` returns a dict: {"ok": True, "value": …} or {"ok": False, "kind": …, "error": …}
 with kind one of: exception, exit, timeout, memory, cpu, crash, unavailable, closed.
@@ -25,7 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
+import itertools
 import json
+import logging
 import math
 import os
 import signal
@@ -38,19 +39,38 @@ from typing import Any
 
 import msgspec
 
-from shared.templates.jail import _HDR, BUILTINS, PRELOAD
+from shared.templates import boundary
+from shared.templates.boundary import bwrap_argv
+from shared.templates.jail import _HDR, BUILTINS, PRELOAD, _label, _signal_name
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository root, for the worker's sys.path
 _ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR")
+_BACKSTOP_S = 5.0  # extra wall time before the parent kills a whole worker whose zygote did not answer
+log = logging.getLogger("veribus.sandbox")
 
-def _label(fn_name: str) -> str:
-    return BUILTINS[fn_name][1] if fn_name in BUILTINS else "code"
 
-def _signal_name(num: int) -> str:
+_KINDS = frozenset({"exception", "exit", "timeout", "memory", "cpu", "crash", "unavailable", "closed"})
+
+
+def _checked_reply(dec: msgspec.msgpack.Decoder, payload: Any, label: str) -> dict[str, Any]:
+    """A reply frame as the pool's callers may rely on it. User code can write its own frame
+    into the reply pipe, so the shape is checked here, in the service, not trusted."""
     try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
+        msg = dec.decode(payload)
+    except msgspec.DecodeError:
+        msg = None
+    if isinstance(msg, dict) and msg.get("ready") is True:
+        return msg  # the worker's start-up hello
+    if isinstance(msg, dict) and msg.get("ok") is True and "value" in msg:
+        return {"ok": True, "value": msg["value"]}
+    if (isinstance(msg, dict) and msg.get("ok") is False and msg.get("kind") in _KINDS
+            and isinstance(msg.get("error"), str)):
+        out = {"ok": False, "kind": msg["kind"], "error": msg["error"][:20_000]}
+        if isinstance(msg.get("traceback"), str):
+            out["traceback"] = msg["traceback"][:8_000]
+        return out
+    return {"ok": False, "kind": "crash", "error": f"{label} sent a malformed sandbox reply"}
+
 
 class _Worker:
     """One worker process as the parent sees it; at most one request in flight.
@@ -76,15 +96,30 @@ class _Worker:
 
     async def start(self) -> None:
         pool = self.pool
-        cfg = json.dumps({"memory_mb": pool.memory_mb, "cpu_s": pool.cpu_s, "max_open_files": pool.max_open_files,
-                          "max_file_mb": pool.max_file_mb, "max_procs": pool.max_procs,
-                          "preload": list(pool.preload)})
+        jail = pool.jail
+        cfg_d: dict[str, Any] = {
+            "memory_mb": pool.memory_mb, "max_open_files": pool.max_open_files, "max_file_mb": pool.max_file_mb,
+            "max_procs": pool.max_procs, "preload": list(pool.preload), "audit": pool.audit_hook,
+            "tag": pool.tag}  # the tag in every process's cmdline: tests find them all
         boot = f"import sys; sys.path.insert(0, {_ROOT!r}); from shared.templates.jail import _worker_main; _worker_main()"
-        env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
-        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")
+        if jail.mode == "jail":
+            cfg_d.update(scratch="/tmp", drop_to=list(jail.drop_to) if jail.drop_to else None,
+                         landlock=jail.landlock_abi > 0,
+                         seccomp_zygote=base64.b64encode(jail.seccomp_zygote).decode(),
+                         seccomp_call=base64.b64encode(jail.seccomp_call).decode())
+            argv = [*bwrap_argv(jail.bwrap, pool.tmp_mb, pool.tag, privileged=jail.privileged),
+                    sys.executable, "-I", "-c", boot, json.dumps(cfg_d)]
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            cwd = "/"
+        else:
+            argv = [sys.executable, "-I", "-c", boot, json.dumps(cfg_d), pool.tag]
+            env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+            env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1",
+                       OPENBLAS_NUM_THREADS="1", VERIBUS_SANDBOX_TAG=pool.tag)
+            cwd = tempfile.gettempdir()
         self.proc = subprocess.Popen(
-            [sys.executable, "-s", "-c", boot, cfg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, bufsize=0, env=env, cwd=tempfile.gettempdir(), start_new_session=True,
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, bufsize=0, env=env, cwd=cwd, start_new_session=True,
         )
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         self.pid = self.proc.pid
@@ -107,6 +142,9 @@ class _Worker:
         if not hello.get("ready"):
             self.kill()
             raise RuntimeError(f"sandbox worker failed to start: {hello.get('error', hello)}")
+        if jail.mode == "jail" and hello.get("uid") == 0:
+            self.kill()
+            raise RuntimeError("sandbox worker runs as root: refusing to use it")
         self.usable = True
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -163,7 +201,7 @@ class _Worker:
             self._frame(frame)
 
     def _frame(self, payload: Any) -> None:
-        msg = self.pool._dec.decode(payload)
+        msg = _checked_reply(self.pool._dec, payload, self.label)
         fut = self.waiter
         if fut is not None and not fut.done():
             fut.set_result(msg)
@@ -250,7 +288,8 @@ class _Worker:
                 data = data[os.write(self.in_fd, data):]
         except OSError:  # it died meanwhile; its EOF resolves `fut` with the reason
             pass
-        timer = loop.call_later(timeout_s, self._expire, fut, timeout_s)
+        # the zygote stops an overrunning call itself; this backstop is for a wedged zygote
+        timer = loop.call_later(timeout_s + _BACKSTOP_S, self._expire, fut, timeout_s)
         try:
             reply = await fut
         except asyncio.CancelledError:
@@ -286,11 +325,13 @@ class _Worker:
                 pass
             self._release()
 
+
 class _Broken:
     """Queue marker: a worker slot that could not be (re)started."""
 
     def __init__(self, error: str) -> None:
         self.error = error
+
 
 class Sandbox:
     """A pool of sandbox workers, used from one event loop at a time.
@@ -313,12 +354,21 @@ class Sandbox:
         max_procs: int = 0,
         preload: tuple[str, ...] = PRELOAD,
         startup_timeout_s: float = 60.0,
+        tmp_mb: int = 64,
+        audit_hook: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
+        self.tmp_mb = int(tmp_mb)
+        self.audit_hook = audit_hook  # defence in depth only; tests switch it off to attack the kernel layers
+        self.jail = boundary.plan(self.tmp_mb)  # fixed for the pool's life; probed once per process
+        self.tag = f"veribus-sandbox-{os.getpid()}-{next(_pool_ids)}"  # in each worker's argv/env: find them all
+        if self.jail.mode == "unsafe":
+            log.warning(boundary.UNSAFE_WARNING)
         self.workers = workers
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
+        self._cpu_explicit = cpu_s is not None
         self.cpu_s = int(cpu_s) if cpu_s is not None else int(math.ceil(self.timeout_s)) + 1
         self.max_open_files = max_open_files
         self.max_file_mb = max_file_mb
@@ -438,9 +488,14 @@ class Sandbox:
 
     # -- calls ---------------------------------------------------------------------------
 
-    async def call(self, fn_name: str, /, *, timeout_s: float | None = None, **kwargs: Any) -> dict[str, Any]:
+    async def call(self, fn_name: str, /, *, timeout_s: float | None = None, scope: str | None = None,
+                   **kwargs: Any) -> dict[str, Any]:
+        """Run `fn_name(**kwargs)` in a fresh call process, or, with `scope` (a run id), in that
+        scope's own process, which later calls of the same scope reuse (and no other scope sees)."""
         if self._closed:
             return {"ok": False, "kind": "closed", "error": "sandbox is closed"}
+        if self.jail.error:  # fail closed: no jail, no user code
+            return {"ok": False, "kind": "unavailable", "error": f"sandbox unavailable: {self.jail.error}"}
         idle = self._ensure()
         while True:
             try:
@@ -454,13 +509,15 @@ class Sandbox:
                 break
             # it died while idle; its EOF handler has already started a replacement
         self.calls += 1
+        wall = self.timeout_s if timeout_s is None else float(timeout_s)
+        cpu = self.cpu_s if self._cpu_explicit else int(math.ceil(wall)) + 1
         try:
-            body = self._enc.encode((fn_name, kwargs))
+            body = self._enc.encode((fn_name, kwargs, wall, cpu, scope or None))
         except Exception as exc:  # noqa: BLE001
             idle.put_nowait(w)
             return {"ok": False, "kind": "exception", "error": f"arguments not serialisable: {exc}"}
         try:
-            return await w.request(body, self.timeout_s if timeout_s is None else timeout_s, _label(fn_name))
+            return await w.request(body, wall, _label(fn_name))
         finally:
             if w.usable and not self._closed:
                 idle.put_nowait(w)
@@ -471,8 +528,11 @@ class Sandbox:
                     self.restarts += 1
                     self._spawn()
 
+
 _live_pools: weakref.WeakSet[Sandbox] = weakref.WeakSet()
+_pool_ids = itertools.count(1)
 _default: Sandbox | None = None
+
 
 def get_sandbox() -> Sandbox:
     """The process-wide pool, created on first use. Sized by VERIBUS_SANDBOX_WORKERS,
@@ -486,9 +546,11 @@ def get_sandbox() -> Sandbox:
         )
     return _default
 
+
 @atexit.register
 def _reap_at_exit() -> None:
     for pool in list(_live_pools):
         pool.terminate()
+
 
 __all__ = ["Sandbox", "get_sandbox", "BUILTINS"]

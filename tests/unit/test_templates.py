@@ -29,7 +29,7 @@ from shared.templates.calls import (
 from shared.templates.sandbox import Sandbox
 
 CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "karenina" / "checkpoints"
-TIMEOUT_S = 1.5
+TIMEOUT_S = 4.0  # generous: a loaded shared machine must not turn a memory or crash case into a timeout
 MEMORY_MB = 256
 
 
@@ -192,7 +192,7 @@ def test_compile_check_runs_nothing() -> None:
 @pytest.mark.parametrize(
     ("code", "message"),
     [
-        ("while True:\n    pass\n", "template exceeded 1.5 s wall time"),
+        ("while True:\n    pass\n", f"template exceeded {TIMEOUT_S} s wall time"),
         ("x = 'a' * 10**10\n", f"memory limit {MEMORY_MB} MB exceeded"),
         ("import os\nos._exit(3)\n", "worker exited with code 3"),
     ],
@@ -228,7 +228,7 @@ class Answer(BaseAnswer):
         if self.mode == "memory":
             hog = []
             while True:
-                hog.append(" " * 1_000_000)
+                hog.append(" " * 20_000_000)  # big steps: the cap, not a loaded machine, decides
         if self.mode == "exit":
             import os
             os._exit(3)
@@ -253,7 +253,7 @@ async def test_verify_raising_is_not_fatal(sb: Sandbox) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "message"),
-    [("loop", "template exceeded 1.5 s wall time"), ("memory", f"memory limit {MEMORY_MB} MB exceeded"),
+    [("loop", f"template exceeded {TIMEOUT_S} s wall time"), ("memory", f"memory limit {MEMORY_MB} MB exceeded"),
      ("exit", "worker exited with code 3")],
 )
 async def test_hostile_verify_is_stopped(sb: Sandbox, mode: str, message: str) -> None:
@@ -280,18 +280,24 @@ async def test_outcome_is_json_serialisable(sb: Sandbox) -> None:
     assert msgspec.json.decode(msgspec.json.encode(info))["ground_truth"] == {"result": 4}
 
 
-async def test_template_compiles_once_per_worker() -> None:
-    counting = "import builtins\nbuiltins.__dict__.setdefault('_vb_compiles', []).append(1)\n" + TEMPLATE_OK
+async def test_nothing_a_template_does_survives_its_call() -> None:
+    """Every call runs in a fresh process forked from a clean zygote: a template that leaves
+    marks in builtins (at class-body time, at verify time) finds none of them on its next call,
+    and the same template id with different code is compiled from the code it is given."""
+    counting = ("import builtins\nbuiltins.__dict__.setdefault('_vb_compiles', []).append(1)\n"
+                "_seen = len(builtins._vb_compiles)\n" + TEMPLATE_OK.replace(
+                    "return self.result == self.correct[\"result\"]",
+                    "return self.result == self.correct[\"result\"] and _seen == 1"))
+    assert "_seen == 1" in counting
     pool = Sandbox(workers=1, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB)
     try:
-        await validate_template(counting, "q", template_id="tid-1", sandbox=pool)
-        for value in (4, 5, 4):
-            await run_verify(counting, {"result": value}, "q", template_id="tid-1", sandbox=pool)
-        await run_verify(counting, {"result": 4}, "q", sandbox=pool)  # keyed by the code's hash instead
-        reply = await pool.call("exec", code="import builtins\nresult = len(builtins._vb_compiles)")
-        assert reply == {"ok": True, "value": 2}
-        # same id, different code: never served from the stale entry
-        changed = counting.replace('"result": 4', '"result": 5')
+        assert (await validate_template(counting, "q", template_id="tid-1", sandbox=pool)).ok
+        verdicts = [(await run_verify(counting, {"result": v}, "q", template_id="tid-1", sandbox=pool)).verify_result
+                    for v in (4, 5, 4, 4)]
+        assert verdicts == [True, False, True, True]  # `_seen` is 1 on every call: a fresh interpreter each time
+        reply = await pool.call("exec", code="import builtins\nresult = hasattr(builtins, '_vb_compiles')")
+        assert reply == {"ok": True, "value": False}
+        changed = TEMPLATE_OK.replace('"result": 4', '"result": 5')
         out = await run_verify(changed, {"result": 5}, "q", template_id="tid-1", sandbox=pool)
         assert out.verify_result is True
     finally:
@@ -456,10 +462,6 @@ async def test_reference_callable_traits(sb: Sandbox) -> None:
     assert await run_callable_trait(code, " ".join(["word"] * 500), kind, min_score=1, max_score=5, sandbox=sb) == 5
 
 
-def _count_words(trace: str) -> int:
-    return min(len(trace.split()), 10)
-
-
 async def test_cloudpickled_callable(sb: Sandbox) -> None:
     def has_doi(trace: str) -> bool:
         import re
@@ -469,6 +471,9 @@ async def test_cloudpickled_callable(sb: Sandbox) -> None:
     pickled = base64.b64encode(cloudpickle.dumps(has_doi)).decode("ascii")
     assert await run_callable_trait(pickled, "see doi 10.1000/xyz", "boolean", sandbox=sb) is True
     assert await run_callable_trait(pickled, "no reference", "boolean", sandbox=sb) is False
+    def _count_words(trace: str) -> int:
+        return min(len(trace.split()), 10)
+
     raw = cloudpickle.dumps(_count_words)  # raw pickle bytes, as the reference keeps them in memory
     assert await run_callable_trait(raw, "one two three", "score", sandbox=sb) == 3
 
@@ -486,7 +491,7 @@ async def test_plain_source_callable(sb: Sandbox) -> None:
         ("def evaluate(t):\n    return 'yes'\n", "boolean", "callable trait of kind 'boolean' returned str, expected bool"),
         ("def evaluate(t):\n    return None\n", "score", "callable trait of kind 'score' returned NoneType, expected int"),
         ("def evaluate(t):\n    return 1 / 0\n", "boolean", "callable trait raised ZeroDivisionError: division by zero"),
-        ("def evaluate(t):\n    while True:\n        pass\n", "boolean", "callable trait exceeded 1.5 s wall time"),
+        ("def evaluate(t):\n    while True:\n        pass\n", "boolean", f"callable trait exceeded {TIMEOUT_S} s wall time"),
         ("def evaluate(t):\n    return 'a' * 10**10\n", "boolean", f"memory limit {MEMORY_MB} MB exceeded"),
         ("def evaluate(t)\n    return True\n", "boolean", "callable trait source: syntax error at line 1"),
         ("x = 1\n", "boolean", "callable trait source must define evaluate(trace: str)"),
