@@ -384,7 +384,8 @@ class _KeyState:
     rpm_local: int = 0
     tpm_local: float = 0.0
     waiters: deque[_Waiter] = field(default_factory=deque)
-    view: Ledger | None = None
+    view: Ledger | None = None  # the newest ledger seen (watch or own write): for shedding decisions
+    base: Ledger | None = None  # the ledger at `revision` (own read or write): the base of a CAS
     revision: int = 0
     valid_until: float = 0.0  # local slots may be used until then (lease renewed before)
     successes: int = 0
@@ -572,10 +573,12 @@ class Limiter:
         """One read-modify-CAS of the ledger: take what waiters need, give back surplus, renew,
         and fold in this process's 429s and successes. Retries on conflict."""
         for _ in range(50):
-            if st.view is None or st.revision == 0:
+            # the base of a compare-and-set is only ever what this process last read or wrote at
+            # `revision`: the watched view may be older or newer than that revision
+            if st.base is None or st.revision == 0:
                 ledger, rev = await self.store.get(st.key)
             else:
-                ledger, rev = st.view, st.revision
+                ledger, rev = st.base, st.revision
             ledger = msgspec.structs.replace(ledger) if ledger is not None else new_ledger(st.cap)
             ledger.holders = {k: msgspec.structs.replace(h) for k, h in ledger.holders.items()}
             wall = time.time()
@@ -611,9 +614,9 @@ class Limiter:
             try:
                 rev = await self.store.cas(st.key, ledger, rev)
             except Conflict:
-                st.view, st.revision = None, 0
+                st.base, st.revision = None, 0
                 continue
-            st.view, st.revision = ledger, rev
+            st.base, st.view, st.revision = ledger, ledger, rev
             st.last_written = encode_ledger(ledger)
             st.last_write = time.monotonic()
             st.dirty = False
