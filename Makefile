@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/veribus run examples/example.yaml --mode template_and_rubric --run-name demo --output out/demo
+	$(BIN)/veribus run examples/example.yaml --simulate --mode template_and_rubric --run-name demo --output out/demo
 
 # Browser tests drive Debian's Chromium through Playwright (never `playwright install`).
 test-deps:

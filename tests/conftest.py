@@ -70,3 +70,100 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 def python() -> str:
     return sys.executable
+
+
+# ---- a NATS cluster: N real nats-server nodes on free loopback ports ----
+
+
+@dataclass
+class NatsCluster:
+    """Real nats-server nodes routed into one cluster, configured by `shared.control.stack.nats_config`
+    (the same function `veribus up --nats-cluster N` uses). Nodes can be killed (-9) and
+    started again on the same ports and stores."""
+
+    home: Path
+    nodes: list  # list[shared.control.stack.NatsNode]
+    procs: dict[str, subprocess.Popen[bytes]]
+    confs: dict[str, Path]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{n.port}" for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """All nodes, comma-separated: what VERIBUS_NATS_URL takes."""
+        return ",".join(self.urls)
+
+    def node(self, name: str):  # noqa: ANN201
+        return next(n for n in self.nodes if n.name == name)
+
+    def start(self, name: str) -> None:
+        from shared.control.stack import nats_server_binary
+
+        log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        self.procs[name] = subprocess.Popen([str(nats_server_binary()), "-c", str(self.confs[name])],
+                                            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def healthy(self, name: str) -> bool:
+        """/healthz ok and every member's client URL known (see `stack.nats_healthy`)."""
+        from shared.control.stack import Proc, nats_healthy
+
+        n = self.node(name)
+        probe = Proc(name=name, pid=self.procs[name].pid, cmd=[], log="", port=n.port, http_port=n.http_port)
+        return nats_healthy(probe, len(self.nodes))
+
+    def wait_healthy(self, names: list[str] | None = None, timeout: float = 60.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        pending = list(names or [n.name for n in self.nodes])
+        while pending and time.monotonic() < deadline:
+            pending = [n for n in pending if not (self.alive(n) and self.healthy(n))]
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            raise TimeoutError(f"NATS nodes not healthy after {timeout:.0f}s: {pending}")
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+
+
+def start_nats_cluster(home: Path, size: int = 3) -> NatsCluster:
+    from shared.control.stack import plan_nats_nodes, write_nats_configs
+    from shared.core.config import Settings
+
+    home.mkdir(parents=True, exist_ok=True)
+    nodes = plan_nats_nodes(home, size)
+    for n in nodes:
+        n.store.mkdir(parents=True, exist_ok=True)
+    cluster = NatsCluster(home=home, nodes=nodes, procs={}, confs=write_nats_configs(Settings(), home, nodes))
+    try:
+        for n in nodes:
+            cluster.start(n.name)
+        cluster.wait_healthy()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """A three-node cluster for one test; every node is stopped by the teardown."""
+    cluster = start_nats_cluster(tmp_path / "cluster", 3)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

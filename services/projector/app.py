@@ -91,7 +91,7 @@ def create_app(
         projector.open()  # blocking on purpose: before any message is consumed, in the main thread
         nc = await bus_connect(settings, name="veribus-projector-admin")
         try:
-            await ensure_stream(nc.jetstream())
+            await ensure_stream(nc.jetstream(), settings)
         finally:
             await nc.close()
 

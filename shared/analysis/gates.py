@@ -75,6 +75,8 @@ class Gate:
     pass_op: str | None = None
     pass_value: float | None = None
     aggregate: str | None = None  # "avg_score" (mean) or "accuracy" (share passing), letta's `metric`
+    text: str | None = field(default=None, compare=False)  # as the user wrote it
+    note: str | None = field(default=None, compare=False)  # how a value was read (80 -> 0.8)
 
     def __post_init__(self) -> None:
         if not self.metric.strip():
@@ -101,7 +103,75 @@ class Gate:
         return text
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and k not in ("text", "note")}
+
+    def understood(self) -> str:
+        """How the gate was read, for the run's output: `pass_rate>=80` and `>=0.8` read the same."""
+        said = f" (from {self.text!r}" + (f"; {self.note}" if self.note else "") + ")" if self.text else ""
+        return f"gate {self.label()}{said}"
+
+
+COUNT_METRICS = ("errors", "total", "total_attempted")
+
+
+def _base_metric(metric: str) -> str:
+    return metric if metric in RUN_METRICS else metric.split(":", 1)[0]
+
+
+def _as_rate(what: str, value: float, raw: Any) -> tuple[float, str | None]:
+    """A rate threshold in 0..1; 1 < value <= 100 is read as a percentage (80 -> 0.8)."""
+    if value < 0 or value > 100 or (value > 1 and str(raw).strip().endswith("%")):
+        raise GateError(f"{what}: threshold {raw!r} is out of range: a rate is between 0 and 1 (or 0% and 100%)")
+    if value > 1:
+        return value / 100.0, f"{raw} read as {value / 100.0:g} ({value:g}%)"
+    return value, None
+
+
+def normalize_gate(gate: Gate, raw_value: Any = None, raw_pass: Any = None) -> Gate:
+    """Rates (every metric but errors/total/total_attempted) to 0..1 and counts >= 0; raises
+    GateError on a threshold out of range."""
+    from dataclasses import replace
+
+    base = _base_metric(gate.metric)
+    notes = []
+    value = gate.value
+    if base in COUNT_METRICS:
+        if value < 0:
+            raise GateError(f"gate {gate.metric!r}: threshold {raw_value if raw_value is not None else value!r} "
+                            "is out of range: a count is >= 0")
+    else:
+        value, note = _as_rate(f"gate {gate.metric!r}", value, raw_value if raw_value is not None else f"{value:g}")
+        if note:
+            notes.append(note)
+    pass_value = gate.pass_value
+    if pass_value is not None:
+        pass_value, note = _as_rate(f"gate {gate.metric!r} pass criterion", pass_value,
+                                    raw_pass if raw_pass is not None else f"{pass_value:g}")
+        if note:
+            notes.append("pass " + note)
+    return replace(gate, value=value, pass_value=pass_value, note="; ".join(notes) or None)
+
+
+def known_metrics(trait_names: Iterable[str]) -> set[str]:
+    """Metric names a gate may use for a run whose rubric has these traits."""
+    return {*RUN_METRICS, ACCURACY, *trait_names}
+
+
+def check_gates(gates: Sequence[Gate], metrics: set[str], models: Sequence[tuple[str, str]] = ()) -> None:
+    """Refuse a gate whose metric is not one of `metrics` (run metrics and the rubric's traits),
+    or whose `:model` names no model of the run; `models` are (display, model_name) pairs."""
+    for g in gates:
+        base, model = (g.metric, None) if g.metric in metrics else _split_model(g.metric, metrics)
+        if base not in metrics:
+            import difflib
+
+            close = difflib.get_close_matches(base, sorted(metrics), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise GateError(f"gate {g.text or g.label()!r}: unknown metric {base!r}{hint} (known: "
+                            f"{', '.join(sorted(metrics))})")
+        if model is not None and models and not any(model_matches(d, n, model) for d, n in models):
+            raise GateError(f"gate {g.text or g.label()!r}: no model {model!r} in this run (models: "
+                            f"{', '.join(sorted(n for _, n in models))})")
 
 
 def parse_gate(text: str) -> Gate:
@@ -114,8 +184,14 @@ def parse_gate(text: str) -> Gate:
         s = s[: m.start()]
     g = _GATE_RE.match(s)
     if not g:
-        raise GateError(f"cannot read gate {text!r}: expected METRIC OP VALUE, e.g. accuracy>=0.8")
-    return Gate(g.group("metric").strip(), _op(g.group("op")), _number(g.group("value")), pass_op, pass_value)
+        raise GateError(f"cannot read gate {text!r}: expected METRIC OP VALUE with OP one of > >= < <= == "
+                        "(or gt gte lt lte eq), e.g. accuracy>=0.8")
+    raw_value = g.group("value")
+    if re.search(r"[<>=!~]", g.group("metric")):
+        raise GateError(f"cannot read gate {text!r}: bad operator; use one of > >= < <= == (or gt gte lt lte eq)")
+    gate = Gate(g.group("metric").strip(), _op(g.group("op")), _number(raw_value), pass_op, pass_value,
+                text=str(text).strip())
+    return normalize_gate(gate, raw_value, m.group("value") if m else None)
 
 
 def gate_from_mapping(d: Mapping[str, Any]) -> Gate:
@@ -128,8 +204,9 @@ def gate_from_mapping(d: Mapping[str, Any]) -> Gate:
         raise GateError(f"gate {name!r} needs op and value")
     pass_op = _op(str(d["pass_op"])) if d.get("pass_op") is not None else None
     pass_value = _number(d["pass_value"]) if d.get("pass_value") is not None else None
-    return Gate(str(name), _op(str(d["op"])), _number(d["value"]), pass_op, pass_value,
-                str(kind) if kind is not None else None)
+    gate = Gate(str(name), _op(str(d["op"])), _number(d["value"]), pass_op, pass_value,
+                str(kind) if kind is not None else None, text=f"{name} {d['op']} {d['value']}")
+    return normalize_gate(gate, d["value"], d.get("pass_value"))
 
 
 def gates_from_config(data: Mapping[str, Any] | None) -> list[Gate]:

@@ -31,6 +31,7 @@ from shared.analysis.export import rubric_definition_from_store
 from shared.analysis.report import summarize, trait_score
 from shared.analysis.stats import Proportion, pass_at_k_report
 from shared.core.models import VerificationResult
+from shared.core.outcome import error_kind
 from shared.store.reads import ResultFilter, iter_result_json, open_source, resolve_run
 
 if TYPE_CHECKING:
@@ -351,20 +352,18 @@ def section_heatmap(results: Sequence[VerificationResult]) -> str:
 
 def error_groups(results: Sequence[VerificationResult]) -> list[dict[str, Any]]:
     """Errored results grouped by (stage, type): count and the first example (question, error).
-    Errors read `stage: Type: message` (ours) or come from a reference `failure` record."""
+    The grouping is `shared.core.outcome.error_kind`'s, the same as the console and summary.json:
+    a template whose verify() raised is its own group, apart from plain fails."""
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     for r in results:
-        m = r.metadata
-        if m.completed_without_errors:
+        kind = error_kind(r)
+        if kind is None:
             continue
-        err = m.error or ""
-        failure = m.failure if isinstance(m.failure, dict) else {}
-        parts = err.split(": ", 2)
-        stage = str(failure.get("stage") or (parts[0] if len(parts) == 3 else "") or "–")
-        kind = parts[1] if len(parts) == 3 else str(failure.get("category") or "error")
-        g = groups.setdefault((stage, kind), {"stage": stage, "type": kind, "count": 0, "questions": set(),
-                                              "example": err or str(failure.get("reason") or ""),
-                                              "example_question": m.question_text or m.question_id})
+        stage, etype, message = kind
+        m = r.metadata
+        g = groups.setdefault((stage, etype), {"stage": stage, "type": etype, "count": 0, "questions": set(),
+                                               "example": message,
+                                               "example_question": m.question_text or m.question_id})
         g["count"] += 1
         g["questions"].add(m.question_id)
     return sorted(groups.values(), key=lambda g: (-g["count"], g["stage"], g["type"]))
@@ -634,7 +633,7 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
     sim = "<span class='badge sim'>SIMULATED LLM</span>" if simulated else ""
     banner = ("<div class='banner sim' id='simulated'>SIMULATED: the answers and judgments in this report come from "
               "the offline LLM simulator, not from a real model.</div>") if simulated else ""
-    n_err = sum(1 for r in results if not r.metadata.completed_without_errors)
+    n_err = sum(g["count"] for g in error_groups(results))
     if n_err:
         top = error_groups(results)[0]
         banner += (f"<div class='banner err'>{n_err} of {len(results)} results errored; most often "

@@ -291,6 +291,10 @@ def summarize(
             "pass_rate": _rate(mp, len(att), pct=True) if att else None,
             "pass_rate_ci95": [round(100 * pp.ci_low, 2), round(100 * pp.ci_high, 2)],
         })
+    from shared.core.outcome import VERIFY_RAISED, error_groups
+
+    groups = error_groups(results)
+    raised = sum(g["count"] for g in groups if g["type"].startswith(VERIFY_RAISED))
     return {
         "total": total,
         "total_attempted": len(attempted),
@@ -301,6 +305,9 @@ def summarize(
         "pass_rate": _rate(passed, len(attempted), pct=True),
         "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
         "errors": total - len(attempted),
+        "verify_raised": raised,
+        "failed_plain": max(0, len(attempted) - passed - raised),
+        "error_groups": groups,
         "unfinished_questions_skipped": unfinished_skipped,
         "by_metric": {n: metric_summary(samples, n, crit.get(n, DEFAULT_PASS)) for n in names},
         "per_model": per_model,
@@ -323,8 +330,18 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
              f"  Attempted: {s['total_attempted']}",
              f"  Avg score: {s['avg_score_total']:.2f} (attempted: {s['avg_score_attempted']:.2f})",
              f"  Passed: {s['passed_attempts']} ({pct:.1f}%)"]
+    if "failed_plain" in s:
+        lines.append(f"  Failed: {s['failed_plain']}")
+    if s.get("verify_raised"):
+        lines.append(f"  verify() raised: {s['verify_raised']} (template errors, counted apart from plain fails)")
     if s.get("errors"):
         lines.append(f"  Errors: {s['errors']}")
+    groups = s.get("error_groups") or []
+    if groups:
+        from shared.core.outcome import error_lines
+
+        lines.append("  Errors by stage and type (count x stage / type: example):")
+        lines.extend(error_lines(groups))
     if s.get("unfinished_questions_skipped"):
         lines.append(f"  Unfinished questions skipped: {s['unfinished_questions_skipped']}")
     if s.get("dead_lettered"):
@@ -345,6 +362,11 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
             extra = f", {m['errors']} error(s)" if m.get("errors") else ""
             lines.append(f"  {m['model_name']:<{width}}  - Avg: {m['avg_score_attempted']:.2f}, Pass: {rate} "
                          f"(95% CI {lo:.1f}-{hi:.1f}%){extra}")
+    verdict = s.get("outcome")
+    if verdict:
+        lines.append("")
+        lines.append("Outcome: " + ("✓ PASSED" if verdict["exit_code"] == 0 else "✗ FAILED: " + "; ".join(verdict["reasons"]))
+                     + f" (exit {verdict['exit_code']})")
     return "\n".join(lines)
 
 
@@ -382,7 +404,8 @@ def write_outputs(
     (out_dir / "header.json").write_text(json.dumps(header, indent=2))
     body = {"suite": suite, "run_id": run_id, "simulated": simulated,
             "config": {**config, "gates": list(gates or summary.get("gates") or [])},
-            "metrics": summary, "gates_passed": bool(summary.get("gates_passed", True))}
+            "metrics": summary, "gates_passed": bool(summary.get("gates_passed", True)),
+            "error_groups": summary.get("error_groups") or [], "outcome": summary.get("outcome")}
     (out_dir / "summary.json").write_text(json.dumps(body, indent=2, default=str))
     with (out_dir / "results.jsonl").open("w", encoding="utf-8") as fh:
         for r in _sorted(results):

@@ -1,7 +1,7 @@
 """Analysis commands of `veribus`: export, report, results, compare; and the gate options and
 helpers `veribus run` uses.
 
-Wiring (in shared/cli/commands.py): `register(sub)` adds the subcommands; `add_run_options(run_parser)`
+Wiring (in shared/cli.py): `register(sub)` adds the subcommands; `add_run_options(run_parser)`
 adds `--gate`, `--junit`, `--num-runs`; `validate_run_gates(args)` refuses bad gates before a run
 starts (ValueError: exit 2); `apply_gates(args, results, summary)` evaluates them after the run
 and returns the exit code (0 pass, 1 a gate failed).
@@ -21,34 +21,32 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from shared.analysis import report
-from shared.analysis.export import export_results, export_run
-from shared.analysis.files import iter_results_from_file
-from shared.analysis.gates import (
-    GateError,
-    evaluate_gates,
-    gates_from_config,
-    parse_gates,
-    summary_criterion,
-    write_junit,
-)
-from shared.analysis.html_report import RunData, load_run, write_html
-from shared.analysis.resultset import VerificationResultSet
-from shared.analysis.stats import compare_models
-from shared.control.stack import stack_settings
-from shared.store.reads import ResultFilter
-
 if TYPE_CHECKING:
     from shared.analysis.gates import Gate
+    from shared.analysis.html_report import RunData
     from shared.core.models import VerificationResult
 
-EXIT_OK = 0
-EXIT_GATE_FAILED = 1
-EXIT_INPUT = 2
+from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
+from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK
+
+__all__ = ["EXIT_GATE_FAILED", "EXIT_INPUT", "EXIT_OK", "add_run_options", "apply_gates", "register",
+           "validate_run_gates"]
 
 
 def _settings() -> Any:
-    return stack_settings()
+    from shared.control.deployment import select
+
+    return select().settings
+
+
+def _resolve(settings: Any, run: str) -> str:
+    """A run id or name -> the run id in the store (most recent of a name; ambiguity noted)."""
+    from shared.control.runref import resolve
+
+    picked = resolve(settings, run, stream=False)
+    if picked.note:
+        print(f"note: {picked.note}", file=sys.stderr)
+    return picked.run_id
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,6 +65,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_gates(config_path: str | None) -> list[Gate]:
+    from shared.analysis.gates import GateError, gates_from_config
+
     if not config_path:
         return []
     path = Path(config_path)
@@ -86,7 +86,9 @@ def _config_gates(config_path: str | None) -> list[Gate]:
 
 def validate_run_gates(args: argparse.Namespace) -> list[Gate]:
     """Every gate of this run (--gate and the config's `gates:`), parsed; raises
-    shared.analysis.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
+    shared.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
+    from shared.analysis.gates import parse_gates
+
     if getattr(args, "num_runs", 1) is not None and getattr(args, "num_runs", 1) < 1:
         raise ValueError("--num-runs must be >= 1")
     return parse_gates(getattr(args, "gate", None)) + _config_gates(getattr(args, "config", None))
@@ -97,7 +99,10 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
     """Evaluate the run's gates on its results and fold the outcome into `summary` (in place:
     passed/failed attempts by the gate's per-sample criterion, `gates_passed`, `gates`,
     `gate_lines`); write --junit. Returns 0 when every gate passes (or there are none), else 1.
-    Print the block afterwards with `shared.analysis.report.print_results(summary, summary["gate_lines"])`."""
+    Print the block afterwards with `shared.report.print_results(summary, summary["gate_lines"])`."""
+    from shared.analysis import report
+    from shared.analysis.gates import evaluate_gates, summary_criterion, write_junit
+
     gates = validate_run_gates(args)
     overall, per_metric = summary_criterion(gates)
     extra = {k: v for k, v in summary.items() if k in ("dead_lettered",)}
@@ -124,6 +129,9 @@ def _is_file(run: str) -> bool:
 
 
 def load_run_arg(run: str) -> RunData:
+    from shared.analysis.files import iter_results_from_file
+    from shared.analysis.html_report import RunData, load_run
+
     if _is_file(run):
         results = list(iter_results_from_file(run))
         rubric = None
@@ -137,7 +145,8 @@ def load_run_arg(run: str) -> RunData:
             pass
         return RunData(run_id=Path(run).stem, results=results,
                        run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric)
-    return load_run(_settings(), run)
+    settings = _settings()
+    return load_run(settings, _resolve(settings, run))
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,16 +155,24 @@ def load_run_arg(run: str) -> RunData:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from shared.analysis.export import export_results, export_run
+    from shared.analysis.files import iter_results_from_file
+    from shared.store.reads import ResultFilter
+
     fmt = args.format or _format_from_suffix(args.output)
     where = ResultFilter(question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
                          completed_only=args.completed_only)
     if _is_file(args.run):
+        from shared.analysis.resultset import VerificationResultSet
+
         rs = VerificationResultSet(iter_results_from_file(args.run)).filter(
             question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
             completed_only=args.completed_only)
         stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
     else:
-        stats = export_run(_settings(), args.run, fmt, args.output, page_size=args.page_size, where=where)
+        settings = _settings()
+        stats = export_run(settings, _resolve(settings, args.run), fmt, args.output, page_size=args.page_size,
+                           where=where)
     print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
           f"{stats.seconds:.2f} s)")
     return EXIT_OK
@@ -170,17 +187,58 @@ def _format_from_suffix(output: str) -> str:
     raise ValueError(f"cannot tell the export format from {output!r}: pass --format json|jsonl|csv|parquet")
 
 
+def _metrics_of(data: RunData) -> set[str]:
+    """Metric names a gate may use on this run: run metrics, the rubric's traits, and every
+    metric its results carry."""
+    from shared.analysis.gates import known_metrics
+    from shared.analysis.report import metric_scores
+
+    names = {n for r in data.results for n in metric_scores(r)}
+    rub = data.rubric_definition or {}
+    for key, traits in rub.items():
+        if key.endswith("traits") and isinstance(traits, list):
+            names.update(str(t.get("name")) for t in traits if isinstance(t, dict) and t.get("name"))
+    return known_metrics(names)
+
+
+def _job_count(run_id: str) -> int | None:
+    """The run's planned job count (from its run.requested row), so missing results count."""
+    from shared.store.reads import run_query
+
+    try:
+        rows = run_query(_settings(), "SELECT job_count FROM runs FINAL WHERE run_id = {r:String}", {"r": run_id}).rows
+    except Exception:  # noqa: BLE001 - a results table without a runs row: judge by the results alone
+        return None
+    return int(rows[0][0]) if rows and rows[0][0] else None
+
+
 def cmd_report(args: argparse.Namespace) -> int:
+    from shared.analysis import report
+    from shared.analysis.gates import check_gates, evaluate_gates, parse_gates, summary_criterion, write_junit
+    from shared.analysis.html_report import write_html
+    from shared.core.outcome import MaxErrors, judge
+
     gates = parse_gates(args.gate)
+    max_errors = MaxErrors.parse(args.max_errors)
     data = load_run_arg(args.run)
     if not data.results:
         raise ValueError(f"run {args.run!r} has no results")
+    models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
+    check_gates(gates, _metrics_of(data), models)
+    for g in gates:
+        if not args.quiet or g.note:
+            print(g.understood(), file=sys.stderr)
     ranges = report.trait_ranges_from_rubric(data.rubric_definition)
     overall, per_metric = summary_criterion(gates)
     summary = report.summarize(data.results, trait_ranges=ranges, criterion=overall, criteria=per_metric)
     rep = evaluate_gates(data.results, gates, ranges)
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
+    expected = None if _is_file(args.run) else _job_count(data.run_id)
+    verdict = judge(data.results, expected=int(expected) if expected else None,
+                    failed_gates=[o.gate.label() for o in rep.outcomes if not o.passed], max_errors=max_errors,
+                    run_ref=data.run_name or data.run_id)
+    summary["outcome"] = verdict.as_dict()
     if args.output:
         report.write_outputs(Path(args.output), data.benchmark_name or data.run_name or data.run_id, data.run_id,
                              data.results, summary, data.config or {}, bool(data.simulated), trait_ranges=ranges)
@@ -191,14 +249,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.junit:
         write_junit(args.junit, rep, data.results, overall, ranges)
     if args.quiet:
-        print("✓ PASSED" if rep.passed else "✗ FAILED")
+        print(verdict.headline)
     else:
         report.print_results(summary, rep.lines, simulated=bool(data.simulated), run_id=data.run_id)
-    return rep.exit_code
+    return verdict.code
 
 
 def cmd_results(args: argparse.Namespace) -> int:
     """Pass rates with Wilson intervals by a dimension, and pass@k across replicates."""
+    from shared.analysis.resultset import VerificationResultSet
+
     data = load_run_arg(args.run)
     rs = VerificationResultSet(data.results, run_ids=[data.run_id])
     table = rs.pass_rates(by=args.by)
@@ -232,6 +292,8 @@ def _f(v: float | None) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from shared.analysis.stats import compare_models
+
     a = load_run_arg(args.run)
     b = load_run_arg(args.run_b) if args.run_b else None
     cmp = compare_models(a.results, args.model_a, args.model_b, b.results if b is not None else None)
@@ -264,7 +326,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
     r.add_argument("--output", metavar="DIR", help="write header.json, summary.json, results.jsonl")
     r.add_argument("--gate", action="append", metavar="EXPR", help="quality gate, e.g. accuracy>=0.8; repeatable")
     r.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
-    r.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED")
+    r.add_argument("--quiet", action="store_true", help="print only ✓ PASSED, or ✗ FAILED and why (failed gates, errors)")
+    r.add_argument("--max-errors", metavar="N|F%", help="errored jobs tolerated: a count or a share (default: none)")
     r.set_defaults(fn=cmd_report)
 
     s = sub.add_parser("results", help="pass rates with 95%% intervals, pass@k across replicates")
@@ -284,7 +347,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the analysis commands on their own (`python -m shared.cli.analysis ...`)."""
+    """Run the analysis commands on their own (`python -m shared.cli_analysis ...`)."""
     parser = argparse.ArgumentParser(prog="veribus")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """`veribus resume | regrade | cancel | projections rebuild`: run lifecycle commands.
 
-Wired into `shared.cli` by `register(sub)`; the work is in `shared.control` (`lifecycle`, `rebuild`).
+Wired into `shared.cli` by `register(sub)`; the work is in `shared.lifecycle`.
 """
 
 from __future__ import annotations
@@ -11,18 +11,27 @@ import sys
 from typing import Any
 
 from shared.control import lifecycle, rebuild, retention, streams, wait
-from shared.control.runner import RunInputError
-from shared.control.stack import stack_settings
-from shared.core.benchmark.question import BenchmarkError
+from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
+from shared.core.outcome import EXIT_OK
+from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_RUN_ERROR
 from shared.store.reads import run_query
-
-EXIT_OK = 0
-EXIT_INPUT = 2
-EXIT_RUN_ERROR = 3
 
 
 def _settings() -> Any:
-    return stack_settings()
+    from shared.control.deployment import select
+
+    return select().settings
+
+
+def _run_id(settings: Any, ref: str) -> str:
+    """A run id or name -> the run id, read from the stream (the most recent run of a name; a
+    note on stderr when the name is ambiguous). Raises RunNotFound (exit 2)."""
+    from shared.control.runref import resolve
+
+    picked = resolve(settings, ref, stream=True)
+    if picked.note:
+        print(f"note: {picked.note}", file=sys.stderr)
+    return picked.run_id
 
 
 def _err(msg: str) -> None:
@@ -30,7 +39,14 @@ def _err(msg: str) -> None:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from shared.core.benchmark.question import BenchmarkError
+
     settings = _settings()
+    try:
+        args.run = _run_id(settings, args.run)
+    except LookupError as exc:  # RunNotFound
+        _err(str(exc).strip("'\""))
+        return EXIT_INPUT
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
         if args.dry_run:
@@ -63,8 +79,70 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return EXIT_RUN_ERROR if timed_out else EXIT_OK
 
 
+def _regrade_name(settings: Any, parent_run_id: str, parent_name: str | None) -> str:
+    import asyncio as _asyncio
+
+    from shared.control.runref import next_regrade_name, runs_in_stream
+
+    names = [r.run_name for r in _asyncio.run(runs_in_stream(settings))]
+    return next_regrade_name(parent_name or parent_run_id, names)
+
+
+def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base: str | None = None) -> list[str]:
+    """Point the regrade's judge models at the current configuration, in place: a judge that ran
+    on the simulator goes to the simulator running now (VERIBUS_SIMULATOR_URL or the local
+    stack's), never the URL recorded with the old run; `--api-base` replaces a recorded one.
+    Returns the problems that make the judges unreachable (empty when they can be called)."""
+    import msgspec
+
+    from shared.control.credentials import base_reachable, missing_key
+    from shared.core.config import ModelConfig
+
+    problems: list[str] = []
+    checked: dict[str, str | None] = {}
+    for i, ev in enumerate(plan.generated):
+        spec = ev.job.parsing
+        new = spec
+        if spec.interface == "simulator" or simulate:
+            if not settings.simulator_url:
+                problems.append(f"judge {spec.model_name!r} ran on the LLM simulator, and no simulator runs now: "
+                                "start the local stack (`veribus up`) or set VERIBUS_SIMULATOR_URL")
+                break
+            new = msgspec.structs.replace(spec, api_base=settings.simulator_url, interface="simulator")
+        elif api_base:
+            new = msgspec.structs.replace(spec, api_base=api_base)
+        if new is not spec:
+            plan.generated[i] = msgspec.structs.replace(ev, job=msgspec.structs.replace(ev.job, parsing=new))
+        key = f"{new.model_name}@{new.api_base}"
+        if key in checked:
+            continue
+        why = None
+        cfg = ModelConfig(model_name=new.model_name, interface=new.interface, api_base=new.api_base,
+                          api_key_env=new.api_key_env)
+        names = missing_key(cfg)
+        if names:
+            why = f"judge {new.model_name!r}: no API key: set {' or '.join(names)}"
+        elif new.api_base:
+            down = base_reachable(new.api_base)
+            if down:
+                why = f"judge {new.model_name!r} cannot be reached at {down}"
+        checked[key] = why
+        if why:
+            problems.append(why)
+    return problems
+
+
 def cmd_regrade(args: argparse.Namespace) -> int:
+    from shared.control.runner import RunInputError
+    from shared.core.benchmark.question import BenchmarkError
+    from shared.core.outcome import judge
+
     settings = _settings()
+    try:
+        args.run = _run_id(settings, args.run)
+    except LookupError as exc:  # RunNotFound
+        _err(str(exc).strip("'\""))
+        return EXIT_INPUT
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
         plan = asyncio.run(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
@@ -75,9 +153,21 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     if not plan.generated:
         _err(f"run {args.run} has no stored answers to regrade")
         return EXIT_INPUT
+    if args.run_name is None:
+        name = _regrade_name(settings, plan.parent_run_id, plan.run_event.run_name)
+        plan.run_event.run_name = name
+        plan.run_event.config["run_name"] = name
+        for i, ev in enumerate(plan.generated):
+            import msgspec
+
+            plan.generated[i] = msgspec.structs.replace(ev, job=msgspec.structs.replace(ev.job, run_name=name))
+    problems = resolve_judges(plan, settings, simulate=args.simulate, api_base=args.api_base)
+    if problems:
+        _err("regrade refused before publishing:\n  " + "\n  ".join(problems))
+        return EXIT_INPUT
     asyncio.run(lifecycle.submit_regrade(settings, plan))
-    print(f"run {plan.run_id}: regrade of {plan.parent_run_id}: {len(plan.generated)} jobs from stored answers "
-          "(no answering-model calls)")
+    print(f"run {plan.run_id} ({plan.run_event.run_name}): regrade of {plan.parent_run_id}: {len(plan.generated)} "
+          "jobs from stored answers (no answering-model calls)")
     if plan.skipped_not_in_benchmark:
         print(f"  {len(plan.skipped_not_in_benchmark)} job(s) skipped: question not in the new benchmark "
               f"({', '.join(sorted(set(plan.skipped_not_in_benchmark))[:10])})")
@@ -97,11 +187,21 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     print(f"  verify_result changed for {len(cmp['changed'])} of {cmp['compared']} job(s)")
     for qid, before, after in cmp["changed"][:20]:
         print(f"    {qid}: {before} -> {after}")
-    return EXIT_RUN_ERROR if timed_out else EXIT_OK
+    verdict = judge(list(new.values()), expected=len(plan.generated), timed_out=timed_out,
+                    run_ref=plan.run_event.run_name or plan.run_id)
+    if not verdict.ok:
+        _err(verdict.headline)
+    return verdict.code
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+
     settings = _settings()
+    try:
+        args.run = _run_id(settings, args.run)
+    except LookupError as exc:  # RunNotFound
+        _err(str(exc).strip("'\""))
+        return EXIT_INPUT
     try:
         out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
     except streams.LifecycleError as exc:
@@ -118,6 +218,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_projections_rebuild(args: argparse.Namespace) -> int:
+
     settings = _settings()
     before_runs = retention.results_per_run(lambda sql: run_query(settings, sql))
     try:
@@ -143,7 +244,7 @@ def cmd_projections_rebuild(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the lifecycle commands to `veribus`'s subcommands."""
     r = sub.add_parser("resume", help="publish again only the jobs of a run that have no result")
-    r.add_argument("run", help="run id")
+    r.add_argument("run", help="run id or name")
     r.add_argument("--benchmark", help="the run's benchmark file, to plan answers that were never published")
     r.add_argument("--no-stopped", action="store_true", help="do not re-run cancelled / over-budget jobs")
     r.add_argument("--max-tokens-budget", type=int, help="a new token budget for the run")
@@ -154,16 +255,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(fn=cmd_resume)
 
     g = sub.add_parser("regrade", help="parse, verify and score a run's stored answers again, as a new run")
-    g.add_argument("run", help="run id of the run whose answers are regraded")
+    g.add_argument("run", help="run id or name of the run whose answers are regraded")
     g.add_argument("--benchmark", help="checkpoint/benchmark with the changed templates and rubrics")
     g.add_argument("--mode", choices=["template_only", "template_and_rubric", "rubric_only"])
-    g.add_argument("--run-name")
+    g.add_argument("--run-name", help="default: <parent name>-regrade-N")
+    g.add_argument("--simulate", action="store_true", help="judge with the LLM simulator running now")
+    g.add_argument("--api-base", help="OpenAI-compatible base URL for the judges (replaces the recorded one)")
     g.add_argument("--no-wait", action="store_true", help="publish and return")
     g.add_argument("--timeout", type=float, default=3600.0)
     g.set_defaults(fn=cmd_regrade)
 
     c = sub.add_parser("cancel", help="stop dispatching a run; answers not yet generated finalize as cancelled")
-    c.add_argument("run", help="run id")
+    c.add_argument("run", help="run id or name")
     c.add_argument("--reason", help="recorded on the cancel event and in the results' error")
     c.add_argument("--wait", action="store_true", help="wait until every job of the run is finalized")
     c.add_argument("--timeout", type=float, default=600.0)

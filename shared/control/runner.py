@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.core import events
@@ -151,6 +152,21 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
         await nc.close()
 
 
+async def retrying_now(js: JetStreamContext) -> int:
+    """Messages the stage services are retrying right now (redelivered and not yet acknowledged),
+    summed over their durable consumers; 0 when that cannot be read."""
+    from shared.control.streams import STAGE_DURABLES
+
+    n = 0
+    for name in STAGE_DURABLES:
+        try:
+            ci = await js.consumer_info(events.STREAM, name)
+        except Exception:  # noqa: BLE001 - a consumer not created yet, or a reconnecting server
+            continue
+        n += int(ci.num_redelivered or 0)
+    return n
+
+
 @dataclass
 class RunOutcome:
     results: dict[str, VerificationResult]
@@ -166,8 +182,13 @@ async def collect(
     *,
     progress: Callable[[int, int], None] | None = None,
     timeout: float | None = None,
+    on_result: Callable[[VerificationResult], None] | None = None,
+    on_tick: Callable[[int], None] | None = None,
+    tick_s: float = 2.0,
 ) -> RunOutcome:
-    """Read `result.finalized` events of a run from the stream until every expected result is in."""
+    """Read `result.finalized` events of a run from the stream until every expected result is in.
+    `on_result` sees each new result; `on_tick` is called every `tick_s` with the number of
+    messages the stage services are retrying right now (redelivered, not yet acknowledged)."""
     start = time.monotonic()
     results: dict[str, VerificationResult] = {}
     dead: list[events.DeadLetter] = []
@@ -176,7 +197,7 @@ async def collect(
     done = asyncio.Event()
     try:
         js = nc.jetstream()
-        await bus.ensure_stream(js)
+        await bus.ensure_stream(js, settings)
 
         async def on_msg(msg) -> None:  # noqa: ANN001
             env = events.decode(msg.data)
@@ -184,6 +205,8 @@ async def collect(
                 if env.result_id in expected and env.result_id not in results:
                     payload = events.payload_as(env, events.ResultFinalized)
                     results[env.result_id] = VerificationResult.model_validate(payload.result)
+                    if on_result:
+                        on_result(results[env.result_id])
             elif env.event_type == events.DEAD_LETTER and env.result_id not in dead_ids:
                 dead_ids.add(env.result_id)
                 dead.append(events.payload_as(env, events.DeadLetter))
@@ -200,11 +223,18 @@ async def collect(
             ))
         if not expected:
             done.set()
-        try:
-            await asyncio.wait_for(done.wait(), timeout)
-            timed_out = False
-        except TimeoutError:
-            timed_out = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
+        while not done.is_set():
+            wait = tick_s if deadline is None else min(tick_s, max(0.0, deadline - time.monotonic()))
+            try:
+                await asyncio.wait_for(done.wait(), wait)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                if on_tick:
+                    on_tick(await retrying_now(js))
         for s in subs:
             await s.unsubscribe()
     finally:

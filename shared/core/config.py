@@ -150,10 +150,39 @@ class VerificationConfig(StageOptions):
         return StageOptions(**{k: getattr(self, k) for k in StageOptions.model_fields})
 
 
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def parse_server_list(value: str) -> list[str]:
+    """Split a comma-separated list of NATS URLs; a bad entry is named in the error. A bare
+    `host:port` is read as `nats://host:port` (nats-py does the same)."""
+    from urllib.parse import urlparse
+
+    out: list[str] = []
+    for raw in value.split(","):
+        url = raw.strip()
+        if not url:
+            continue
+        if "://" not in url:
+            url = f"nats://{url}"
+        parsed = urlparse(url)
+        try:
+            port = parsed.port
+        except ValueError:
+            port = -1
+        if parsed.scheme not in NATS_SCHEMES or not parsed.hostname or port == -1:
+            raise ValueError(f"VERIBUS_NATS_URL: {raw.strip()!r} is not a NATS server URL "
+                             f"(expected e.g. nats://host:4222; several are separated by commas)")
+        out.append(url)
+    if not out:
+        raise ValueError("VERIBUS_NATS_URL: no server URL given")
+    return out
+
+
 class Settings(BaseModel):
     """Where things are. Every field has a `VERIBUS_*` env var; see the README."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # one URL or a comma-separated list (a cluster)
     nats_user: str | None = None
     nats_password: str | None = None
     nats_token: str | None = None
@@ -167,11 +196,23 @@ class Settings(BaseModel):
     consumer_max_deliver: int = 5
     llm_cache: bool = True
     model_limits: bool = True  # max_concurrency / rpm / tpm shared by the deployment (shared.runtime.limits)
-    limits_lease_s: float = 10.0
+    limits_lease_s: float = 10.0  # a dead replica's slots are free again after this long
     response_cache_max_age_s: float = 30 * 24 * 3600.0  # the cross-run cache bucket's max age
     lean_events: bool = True  # jobs carry content hashes, not their question/template/rubric (shared.runtime.content)
     stream_max_age_s: float = 0.0  # the event stream's retention by age (0: keep forever)
-    stream_max_bytes: int = -1  # the event stream's retention by size (-1: unlimited; oldest dropped first)  # a dead replica's slots are free again after this long
+    stream_max_bytes: int = -1  # the event stream's retention by size (-1: unlimited; oldest dropped first)
+    stream_replicas: int | None = Field(default=None, ge=1, le=5)  # None: min(3, cluster size)
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_nats_url(cls, value: str) -> str:
+        parse_server_list(value)
+        return value
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """The NATS server URLs (VERIBUS_NATS_URL may list several, comma-separated)."""
+        return parse_server_list(self.nats_url)
 
     @property
     def chdb_path(self) -> Path:

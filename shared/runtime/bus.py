@@ -5,6 +5,8 @@ message ids, durable pull consumers.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import socket
 import ssl
 import time
@@ -16,11 +18,14 @@ import nats
 from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js import errors as js_errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.core import events
 from shared.core.config import Settings
+
+log = logging.getLogger("veribus.bus")
 
 
 def _patch_pull_fetch_timeout() -> None:
@@ -50,15 +55,21 @@ _patch_pull_fetch_timeout()
 DUPLICATE_WINDOW_S = 600.0
 
 
-def stream_config(settings: Settings | None = None) -> StreamConfig:
-    """The single source-of-truth stream: every `vb.>` event, on disk, deduplicated by msg id.
-    Retention (`VERIBUS_STREAM_MAX_AGE_S`, `VERIBUS_STREAM_MAX_BYTES`) drops the oldest events."""
+def retention_limits(settings: Settings | None) -> dict[str, Any]:
+    """The stream's retention from `VERIBUS_STREAM_MAX_AGE_S` / `VERIBUS_STREAM_MAX_BYTES` (oldest
+    events go first); {} when none is configured."""
     limits: dict[str, Any] = {}
     if settings is not None:
         if settings.stream_max_age_s and settings.stream_max_age_s > 0:
             limits["max_age"] = float(settings.stream_max_age_s)
         if settings.stream_max_bytes and settings.stream_max_bytes > 0:
             limits["max_bytes"] = int(settings.stream_max_bytes)
+    return limits
+
+
+def stream_config(replicas: int = 1, limits: dict[str, Any] | None = None) -> StreamConfig:
+    """The single source-of-truth stream: every `vb.>` event, on disk, deduplicated by msg id,
+    kept on `replicas` servers of a cluster, within the retention `limits`."""
     return StreamConfig(
         name=events.STREAM,
         subjects=events.STREAM_SUBJECTS,
@@ -68,14 +79,22 @@ def stream_config(settings: Settings | None = None) -> StreamConfig:
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
         max_msg_size=8 * 1024 * 1024,
-        **limits,
+        num_replicas=replicas,
+        **(limits or {}),
     )
+
+
+async def _quiet_error_cb(exc: Exception) -> None:
+    """nats-py's default error callback logs a traceback per failed (re)connect attempt; one
+    line at debug is enough (callers report what failed)."""
+    log.debug("nats: %s: %s", type(exc).__name__, exc)
 
 
 def connect_options(settings: Settings) -> dict[str, Any]:
     """nats-py connect kwargs from settings (auth and TLS included)."""
     opts: dict[str, Any] = {
-        "servers": [settings.nats_url],
+        "servers": settings.nats_servers,
+        "error_cb": _quiet_error_cb,
         "name": "veribus",
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
@@ -98,48 +117,192 @@ async def connect(settings: Settings, **extra: Any) -> NATS:
     return await nats.connect(**opts)
 
 
-async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) -> None:
-    """Create or update the stream (idempotent: every service may call it at start). A retention
-    limit is set by whoever configures one; a process without one keeps the stream's (so a CLI
-    without the variables does not lift an operator's limits)."""
-    cfg = stream_config(settings)
-    try:
-        info = await js.stream_info(cfg.name)
+MAX_REPLICAS = 3
+CLUSTER_READY_TIMEOUT_S = 60.0
+PLACEMENT_RETRY_S = 5.0  # how long a creation waits for a missing node before using fewer replicas
+
+
+def cluster_size(nc: NATS) -> int:
+    """How many servers the cluster we are connected to has, from the server's INFO: a
+    clustered server lists every member's client URL in `connect_urls`; a standalone one has
+    no `cluster`."""
+    info = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    return max(1, len(set(info.get("connect_urls") or [])))
+
+
+def replicas_override(settings: Settings | None) -> int | None:
+    """`VERIBUS_STREAM_REPLICAS` (settings first, else the environment), or None."""
+    if settings is not None:
+        return settings.stream_replicas
+    raw = os.environ.get("VERIBUS_STREAM_REPLICAS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 5:
+        raise ValueError(f"VERIBUS_STREAM_REPLICAS must be an integer from 1 to 5, got {raw!r}")
+    return int(raw)
+
+
+def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
+    """Replicas for the stream and the KV buckets: VERIBUS_STREAM_REPLICAS when set, else
+    min(3, cluster size)."""
+    override = replicas_override(settings)
+    return override if override is not None else min(MAX_REPLICAS, cluster_size(nc))
+
+
+def _cluster_not_ready(exc: BaseException) -> bool:
+    """Errors a forming or failing-over cluster gives for a while (no meta leader yet, too few
+    peers, a request lost on a node that went away): worth retrying, not reporting."""
+    if isinstance(exc, js_errors.ServiceUnavailableError | js_errors.NoStreamResponseError
+                  | nats_errors.TimeoutError | TimeoutError | nats_errors.NoRespondersError
+                  | nats_errors.ConnectionReconnectingError):
+        return True
+    if isinstance(exc, js_errors.APIError):
+        text = f"{exc.description or ''}".lower()
+        return (exc.code or 0) >= 500 or "insufficient resources" in text or "no suitable peers" in text \
+            or "not available" in text or "temporarily unavailable" in text
+    return False
+
+
+async def _retry_cluster(op: Any, what: str, timeout: float = CLUSTER_READY_TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        try:
+            return await op()
+        except Exception as exc:  # noqa: BLE001 - filtered below
+            if not _cluster_not_ready(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.info("%s: the cluster is not ready (%r); retrying", what, exc)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
+def _placement_failed(exc: BaseException) -> bool:
+    text = f"{getattr(exc, 'description', '') or ''}".lower()
+    return isinstance(exc, js_errors.APIError) and ("no suitable peers" in text or "insufficient resources" in text)
+
+
+async def _create_placed(create: Any, replicas: int, what: str, *, result: Any) -> Any:
+    """Create with `replicas`; when the cluster cannot place that many (a node is down right
+    now), retry briefly, then step down one replica at a time rather than fail: a run must not
+    stop because one node of three is being restarted. Logged at WARNING."""
+    n = replicas
+    while True:
+        try:
+            return result(n, await _retry_cluster(lambda n=n: create(n), what, PLACEMENT_RETRY_S))
+        except Exception as exc:
+            if n <= 1 or not _placement_failed(exc):
+                raise
+            log.warning("%s: cannot place %d replicas now (%s); creating it with %d", what, n,
+                        getattr(exc, "description", exc), n - 1)
+            n -= 1
+
+
+async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) -> int:
+    """Create or update the stream (idempotent: every service may call it at start); returns
+    its replica count. Without an explicit VERIBUS_STREAM_REPLICAS the count never goes down:
+    a process that connected before the cluster's routes were up must not shrink the stream
+    the others created. Retries while the cluster forms or fails over."""
+    nc: NATS = js._nc  # type: ignore[attr-defined]
+    wanted = desired_replicas(nc, settings)
+    explicit = replicas_override(settings) is not None
+
+    limits = retention_limits(settings)
+
+    async def op() -> int:
+        try:
+            info = await js.stream_info(events.STREAM)
+        except NotFoundError:
+            return int(await _create_placed(lambda n: js.add_stream(stream_config(n, limits)), wanted,
+                                            "stream " + events.STREAM, result=lambda n, _: n))
+        have = info.config.num_replicas or 1
+        replicas = wanted if explicit else max(wanted, have)
+        cfg = stream_config(replicas, limits)
+        # a process without retention settings keeps the stream's (a CLI must not lift them)
         if not cfg.max_age:
             cfg.max_age = info.config.max_age
         if not cfg.max_bytes or cfg.max_bytes < 0:
             cfg.max_bytes = info.config.max_bytes
         await js.update_stream(cfg)
-    except NotFoundError:
-        await js.add_stream(cfg)
+        return replicas
+
+    return int(await _retry_cluster(op, "stream " + events.STREAM))
+
+
+async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None = None) -> Any:
+    """The KV bucket `config.bucket`, created on first use with the stream's replica rule and
+    not fewer replicas than the stream has (a node that is down while a bucket is created is
+    missing from the cluster's INFO, not from the cluster), unless the cluster cannot place them
+    right now (see `_create_placed`). Another process may create it at the same moment: then it
+    is opened."""
+    async def op() -> Any:
+        try:
+            return await js.key_value(config.bucket)
+        except (BucketNotFoundError, NotFoundError):
+            pass
+        replicas = desired_replicas(js._nc, settings)  # type: ignore[attr-defined]
+        if replicas_override(settings) is None:
+            try:
+                replicas = max(replicas, (await js.stream_info(events.STREAM)).config.num_replicas or 1)
+            except NotFoundError:
+                pass
+
+        async def create(n: int) -> Any:
+            config.replicas = n
+            return await js.create_key_value(config)
+
+        try:
+            return await _create_placed(create, replicas, "bucket " + config.bucket, result=lambda _, kv: kv)
+        except Exception as exc:  # noqa: BLE001 - lost the creation race, or the cluster is not ready
+            if _cluster_not_ready(exc):
+                raise
+            return await js.key_value(config.bucket)
+
+    return await _retry_cluster(op, "bucket " + config.bucket)
 
 
 def msg_headers(env: events.Envelope) -> dict[str, str]:
     return {"Nats-Msg-Id": env.event_id}
 
 
+PUBLISH_RETRY_S = 30.0
+
+
+async def _publish_one(js: JetStreamContext, env: events.Envelope) -> Any:
+    return await js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
+
+
 async def publish(js: JetStreamContext, env: events.Envelope) -> bool:
-    """Publish one event; returns False when the server deduplicated it."""
-    ack = await js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
+    """Publish one event; returns False when the server deduplicated it. While a cluster fails
+    over (a node died, a new stream leader is being elected) the publish is retried: the message
+    id makes a retry after a lost ack harmless."""
+    ack = await _retry_cluster(lambda: _publish_one(js, env), "publish", PUBLISH_RETRY_S)
     return not ack.duplicate
 
 
 async def publish_many(js: JetStreamContext, envs: Iterable[events.Envelope], window: int = 256) -> int:
-    """Publish many events with bounded in-flight acks; returns how many were new."""
-    pending: list[asyncio.Future[Any]] = []
+    """Publish many events with bounded in-flight acks; returns how many were new. Publishes
+    that fail while the cluster fails over are retried one by one."""
+    pending: list[tuple[events.Envelope, asyncio.Future[Any]]] = []
     new = 0
 
     async def drain() -> int:
-        acks = await asyncio.gather(*pending)
+        acks = await asyncio.gather(*(f for _, f in pending), return_exceptions=True)
+        count = 0
+        for (env, _), ack in zip(pending, acks, strict=True):
+            if isinstance(ack, BaseException):
+                if not _cluster_not_ready(ack):
+                    raise ack
+                count += int(await publish(js, env))
+            else:
+                count += 0 if ack.duplicate else 1
         pending.clear()
-        return sum(0 if a.duplicate else 1 for a in acks)
+        return count
 
     for env in envs:
-        pending.append(
-            asyncio.ensure_future(
-                js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
-            )
-        )
+        pending.append((env, asyncio.ensure_future(_publish_one(js, env))))
         if len(pending) >= window:
             new += await drain()
     if pending:
@@ -157,14 +320,19 @@ async def last_event(js: JetStreamContext, subject: str) -> events.Envelope | No
 
 
 def server_reachable(url: str, timeout: float = 0.3) -> bool:
-    """True when something accepts TCP connections at the NATS url."""
-    parsed = urlparse(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    """True when something accepts TCP connections at the NATS url, or at any URL of a
+    comma-separated list (a cluster with one node down is still reachable)."""
+    for one in url.split(","):
+        if not one.strip():
+            continue
+        parsed = urlparse(one.strip() if "://" in one else f"nats://{one.strip()}")
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:

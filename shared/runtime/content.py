@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
+from nats.js.api import KeyValueConfig
 
 from shared.core import events
+from shared.runtime.bus import ensure_kv
 
 log = logging.getLogger("veribus.content")
 
@@ -111,18 +113,8 @@ class ContentStore:
         if self._kv is None:
             async with self._lock:
                 if self._kv is None:
-                    from nats.js.api import KeyValueConfig
-                    from nats.js.errors import BucketNotFoundError, NotFoundError
-
-                    js = self._js()
-                    try:
-                        self._kv = await js.key_value(BUCKET)
-                    except (BucketNotFoundError, NotFoundError):
-                        cfg = KeyValueConfig(bucket=BUCKET, history=1, description="veribus job contents by hash")
-                        try:
-                            self._kv = await js.create_key_value(cfg)
-                        except Exception:  # noqa: BLE001 - another process created it meanwhile
-                            self._kv = await js.key_value(BUCKET)
+                    cfg = KeyValueConfig(bucket=BUCKET, history=1, description="veribus job contents by hash")
+                    self._kv = await ensure_kv(self._js(), cfg)  # replicated like the stream
         return self._kv
 
     def _remember(self, key: str, content: dict[str, Any]) -> None:

@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
+from nats.js.api import KeyValueConfig
 
 from shared.core.events import ModelSpec
+from shared.runtime.bus import ensure_kv
 
 log = logging.getLogger("veribus.limits")
 
@@ -273,18 +275,9 @@ class KVLedgerStore:
         if self._kv is None:
             async with self._lock:
                 if self._kv is None:
-                    from nats.js.api import KeyValueConfig
-                    from nats.js.errors import BucketNotFoundError, NotFoundError
-
-                    try:
-                        self._kv = await self.js.key_value(self.bucket)
-                    except (BucketNotFoundError, NotFoundError):
-                        cfg = KeyValueConfig(bucket=self.bucket, history=1, ttl=24 * 3600,
-                                             description="veribus model limits (leases, rate buckets)")
-                        try:
-                            self._kv = await self.js.create_key_value(cfg)
-                        except Exception:  # another process created it meanwhile
-                            self._kv = await self.js.key_value(self.bucket)
+                    cfg = KeyValueConfig(bucket=self.bucket, history=1, ttl=24 * 3600,
+                                         description="veribus model limits (leases, rate buckets)")
+                    self._kv = await ensure_kv(self.js, cfg)  # replicated like the stream
         return self._kv
 
     async def get(self, key: str) -> tuple[Ledger | None, int]:

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from shared.core import events
 from shared.core.config import Settings
@@ -323,14 +323,8 @@ class RunControl:
 
 async def usage_bucket(js: JetStreamContext, bucket: str = USAGE_BUCKET) -> Any:
     """A run-usage KV bucket (created on first use): tokens, or micro-dollars (runtime.costcontrol)."""
-    try:
-        return await js.key_value(bucket)
-    except (BucketNotFoundError, NotFoundError):
-        try:
-            return await js.create_key_value(KeyValueConfig(
-                bucket=bucket, history=1, ttl=30 * 24 * 3600, description="veribus spending per run"))
-        except Exception:  # noqa: BLE001 - another process created it meanwhile
-            return await js.key_value(bucket)
+    return await bus.ensure_kv(js, KeyValueConfig(
+        bucket=bucket, history=1, ttl=30 * 24 * 3600, description="veribus spending per run"))
 
 
 async def run_usage(settings: Settings, run_id: str) -> int:

@@ -136,11 +136,12 @@ class Stack:
 
 
 def start_stack(home: Path, *, simulator_args: list[str] | None = None, extra_env: dict[str, str] | None = None,
-                replicas: dict[str, int] | None = None) -> Stack:
+                replicas: dict[str, int] | None = None, nats_cluster: int = 1) -> Stack:
     settings = Settings(home=home)
     env = dict(extra_env or {})  # VERIBUS_LOG_LEVEL must stay INFO: readiness is read from the logs
     # what the stack's processes read comes from their environment, not from `settings`
-    state = stack.up(settings, simulator_args=simulator_args, extra_env=env, replicas=replicas)
+    state = stack.up(settings, simulator_args=simulator_args, extra_env=env, replicas=replicas,
+                     nats_cluster=nats_cluster)
     settings.nats_url = state.nats_url
     settings.simulator_url = state.simulator_url
     for key, field in (("VERIBUS_CONSUMER_ACK_WAIT_S", "consumer_ack_wait_s"),

@@ -152,7 +152,9 @@ def test_the_key_was_used(sstack: Stack, secret_runs: dict[str, Any]) -> None:
     """The services had the key and the run authenticated with it (else this test proves nothing)."""
     env = psutil.Process(sstack.proc("generation").pid).environ()
     assert env.get(KEY_VAR) == SECRET
-    assert secret_runs["cli"].returncode == 0, secret_runs["cli"].stderr
+    # exit 4: the hostile env-dump template's verify() raised, which is counted as a job in error
+    assert secret_runs["cli"].returncode == 4, secret_runs["cli"].stderr
+    assert "verify() raised: 1" in secret_runs["cli"].stdout
     res = results_of(sstack, secret_runs["run_id"])
     ok = [r for r in res.values() if r.metadata.question_id != "env-dump"]
     assert len(ok) == 6 and all(r.metadata.completed_without_errors for r in ok)

@@ -12,9 +12,10 @@ from typing import Any, Protocol
 
 import msgspec
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError
 
 from shared.core.events import ModelSpec
+from shared.runtime.bus import ensure_kv
 
 log = logging.getLogger("veribus.llm")
 
@@ -64,15 +65,9 @@ class NatsKVCache:
         if self._kv is None:
             async with self._lock:
                 if self._kv is None:
-                    try:
-                        self._kv = await self.js.key_value(self.bucket)
-                    except (BucketNotFoundError, NotFoundError):
-                        config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
-                                                description="veribus LLM response cache")
-                        try:
-                            self._kv = await self.js.create_key_value(config)
-                        except Exception:  # another replica created it meanwhile
-                            self._kv = await self.js.key_value(self.bucket)
+                    config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
+                                            description="veribus LLM response cache")
+                    self._kv = await ensure_kv(self.js, config)  # replicated like the stream
         return self._kv
 
     async def get(self, key: str) -> dict[str, Any] | None:

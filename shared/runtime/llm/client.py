@@ -41,6 +41,24 @@ from shared.runtime.llm.transport import (
 from shared.runtime.observability import METRICS
 
 log = logging.getLogger("veribus.llm")
+_WARNED: set[tuple[str, str, str]] = set()
+_CAUSES = {"connection": "connection refused or unreachable", "auth": "missing or rejected credentials",
+           "rate_limit": "rate limited (HTTP 429)", "timeout": "timed out", "server_error": "server error"}
+
+
+def warn_once(model: str, api_base: str | None, kind: str, status: int | None, detail: str) -> bool:
+    """Log why a model cannot be called at WARNING, once per (model, endpoint, cause) in this
+    process: for failures before any call (a missing api_key_env variable). Failed calls are
+    logged once per cause by `METRICS.model_call`. Returns True when it logged."""
+    key = (model, api_base or "", f"{kind}:{status}")
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    where = f" at {api_base}" if api_base else ""
+    http = f" (HTTP {status})" if status is not None else ""
+    log.warning("model %s%s: %s%s: %s; retried with backoff, further failures of this kind are not logged "
+                "again", model, where, _CAUSES.get(kind, kind), http, detail[:300])
+    return True
 
 
 class LLMClient:
@@ -173,6 +191,8 @@ class LLMClient:
         if model.api_key_env:
             key = os.environ.get(model.api_key_env)
             if not key:
+                warn_once(model.model_name, model.api_base, "auth", None,
+                          f"environment variable {model.api_key_env} (its api_key_env) is not set")
                 raise LLMError("auth", f"auth: environment variable {model.api_key_env} (api_key_env of model "
                                f"{model.model_name}) is not set; stage {stage}", model=model.model_name,
                                stage=stage, attempts=0)

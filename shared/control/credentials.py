@@ -1,0 +1,111 @@
+"""Can a model be called at all? Checked before a run is published, so a missing provider key is
+one clear refusal naming the model and the variable to set, instead of a run of errors (or, as
+before, a silent switch to the simulator).
+
+- `manual` and `simulator` models need no key.
+- `api_key_env: NAME` needs NAME set.
+- an explicit `api_base` (vLLM, Ollama, any OpenAI-compatible server) is used as given; a key is
+  optional there (the server decides).
+- otherwise the provider's key: from the model string's provider prefix (or the bare name:
+  `gpt-*` is OpenAI, `claude-*` Anthropic), else litellm's own table.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from urllib.parse import urlparse
+
+from shared.core.config import ModelConfig, VerificationConfig
+
+KEYLESS_INTERFACES = ("manual", "simulator")
+# provider -> env vars, any one of which is enough (litellm's names)
+PROVIDER_KEYS: dict[str, tuple[str, ...]] = {
+    "openai": ("OPENAI_API_KEY",),
+    "anthropic": ("ANTHROPIC_API_KEY",),
+    "gemini": ("GEMINI_API_KEY", "GOOGLE_API_KEY"),
+    "mistral": ("MISTRAL_API_KEY",),
+    "groq": ("GROQ_API_KEY",),
+    "deepseek": ("DEEPSEEK_API_KEY",),
+    "openrouter": ("OPENROUTER_API_KEY",),
+    "xai": ("XAI_API_KEY",),
+    "cohere": ("COHERE_API_KEY",),
+    "together_ai": ("TOGETHERAI_API_KEY",),
+    "fireworks_ai": ("FIREWORKS_AI_API_KEY",),
+}
+_BARE_PREFIXES = (("gpt-", "openai"), ("o1", "openai"), ("o3", "openai"), ("o4", "openai"),
+                  ("chatgpt-", "openai"), ("claude-", "anthropic"))
+
+
+def provider_of(model_name: str) -> str | None:
+    """The provider a litellm model string goes to, when we can tell without litellm."""
+    if "/" in model_name:
+        return model_name.split("/", 1)[0]
+    for prefix, provider in _BARE_PREFIXES:
+        if model_name.startswith(prefix):
+            return provider
+    return None
+
+
+def _litellm_missing(model: ModelConfig) -> list[str]:
+    """What litellm says the environment lacks for this model ([] when it cannot tell)."""
+    try:
+        from shared.runtime.llm.transport import _get_litellm
+
+        litellm = _get_litellm()
+        env = litellm.validate_environment(model.model_name, api_base=model.api_base)
+    except Exception:  # noqa: BLE001 - an unknown provider: the call itself will say
+        return []
+    return [] if env.get("keys_in_environment") else list(env.get("missing_keys") or [])
+
+
+def missing_key(model: ModelConfig) -> list[str]:
+    """The environment variables one of which must be set for this model to be called ([] when
+    nothing is missing)."""
+    if model.interface in KEYLESS_INTERFACES:
+        return []
+    if model.api_key_env:
+        return [] if os.environ.get(model.api_key_env) else [model.api_key_env]
+    if model.api_base:
+        return []
+    provider = provider_of(model.model_name)
+    if provider in PROVIDER_KEYS:
+        names = PROVIDER_KEYS[provider]
+        return [] if any(os.environ.get(n) for n in names) else list(names)
+    return _litellm_missing(model)
+
+
+def credential_problems(models: Iterable[tuple[str, ModelConfig]]) -> list[str]:
+    """One line per model (role, config) that cannot be called for want of a key."""
+    out = []
+    seen: set[tuple[str, str]] = set()
+    for role, m in models:
+        names = missing_key(m)
+        if not names or (role, m.model_name) in seen:
+            continue
+        seen.add((role, m.model_name))
+        var = names[0] if len(names) == 1 else " or ".join(names)
+        out.append(f"{role} model {m.model_name!r}: no API key: set {var} (or give the model an api_base, "
+                   "or run with --simulate for the offline simulator)")
+    return out
+
+
+def config_problems(config: VerificationConfig) -> list[str]:
+    return credential_problems([("answering", m) for m in config.answering_models]
+                               + [("judge", m) for m in config.parsing_models])
+
+
+def base_reachable(api_base: str, timeout: float = 2.0) -> str | None:
+    """None when something accepts TCP connections at the api_base's host and port, else why not."""
+    parsed = urlparse(api_base)
+    host = parsed.hostname
+    if not host:
+        return f"api_base {api_base!r} has no host"
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        reason = "connection refused" if isinstance(exc, ConnectionRefusedError) else (str(exc) or type(exc).__name__)
+        return f"{api_base}: {reason}"

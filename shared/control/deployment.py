@@ -1,0 +1,170 @@
+"""Which deployment a command talks to, decided once, said out loud, and checked fast.
+
+- configured: `--nats-url` or `VERIBUS_NATS_URL` (auth and TLS from `VERIBUS_NATS_USER` /
+  `_PASSWORD` / `_TOKEN` / `_TLS_CA`), and `VERIBUS_CLICKHOUSE_URL` for the results. A configured
+  deployment always wins: the CLI never starts a local stack beside it.
+- local: the stack `veribus up` started from `VERIBUS_HOME` (its `stack.json`, NATS alive).
+- none: nothing configured and nothing running locally. Only then does `veribus run` start a
+  temporary local stack; read commands open the embedded ClickHouse folder directly.
+
+`check_bus` connects once, without reconnecting, within a few seconds, and raises
+`Unreachable` with one line naming the URL, where it came from, and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shared.core.config import Settings
+
+FLAG_ENV = "VERIBUS_NATS_URL_FROM_FLAG"  # set by the CLI when --nats-url gave the URL
+CHECK_TIMEOUT_S = 4.0
+
+
+class Unreachable(RuntimeError):
+    """The deployment's bus (or store) cannot be reached; the message is one line."""
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by ***, for printing."""
+    return re.sub(r"(://[^:/@\s]+:)[^@/\s]+@", r"\1***@", url)
+
+
+@dataclass
+class Deployment:
+    kind: str  # configured | local | none
+    settings: Settings
+    source: str = ""  # --nats-url, VERIBUS_NATS_URL, the local stack's home
+    simulator_url: str | None = None
+
+    @property
+    def configured(self) -> bool:
+        return self.kind == "configured"
+
+    def describe(self) -> str:
+        """One line: bus, where it came from, and where results are read."""
+        s = self.settings
+        store = (f"ClickHouse server {mask_url(s.clickhouse_url)} (VERIBUS_CLICKHOUSE_URL)" if s.clickhouse_url
+                 else "embedded ClickHouse" + (" (via the projector)" if self.kind != "none"
+                                               else f" folder {s.chdb_path} (opened directly)"))
+        auth = ""
+        if s.nats_user:
+            auth = f", user {s.nats_user}"
+        elif s.nats_token:
+            auth = ", token auth"
+        if s.nats_tls_ca:
+            auth += ", TLS"
+        if self.kind == "configured":
+            return f"deployment: NATS {mask_url(s.nats_url)} (from {self.source}{auth}); results: {store}"
+        if self.kind == "local":
+            return f"deployment: local stack in {self.source} (NATS {s.nats_url}{auth}); results: {store}"
+        return f"deployment: none configured and no local stack running; results: {store}"
+
+
+def select(settings: Settings | None = None) -> Deployment:
+    """The deployment this process talks to (see the module docstring)."""
+    from shared.control.stack import running_stack
+
+    settings = settings or Settings.from_env()
+    url = os.environ.get("VERIBUS_NATS_URL")
+    if url:
+        source = "--nats-url" if os.environ.get(FLAG_ENV) == url else "VERIBUS_NATS_URL"
+        return Deployment("configured", settings, source, settings.simulator_url)
+    state = running_stack(settings)
+    if state is not None:
+        settings.nats_url = state.nats_url
+        settings.simulator_url = settings.simulator_url or state.simulator_url
+        return Deployment("local", settings, str(state.home), settings.simulator_url)
+    return Deployment("none", settings, "", settings.simulator_url)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    low = text.lower()
+    if "authorization" in low or "authentication" in low:
+        return "the server refused the credentials (set VERIBUS_NATS_USER/_PASSWORD or VERIBUS_NATS_TOKEN)"
+    if "refused" in low or isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if "ssl" in low or "tls" in low or "certificate" in low:
+        return f"TLS failed: {text.splitlines()[0][:200]}"
+    if isinstance(exc, TimeoutError) or "timeout" in low or "timed out" in low:
+        return f"no answer within {CHECK_TIMEOUT_S:.0f} s"
+    if "no servers" in low:
+        return "connection refused or host unreachable"
+    return text.splitlines()[0][:200]
+
+
+async def _check(settings: Settings) -> None:
+    import nats
+
+    from shared.runtime.bus import connect_options
+
+    opts: dict[str, Any] = connect_options(settings)
+    opts.update(name="veribus-cli-check", allow_reconnect=False, max_reconnect_attempts=0,
+                connect_timeout=min(2.0, CHECK_TIMEOUT_S), reconnect_time_wait=0)
+    nc = await nats.connect(**opts)
+    try:
+        try:
+            await nc.jetstream().account_info()
+        except Exception as exc:  # noqa: BLE001 - one line below
+            raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} has no JetStream "
+                              f"({type(exc).__name__}: {exc}); start it with -js") from None
+    finally:
+        await nc.close()
+
+
+def _tcp_reason(url: str) -> str | None:
+    """Why nothing accepts TCP connections at a NATS URL (None when something does)."""
+    import socket
+    from urllib.parse import urlparse
+
+    for one in url.split(","):
+        parsed = urlparse(one.strip())
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+        try:
+            with socket.create_connection((host, port), timeout=2.0):
+                return None
+        except ConnectionRefusedError:
+            reason = "connection refused"
+        except TimeoutError:
+            reason = "no answer within 2 s"
+        except OSError as exc:
+            reason = str(exc) or type(exc).__name__
+    return reason
+
+
+def check_bus(dep: Deployment) -> None:
+    """Connect once (no reconnect loop) within a few seconds; raise Unreachable naming the URL,
+    where it came from and why. The NATS handshake runs in a daemon thread, so a client that
+    does not give up cannot hold the command past the deadline."""
+    import threading
+
+    where = f" (from {dep.source})" if dep.source else ""
+    url = mask_url(dep.settings.nats_url)
+    tcp = _tcp_reason(dep.settings.nats_url)
+    if tcp is not None:
+        raise Unreachable(f"cannot reach the NATS server at {url}{where}: {tcp}")
+    box: dict[str, BaseException | None] = {}
+
+    def target() -> None:
+        try:
+            asyncio.run(asyncio.wait_for(_check(dep.settings), CHECK_TIMEOUT_S))
+            box["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - reported below as one line
+            box["error"] = exc
+
+    t = threading.Thread(target=target, name="veribus-bus-check", daemon=True)
+    t.start()
+    t.join(CHECK_TIMEOUT_S + 1.0)
+    if "error" not in box:
+        raise Unreachable(f"cannot reach the NATS server at {url}{where}: no answer within {CHECK_TIMEOUT_S:.0f} s")
+    exc = box["error"]
+    if exc is None:
+        return
+    if isinstance(exc, Unreachable):
+        raise exc
+    raise Unreachable(f"cannot reach the NATS server at {url}{where}: {_reason(exc)}") from None

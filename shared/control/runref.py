@@ -1,0 +1,146 @@
+"""A RUN argument -> a run id. Every command takes a run id or a run name: an exact id wins; a
+name means its most recent run, and when several runs share the name the CLI says so (which
+one it took, and how many there are).
+
+`pick` is the pure rule; `runs_in_stream` (the source of truth, for commands that publish) and
+`runs_in_store` (ClickHouse, for the analysis commands) list the candidates; `list_runs` is the
+`veribus runs` table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shared.core.config import Settings
+
+
+class RunNotFound(LookupError, ValueError):
+    """No run has this id or name (an input error: exit 2)."""
+
+
+@dataclass(frozen=True)
+class RunRef:
+    run_id: str
+    run_name: str | None
+    started: str  # ISO timestamp of run.requested
+
+
+@dataclass
+class Picked:
+    run_id: str
+    note: str | None = None  # set when a name matched several runs
+
+
+def pick(ref: str, runs: Sequence[RunRef]) -> Picked:
+    """The run `ref` names: an exact run id, else the most recent run with that name."""
+    for r in runs:
+        if r.run_id == ref:
+            return Picked(r.run_id)
+    named = sorted((r for r in runs if r.run_name == ref), key=lambda r: r.started, reverse=True)
+    if not named:
+        raise RunNotFound(f"no run {ref!r}: no run has that id or name" + ("" if runs else " (there are no runs yet)"))
+    chosen = named[0]
+    if len(named) == 1:
+        return Picked(chosen.run_id)
+    others = ", ".join(r.run_id for r in named[1:4]) + (" ..." if len(named) > 4 else "")
+    return Picked(chosen.run_id, f"name {ref!r} matches {len(named)} runs; using the most recent, "
+                                 f"{chosen.run_id} (started {chosen.started}); others: {others}. "
+                                 "Pass a run id to choose another.")
+
+
+def next_regrade_name(base: str, names: Sequence[str | None]) -> str:
+    """`<base>-regrade-N` with N one more than any existing regrade of `base`."""
+    prefix = f"{base}-regrade-"
+    used = [int(n[len(prefix):]) for n in names if n and n.startswith(prefix) and n[len(prefix):].isdigit()]
+    return f"{prefix}{max(used, default=0) + 1}"
+
+
+async def runs_in_stream(settings: Settings) -> list[RunRef]:
+    """Every run.requested in the stream (one per run: the newest message per subject)."""
+    from shared.core import events
+    from shared.runtime import bus
+
+    nc = await bus.connect(settings, allow_reconnect=False, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+        info = await js.stream_info(events.STREAM, subjects_filter=events.subject(events.RUN_REQUESTED, "*"))
+        out = []
+        for subj in (info.state.subjects or {}):
+            env = await bus.last_event(js, subj)
+            if env is None:
+                continue
+            try:
+                run = events.payload_as(env, events.RunRequested)
+            except Exception:  # noqa: BLE001 - a foreign message on the subject
+                continue
+            out.append(RunRef(run.run_id, run.run_name, run.timestamp))
+        return out
+    finally:
+        await nc.close()
+
+
+def runs_in_store(settings: Settings) -> list[RunRef]:
+    from shared.store.reads import run_query
+
+    res = run_query(settings, "SELECT run_id, run_name, toString(requested_at) FROM runs FINAL")
+    return [RunRef(str(r[0]), r[1], str(r[2])) for r in res.rows]
+
+
+def resolve(settings: Settings, ref: str, *, stream: bool) -> Picked:
+    """`ref` -> run id, from the stream (`stream=True`) or from ClickHouse."""
+    import asyncio
+
+    runs = asyncio.run(runs_in_stream(settings)) if stream else runs_in_store(settings)
+    return pick(ref, runs)
+
+
+RUNS_SQL = """
+SELECT r.run_id, r.run_name, toString(r.requested_at) AS started, r.job_count AS jobs,
+       count(v.result_id) AS done,
+       countIf(ifNull(v.verify_result, false) AND v.completed_without_errors) AS passed,
+       countIf(v.result_id != '' AND NOT v.completed_without_errors) AS errors,
+       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': RunCancelled: ') > 0) AS cancelled,
+       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': BudgetExhausted: ') > 0) AS budget_stopped,
+       any(r.parent_run_id) AS parent
+FROM (SELECT * FROM runs FINAL) AS r
+LEFT JOIN (SELECT run_id, result_id, verify_result, completed_without_errors, error
+           FROM verification_results FINAL) AS v ON v.run_id = r.run_id
+GROUP BY r.run_id, r.run_name, started, jobs
+ORDER BY started DESC
+LIMIT {limit:UInt32}
+"""
+
+
+def run_state(row: dict[str, Any]) -> str:
+    """running | cancelled | budget-stopped | done with errors | done."""
+    if row["cancelled"]:
+        return "cancelled"
+    if row["budget_stopped"]:
+        return "budget-stopped"
+    if row["done"] < row["jobs"]:
+        return "running"
+    return "done, errors" if row["errors"] else "done"
+
+
+def list_runs(settings: Settings, limit: int = 50) -> list[dict[str, Any]]:
+    from shared.store.reads import run_query
+
+    res = run_query(settings, RUNS_SQL, {"limit": int(limit)})
+    rows = [dict(zip(res.columns, r, strict=False)) for r in res.rows]
+    for row in rows:
+        for k in ("jobs", "done", "passed", "errors", "cancelled", "budget_stopped"):
+            row[k] = int(row[k] or 0)
+        row["state"] = run_state(row)
+    return rows
+
+
+def format_runs(rows: Sequence[dict[str, Any]]) -> str:
+    cols = ["run_id", "run_name", "started", "jobs", "done", "passed", "errors", "state"]
+    table = [[str(r.get(c) if r.get(c) is not None else "-") for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(t[i]) for t in table]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=False))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths, strict=False)) for t in table]
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""The stream and KV buckets on a real three-node NATS cluster (nats-server processes on free
+loopback ports, started and stopped by the `nats_cluster` fixture): replica counts, the
+override, and deduplication and reads across the death of the stream's leader."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from nats.js.api import KeyValueConfig
+
+from shared.control import streams
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus, runcontrol
+from tests.conftest import NatsCluster, NatsServer
+
+
+def _env(i: int, run: str = "clu-run") -> events.Envelope:
+    payload = events.RunRequested(run_id=run, timestamp="t", job_count=0, answer_count=0)
+    env = events.make_envelope(events.RUN_REQUESTED, run, f"r{i:04d}", payload, "test")
+    env.event_id = f"{run}:r{i:04d}"
+    return env
+
+
+async def _stream_info(js: Any) -> Any:
+    return await bus._retry_cluster(lambda: js.stream_info(events.STREAM), "stream info")
+
+
+async def test_stream_and_buckets_get_three_replicas(nats_cluster: NatsCluster) -> None:
+    settings = Settings(nats_url=nats_cluster.url)
+    nc = await bus.connect(settings)
+    try:
+        assert bus.cluster_size(nc) == 3
+        js = nc.jetstream()
+        assert await bus.ensure_stream(js, settings) == 3
+        info = await js.stream_info(events.STREAM)
+        peers = {info.cluster.leader, *(p.name for p in info.cluster.replicas or [])}
+        assert info.config.num_replicas == 3 and peers == {"nats-1", "nats-2", "nats-3"}
+        kv = await runcontrol.usage_bucket(js)
+        assert (await kv.status()).stream_info.config.num_replicas == 3
+        cache = await bus.ensure_kv(js, KeyValueConfig(bucket="vb_cluster_test", history=1), settings)
+        assert (await cache.status()).stream_info.config.num_replicas == 3
+    finally:
+        await nc.close()
+
+
+async def test_replicas_override_and_no_silent_shrink(nats_cluster: NatsCluster) -> None:
+    """VERIBUS_STREAM_REPLICAS is obeyed exactly; without it a later caller never lowers the
+    replica count another one set (and raises it to min(3, cluster size))."""
+    nc = await bus.connect(Settings(nats_url=nats_cluster.url))
+    try:
+        js = nc.jetstream()
+        assert await bus.ensure_stream(js, Settings(nats_url=nats_cluster.url, stream_replicas=1)) == 1
+        assert (await js.stream_info(events.STREAM)).config.num_replicas == 1
+        assert await bus.ensure_stream(js, Settings(nats_url=nats_cluster.url)) == 3
+        assert (await _stream_info(js)).config.num_replicas == 3
+        assert await bus.ensure_stream(js, Settings(nats_url=nats_cluster.url, stream_replicas=2)) == 2
+        assert (await _stream_info(js)).config.num_replicas == 2
+        kv = await bus.ensure_kv(js, KeyValueConfig(bucket="vb_override_test"),
+                                 Settings(nats_url=nats_cluster.url, stream_replicas=2))
+        assert (await kv.status()).stream_info.config.num_replicas == 2
+    finally:
+        await nc.close()
+
+
+async def test_single_server_gets_one_replica(nats_server: NatsServer) -> None:
+    settings = Settings(nats_url=nats_server.url)
+    nc = await bus.connect(settings)
+    try:
+        assert bus.cluster_size(nc) == 1
+        assert await bus.ensure_stream(nc.jetstream(), settings) == 1
+    finally:
+        await nc.close()
+
+
+async def test_the_stream_survives_its_leader_and_keeps_deduplicating(nats_cluster: NatsCluster) -> None:
+    """kill -9 the node that leads the stream: a client holding the server list fails over,
+    `bus.publish` rides out the election, a republished message id is still a duplicate (the
+    dedup state is replicated), and the restarted node catches up."""
+    settings = Settings(nats_url=nats_cluster.url)
+    nc = await bus.connect(settings, reconnect_time_wait=0.2)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js, settings)
+        first = [_env(i) for i in range(100)]
+        assert await bus.publish_many(js, first) == 100
+        leader = (await js.stream_info(events.STREAM)).cluster.leader
+        assert leader in {n.name for n in nats_cluster.nodes}
+        nats_cluster.kill(leader)
+
+        new = [await bus.publish(js, _env(i)) for i in range(100, 200)]
+        assert all(new), "events published after the failover are new"
+        again = [await bus.publish(js, e) for e in first]
+        assert not any(again), "every republished message id is a duplicate after the failover"
+        info = await _stream_info(js)
+        assert info.state.messages == 200
+        assert info.cluster.leader not in (None, leader)
+
+        nats_cluster.start(leader)
+        await asyncio.to_thread(nats_cluster.wait_healthy, [leader], 60.0)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            info = await _stream_info(js)
+            back = {p.name: p for p in info.cluster.replicas or []}
+            if leader in back and back[leader].current and not back[leader].lag:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(f"restarted node {leader} did not catch up: {info.cluster}")
+        got = await streams.read_events(js, "vb.run.requested.clu-run.*")
+        assert sorted(e.event_id for e in got) == sorted(e.event_id for e in first + [_env(i) for i in range(100, 200)])
+    finally:
+        await nc.close()
+
+
+async def test_a_bucket_can_be_made_while_a_node_is_down(nats_cluster: NatsCluster) -> None:
+    """With one node dead the servers' INFO lists two nodes; the stream keeps 3 replicas, and a
+    KV bucket created now asks for 3 (it follows the stream). Whether the cluster can place 3
+    right now depends on whether it has noticed the node is gone; if not, the bucket is made
+    with 2 rather than failing. Either way it works at once."""
+    settings = Settings(nats_url=nats_cluster.url)
+    nc = await bus.connect(settings)
+    try:
+        assert await bus.ensure_stream(nc.jetstream(), settings) == 3
+    finally:
+        await nc.close()
+    nats_cluster.kill("nats-3")
+    nc = await bus.connect(settings)
+    try:
+        js = nc.jetstream()
+        assert bus.cluster_size(nc) == 2
+        assert await bus.ensure_stream(js, settings) == 3
+        kv = await bus.ensure_kv(js, KeyValueConfig(bucket="vb_made_degraded"), settings)
+        assert (await kv.status()).stream_info.config.num_replicas in (2, 3)
+        await kv.put("k", b"v")
+        assert (await kv.get("k")).value == b"v"
+    finally:
+        await nc.close()

@@ -1,0 +1,172 @@
+"""The whole stack on a three-node NATS cluster (`up(nats_cluster=3)`: real nats-server nodes,
+every service, the simulator at low latency): kill -9 one NATS node in the middle of a run of a
+few hundred jobs, then the node that leads the stream, and start each again. Every job ends in
+exactly one finalized result with the verdicts of an undisturbed run, and the stack's services
+survive (they hold the server list and fail over).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.control import stack, wait
+from shared.core import events
+from shared.runtime import bus
+from tests.integration.test_durability import (
+    Stack,
+    expected_verdicts,
+    generated_benchmark,
+    plan_and_submit,
+    results_of,
+    rows,
+    start_stack,
+    stop_stack,
+    sync,
+    verdicts,
+    wait_projected,
+    wait_projector_idle,
+    wait_results,
+)
+
+N = 200
+KILL_AT = 0.15  # fraction of the run finalized before the kill
+
+
+@pytest.fixture(scope="module")
+def cluster_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
+    home = tmp_path_factory.mktemp("cluster-stack") / "home"
+    st = start_stack(home, nats_cluster=3, simulator_args=["--latency-ms", "20"],
+                     extra_env={"VERIBUS_CONSUMER_ACK_WAIT_S": "5"})
+    path, script = generated_benchmark(tmp_path_factory.mktemp("cluster-bench") / "bench.yaml", N, prefix="Cluster")
+    st.post_script(script)
+    try:
+        yield st, path
+    finally:
+        stop_stack(st)
+
+
+def _config(st: Stack):  # noqa: ANN202
+    return st.config(answer_kw={"max_concurrency": 4}, judge_kw={"max_concurrency": 4})
+
+
+async def _stream_leader(st: Stack) -> str:
+    nc = await bus.connect(st.settings)
+    try:
+        info = await bus._retry_cluster(lambda: nc.jetstream().stream_info(events.STREAM), "stream info")
+        return str(info.cluster.leader)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster_stack: tuple[Stack, Path]) -> dict[str, bool | None]:
+    st, path = cluster_stack
+    assert [p.name for p in st.state.nats_procs()] == ["nats-1", "nats-2", "nats-3"]
+    assert len(st.settings.nats_servers) == 3
+    plan = plan_and_submit(st, path, _config(st))
+    wait_results(st, plan.run_id, N, timeout=180)
+    got = verdicts(results_of(st, plan.run_id))
+    assert got == expected_verdicts(N)
+    return got
+
+
+def test_stream_is_replicated_on_all_three_nodes(cluster_stack, baseline) -> None:
+    st, _ = cluster_stack
+
+    async def info():  # noqa: ANN202
+        nc = await bus.connect(st.settings)
+        try:
+            return await nc.jetstream().stream_info(events.STREAM)
+        finally:
+            await nc.close()
+
+    si = sync(info())
+    assert si.config.num_replicas == 3
+    assert {si.cluster.leader, *(p.name for p in si.cluster.replicas or [])} == {"nats-1", "nats-2", "nats-3"}
+
+
+def _start_and_wait_in_flight(st: Stack, path: Path) -> str:
+    plan = plan_and_submit(st, path, _config(st))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done = len(sync(wait.finalized_counts(st.settings, plan.run_id)))
+        if done >= KILL_AT * N:
+            assert done < N, "the run finished before the kill: make it slower"
+            return plan.run_id
+        time.sleep(0.05)
+    raise AssertionError("the run did not get going")
+
+
+def _check_run(st: Stack, run_id: str, baseline: dict[str, bool | None], timeout: float = 180.0) -> None:
+    counts = wait_results(st, run_id, N, timeout=timeout)
+    assert len(counts) == N and set(counts.values()) == {1}, "exactly one result.finalized per job"
+    res = results_of(st, run_id)
+    assert all(r.metadata.completed_without_errors for r in res.values()), \
+        [r.metadata.error for r in res.values() if not r.metadata.completed_without_errors][:3]
+    assert verdicts(res) == baseline
+    wait_projected(st, run_id, N, timeout=90)
+    wait_projector_idle(st, timeout=90)
+    assert rows(st, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}", r=run_id) == [(N,)]
+    assert rows(st, "SELECT count() FROM events FINAL WHERE run_id = {r:String} AND event_type = 'result.finalized'",
+                r=run_id) == [(N,)]
+    assert all(p.alive() for p in st.reload().procs), "every process is up again"
+
+
+def _kill_and_restart(st: Stack, name: str, *, leader: bool = False) -> None:
+    old = st.kill(name)
+    if leader:
+        assert sync(_stream_leader(st)) not in (name, "None"), "another node took over the stream"
+    time.sleep(1.0)  # the run goes on with the node gone
+    assert stack.status(st.settings)["dead"] == [name]
+    new = st.restart(name)
+    assert new.pid != old and stack.nats_healthy(new, cluster=3)
+
+
+def test_kill_one_nats_node_mid_run(cluster_stack, baseline) -> None:
+    st, path = cluster_stack
+    st.ensure_all_alive()
+    leader = sync(_stream_leader(st))
+    victim = next(p.name for p in st.reload().nats_procs() if p.name != leader)
+    run_id = _start_and_wait_in_flight(st, path)
+    _kill_and_restart(st, victim)
+    _check_run(st, run_id, baseline)
+
+
+def test_kill_the_stream_leader_mid_run(cluster_stack, baseline) -> None:
+    st, path = cluster_stack
+    st.ensure_all_alive()
+    run_id = _start_and_wait_in_flight(st, path)
+    leader = sync(_stream_leader(st))
+    assert stack.is_nats(leader)
+    _kill_and_restart(st, leader, leader=True)
+    _check_run(st, run_id, baseline)
+
+
+def test_cli_talks_to_the_cluster_through_any_live_node(cluster_stack, baseline) -> None:
+    """`veribus query` with VERIBUS_NATS_URL listing all three nodes, one of them dead: the CLI
+    connects through a live one and the projector answers."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    st, _ = cluster_stack
+    st.ensure_all_alive()
+    victim = st.reload().nats_procs()[0]
+    st.kill(victim.name)
+    try:
+        env = {**os.environ, "VERIBUS_HOME": st.state.home, "VERIBUS_NATS_URL": st.state.nats_url,
+               "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, "-m", "shared.cli", "query", "--format", "json",
+                              "SELECT count() AS n FROM verification_results FINAL"],
+                             env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        n = rows(st, "SELECT count() FROM verification_results FINAL")[0][0]
+        assert n >= N and str(n) in out.stdout
+    finally:
+        st.restart(victim.name)

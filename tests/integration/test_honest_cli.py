@@ -1,0 +1,418 @@
+"""Issue 9, replayed as a new user would, through the real CLI (`python -m shared.cli`) against
+real nats-server processes, the real services and the embedded ClickHouse:
+
+- a configured bus (VERIBUS_NATS_URL / --nats-url, with auth) receives the run; no temporary
+  stack starts beside it; the CLI says which deployment it talks to;
+- an unreachable bus: every command fails fast with one line, exit 3, no traceback;
+- no silent simulator: a missing provider key is refused (exit 2) before anything is published;
+  a config's explicit api_base is called as given;
+- honest outcomes: all jobs in error -> exit 4 with errors grouped by stage and type; --max-errors;
+  0 jobs -> exit 2 with the hint; verify() raising is counted apart; `report --quiet` says why;
+- gates are checked before the run; `pass_rate>=80` is read as 0.8 and said so;
+- runs by name, `veribus runs`, `regrade` naming and judge resolution;
+- progress lines when piped, the temporary stack as its own step, and Ctrl-C's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from shared.control import stack
+from shared.control.stack import free_port, nats_server_binary
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.runtime.bus import wait_for_port
+from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
+
+TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
+from pydantic import Field
+
+class Answer(BaseAnswer):
+    value: int = Field(description="The number asked for")
+
+    def model_post_init(self, __context):
+        self.correct = {{"value": {n}}}
+
+    def verify(self) -> bool:
+        {body}
+'''
+KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "MISTRAL_API_KEY")
+
+
+def write_bench(path: Path, n: int = 3, *, raising: set[int] = frozenset(), finished: bool = True,
+                prefix: str = "Honest") -> Path:
+    """N int questions; those in `raising` have a verify() that raises ZeroDivisionError."""
+    qs = []
+    for i in range(n):
+        body = "return 1 / 0 == self.value" if i in raising else 'return self.value == self.correct["value"]'
+        qs.append({"id": f"h{i}", "question": f"{prefix} question {i}: what is {i} plus {i}?", "answer": str(2 * i),
+                   "template": TEMPLATE.format(n=2 * i, body=body), "finished": finished})
+    path.write_text(yaml.safe_dump({"name": f"{prefix.lower()}-{n}", "questions": qs}, sort_keys=False))
+    return path
+
+
+def cli_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in KEYS and not k.startswith("VERIBUS_NATS") and k not in ("VERIBUS_CLICKHOUSE_URL",
+                                                                               "VERIBUS_SIMULATOR_URL")}
+    env.update(VERIBUS_HOME=str(home), PYTHONPATH=str(REPO), VERIBUS_PROGRESS_INTERVAL_S="0", **extra)
+    return env
+
+
+def veribus(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+async def _stream_subjects(url: str, flt: str = "vb.>", **auth: str) -> dict[str, int]:
+    from nats.js.errors import NotFoundError
+
+    nc = await bus.connect(Settings(nats_url=url, **auth), allow_reconnect=False, max_reconnect_attempts=0)
+    try:
+        try:
+            info = await nc.jetstream().stream_info(events.STREAM, subjects_filter=flt)
+        except NotFoundError:
+            return {}
+        return dict(info.state.subjects or {})
+    finally:
+        await nc.close()
+
+
+def stream_subjects(url: str, flt: str = "vb.>", **auth: str) -> dict[str, int]:
+    return asyncio.run(_stream_subjects(url, flt, **auth))
+
+
+def run_requested(url: str, **auth: str) -> list[str]:
+    return [s for s in stream_subjects(url, **auth) if s.startswith("vb.run.requested.")]
+
+
+# --------------------------------------------------------------------------------------------
+# a configured bus, without services
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def auth_nats(tmp_path: Path) -> Iterator[str]:
+    """A nats-server that requires a user and password (as a shared deployment would)."""
+    port = free_port()
+    conf = tmp_path / "auth.conf"
+    conf.write_text('authorization { user: "vb", password: "s3cret-pw" }\n')
+    proc = subprocess.Popen([str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+                             str(tmp_path / "store"), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 10)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_configured_bus_receives_the_run_and_no_temporary_stack_starts(nats_server, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    bench = write_bench(tmp_path / "b.yaml", 2)
+    env = cli_env(home, VERIBUS_NATS_URL=nats_server.url)
+    out = veribus(env, "run", str(bench), "--model", "openai/m", "--judge", "openai/j", "--api-base",
+                  "http://127.0.0.1:9/v1", "--timeout", "3")
+    assert "temporary" not in out.stderr and not (home / "stack.json").exists()
+    assert f"deployment: NATS {nats_server.url} (from VERIBUS_NATS_URL)" in out.stderr, out.stderr
+    assert out.returncode == 3, out.stderr  # no services on this bus: results missing at --timeout
+    assert "2 of 2 job(s) have no result at --timeout" in out.stdout + out.stderr
+    assert len(run_requested(nats_server.url)) == 1
+    assert sum(n for s, n in stream_subjects(nats_server.url).items() if s.startswith("vb.answer.requested.")) == 2
+
+    flag = veribus(cli_env(home), "run", str(bench), "--nats-url", nats_server.url, "--model", "openai/m",
+                   "--judge", "openai/j", "--api-base", "http://127.0.0.1:9/v1", "--timeout", "2")
+    assert f"deployment: NATS {nats_server.url} (from --nats-url)" in flag.stderr, flag.stderr
+    assert flag.returncode == 3 and len(run_requested(nats_server.url)) == 2
+
+
+def test_nats_auth_settings_are_used_and_a_refusal_is_one_line(auth_nats: str, tmp_path: Path) -> None:
+    bench = write_bench(tmp_path / "b.yaml", 1)
+    args = ("run", str(bench), "--model", "openai/m", "--judge", "openai/j", "--api-base", "http://127.0.0.1:9/v1",
+            "--timeout", "2")
+    refused = veribus(cli_env(tmp_path / "h1", VERIBUS_NATS_URL=auth_nats), *args, timeout=60)
+    assert refused.returncode == 3 and "Traceback" not in refused.stderr
+    assert "refused the credentials" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    wrong = veribus(cli_env(tmp_path / "h2", VERIBUS_NATS_URL=auth_nats, VERIBUS_NATS_USER="vb",
+                            VERIBUS_NATS_PASSWORD="guessed"), *args, timeout=60)
+    assert wrong.returncode == 3 and "refused the credentials" in wrong.stderr
+    assert "guessed" not in wrong.stderr + wrong.stdout
+    ok = veribus(cli_env(tmp_path / "h3", VERIBUS_NATS_URL=auth_nats, VERIBUS_NATS_USER="vb",
+                         VERIBUS_NATS_PASSWORD="s3cret-pw"), *args, timeout=60)
+    assert "user vb" in ok.stderr and "s3cret-pw" not in ok.stderr + ok.stdout
+    assert ok.returncode == 3  # published, no services to answer
+    assert len(run_requested(auth_nats, nats_user="vb", nats_password="s3cret-pw")) == 1
+
+
+COMMANDS = [
+    ("run", "{bench}", "--simulate"), ("run", "{bench}", "--model", "openai/m", "--judge", "openai/m",
+                                        "--api-base", "http://127.0.0.1:9/v1"),
+    ("status",), ("status", "RUN"), ("query", "SELECT 1"), ("results", "RUN"), ("export", "RUN", "-o", "{tmp}/x.json"),
+    ("report", "RUN"), ("compare", "RUN", "--model-a", "a", "--model-b", "b"), ("resume", "RUN"),
+    ("regrade", "RUN"), ("cancel", "RUN"), ("projections", "rebuild"), ("runs",),
+]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_an_unreachable_bus_fails_every_command_with_one_line(argv: tuple[str, ...], tmp_path: Path) -> None:
+    port = free_port()  # bound and released: nothing listens
+    bench = write_bench(tmp_path / "b.yaml", 1)
+    args = [a.format(bench=bench, tmp=tmp_path) for a in argv]
+    env = cli_env(tmp_path / "home", VERIBUS_NATS_URL=f"nats://127.0.0.1:{port}",
+                  VERIBUS_SIMULATOR_URL="http://127.0.0.1:9/v1")
+    out = veribus(env, *args, timeout=60)  # a retry loop would hit this timeout
+    assert out.returncode == 3, (out.returncode, out.stderr)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines == [f"veribus: error: cannot reach the NATS server at nats://127.0.0.1:{port} "
+                     "(from VERIBUS_NATS_URL): connection refused"], out.stderr
+    assert not (tmp_path / "home" / "stack.json").exists()
+
+
+@pytest.mark.parametrize("cmd", ["resume", "cancel", "regrade"])
+def test_lifecycle_commands_without_any_deployment_say_so(cmd: str, tmp_path: Path) -> None:
+    out = veribus(cli_env(tmp_path / "home"), cmd, "some-run", timeout=60)
+    assert out.returncode == 3 and "Traceback" not in out.stderr
+    assert f"`veribus {cmd}` needs a running deployment" in out.stderr and "veribus up" in out.stderr
+
+
+def test_a_missing_provider_key_is_refused_before_publishing(nats_server, tmp_path: Path) -> None:
+    env = cli_env(tmp_path / "home", VERIBUS_NATS_URL=nats_server.url)
+    bench = CHECKPOINTS / "multi_question.jsonld"
+    out = veribus(env, "run", str(bench), "--model", "gpt-4.1-mini", "--judge", "gpt-4.1-mini", timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "'gpt-4.1-mini'" in out.stderr and "set OPENAI_API_KEY" in out.stderr
+    assert "SIMULATED" not in out.stdout and run_requested(nats_server.url) == []
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "m", "api_key_env": "MY_TEAM_KEY"}],
+                                   "parsing_models": [{"model_name": "anthropic/claude-haiku-4-5"}]}))
+    out = veribus(env, "run", str(write_bench(tmp_path / "c.yaml", 1)), "--config", str(cfg), timeout=120)
+    assert out.returncode == 2 and "set MY_TEAM_KEY" in out.stderr and "set ANTHROPIC_API_KEY" in out.stderr
+    assert run_requested(nats_server.url) == []
+
+
+def test_zero_jobs_and_bad_gates_are_refused_before_publishing(nats_server, tmp_path: Path) -> None:
+    env = cli_env(tmp_path / "home", VERIBUS_NATS_URL=nats_server.url)
+    drafts = write_bench(tmp_path / "drafts.yaml", 2, finished=False)
+    out = veribus(env, "run", str(drafts), "--simulate", timeout=120)
+    assert out.returncode == 2 and "0 jobs" in out.stderr and "--include-unfinished" in out.stderr
+    bench = write_bench(tmp_path / "b.yaml", 1)
+    for gate, why in (("acuracy>=0.8", "unknown metric 'acuracy'"), ("accuracy=>0.8", "bad operator"),
+                      ("accuracy>=150", "out of range"), ("accuracy:gpt-9>=0.5", "no model 'gpt-9'")):
+        out = veribus(env, "run", str(bench), "--simulate", "--gate", gate, timeout=120)
+        assert out.returncode == 2 and why in out.stderr, (gate, out.stderr)
+        assert "Traceback" not in out.stderr
+    assert run_requested(nats_server.url) == []
+
+
+# --------------------------------------------------------------------------------------------
+# the whole stack
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, stack.StackState]]:
+    home = tmp_path_factory.mktemp("honest") / "home"
+    settings = Settings(home=home)
+    state = stack.up(settings)
+    settings.nats_url = state.nats_url
+    settings.simulator_url = state.simulator_url
+    try:
+        yield settings, state
+    finally:
+        stack.down(settings)
+        for p in state.procs:
+            assert not p.alive(), f"{p.name} (pid {p.pid}) still running after down"
+
+
+def local_env(settings: Settings, **extra: str) -> dict[str, str]:
+    return cli_env(settings.home, **extra)
+
+
+def summary_of(out_dir: Path) -> dict:
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+def test_all_jobs_in_error_is_exit_4_with_errors_grouped(live, tmp_path: Path) -> None:
+    settings, _ = live
+    env = local_env(settings)
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "openai/m", "api_base": dead, "max_retries": 1}],
+                                   "parsing_models": [{"model_name": "openai/j", "api_base": dead}]}))
+    out_dir = tmp_path / "out"
+    out = veribus(env, "run", str(write_bench(tmp_path / "b.yaml", 3)), "--config", str(cfg), "--run-name",
+                  "deadbase", "--output", str(out_dir), "--gate", "pass_rate>=80")
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "gate pass_rate >= 0.8 (from 'pass_rate>=80'; 80 read as 0.8 (80%))" in out.stderr
+    assert f"deployment: local stack in {settings.home.resolve()}" in out.stderr
+    assert "✓ PASSED" not in out.stdout and "SIMULATED" not in out.stdout
+    assert "Errors by stage and type" in out.stdout
+    assert "3 x generate_answer / LLMError(connection)" in out.stdout, out.stdout
+    assert "Outcome: ✗ FAILED: 3 of 3 job(s) ended in error; none tolerated" in out.stdout
+    body = summary_of(out_dir)
+    assert body["outcome"]["exit_code"] == 4 and body["error_groups"][0]["count"] == 3
+    assert body["error_groups"][0]["stage"] == "generate_answer"
+
+    quiet = veribus(env, "report", "deadbase", "--quiet")
+    assert quiet.returncode == 4 and quiet.stdout.strip().startswith("✗ FAILED: 3 of 3 job(s) ended in error")
+    tolerant = veribus(env, "report", "deadbase", "--quiet", "--max-errors", "100%")
+    assert tolerant.returncode == 0 and tolerant.stdout.strip() == "✓ PASSED"
+    html = tmp_path / "r.html"
+    veribus(env, "report", "deadbase", "--html", str(html))
+    assert "Errors by stage and type" in html.read_text() and "LLMError(connection)" in html.read_text()
+
+    # regrade of a run whose judge cannot be reached is refused before publishing
+    before = run_requested(settings.nats_url)
+    regrade = veribus(env, "regrade", "deadbase")
+    assert regrade.returncode == 2 and "cannot be reached" in regrade.stderr and "openai/j" in regrade.stderr
+    assert run_requested(settings.nats_url) == before
+
+
+def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
+    """The user's own OpenAI-compatible server (here: a second simulator process, the only model
+    server there is offline) is what a config's explicit api_base reaches; not the stack's."""
+    settings, state = live
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=REPO, env=cli_env(tmp_path / "simhome"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 30)
+        base = f"http://127.0.0.1:{port}/v1"
+        from infra.simulator.from_benchmark import simulator_script_for
+        from shared.core.benchmark.model import Benchmark
+
+        bench = write_bench(tmp_path / "b.yaml", 2, prefix="Own")
+        httpx.post(f"http://127.0.0.1:{port}/simulator/script",
+                   json=simulator_script_for(Benchmark.load(bench)), timeout=10).raise_for_status()
+        stack_before = httpx.get(state.simulator_url.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
+        cfg = tmp_path / "run.yaml"
+        cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "openai/own-model", "api_base": base}],
+                                       "parsing_models": [{"model_name": "openai/own-judge", "api_base": base}]}))
+        out = veribus(local_env(settings), "run", str(bench), "--config", str(cfg), "--output", str(tmp_path / "o"))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "SIMULATED" not in out.stdout and summary_of(tmp_path / "o")["simulated"] is False
+        stats = httpx.get(f"http://127.0.0.1:{port}/simulator/stats", timeout=10).json()
+        assert stats["by_model"].get("own-model", stats["by_model"].get("openai/own-model")) and stats["judge"] >= 2
+        stack_after = httpx.get(state.simulator_url.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
+        assert stack_after["requests"] == stack_before["requests"]  # the stack's simulator was not asked
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_verify_raising_is_counted_apart_and_fails_the_run(live, tmp_path: Path) -> None:
+    settings, _ = live
+    out_dir = tmp_path / "out"
+    out = veribus(local_env(settings), "run", str(write_bench(tmp_path / "b.yaml", 3, raising={1}, prefix="Raise")),
+                  "--simulate", "--output", str(out_dir))
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "verify() raised: 1" in out.stdout and "Failed: 0" in out.stdout and "Passed: 2" in out.stdout
+    assert "verify_template / verify() raised: ZeroDivisionError" in out.stdout
+    assert "(1 where the template's verify() raised)" in out.stdout
+    assert summary_of(out_dir)["metrics"]["verify_raised"] == 1
+
+
+def test_runs_by_name_list_and_regrade(live, tmp_path: Path) -> None:
+    settings, _ = live
+    env = local_env(settings)
+    bench = write_bench(tmp_path / "b.yaml", 2, prefix="Named")
+    first = veribus(env, "run", str(bench), "--simulate", "--run-name", "nightly")
+    second = veribus(env, "run", str(bench), "--simulate", "--run-name", "nightly")
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert "progress: 2/2 done (100%), 2 passed, 0 failed, 0 errors" in second.stderr  # piped: plain lines
+    first_id = first.stdout.split()[1].rstrip(":")
+    second_id = second.stdout.split()[1].rstrip(":")
+
+    runs = veribus(env, "runs")
+    assert runs.returncode == 0, runs.stderr
+    header = runs.stdout.splitlines()[0].split()
+    assert header == ["run_id", "run_name", "started", "jobs", "done", "passed", "errors", "state"]
+    rows = {ln.split()[0]: ln.split() for ln in runs.stdout.splitlines()[1:]}
+    assert rows[second_id][1] == "nightly" and rows[second_id][-5:] == ["2", "2", "2", "0", "done"]
+
+    res = veribus(env, "results", "nightly")
+    assert res.returncode == 0 and f"run {second_id}:" in res.stdout
+    assert "name 'nightly' matches 2 runs; using the most recent" in res.stderr and first_id in res.stderr
+    dry = veribus(env, "resume", "nightly", "--dry-run")
+    assert dry.returncode == 0 and f"run {second_id}: 2 jobs, 2 with a result" in dry.stdout
+
+    regrade = veribus(env, "regrade", "nightly", "--timeout", "120")
+    assert regrade.returncode == 0, regrade.stdout + regrade.stderr
+    assert "(nightly-regrade-1): regrade of " + second_id in regrade.stdout
+    again = veribus(env, "regrade", "nightly", "--timeout", "120")
+    assert again.returncode == 0 and "(nightly-regrade-2)" in again.stdout
+    latest = veribus(env, "results", "nightly")
+    assert f"run {second_id}:" in latest.stdout  # the regrades did not take the name
+
+
+def test_simulate_on_a_configured_deployment(live, tmp_path: Path) -> None:
+    settings, state = live
+    env = cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url,
+                  VERIBUS_SIMULATOR_URL=state.simulator_url)
+    out = veribus(env, "run", str(write_bench(tmp_path / "b.yaml", 2, prefix="Conf")), "--simulate")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"deployment: NATS {state.nats_url} (from VERIBUS_NATS_URL)" in out.stderr
+    assert "SIMULATED" in out.stdout and "temporary" not in out.stderr
+    refused = veribus(cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url),
+                      "run", str(write_bench(tmp_path / "c.yaml", 1)), "--simulate")
+    assert refused.returncode == 2 and "VERIBUS_SIMULATOR_URL" in refused.stderr
+
+
+def test_ctrl_c_says_what_keeps_running(live, tmp_path: Path) -> None:
+    settings, _ = live
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # every call retried with backoff: the run takes a while
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "openai/m", "api_base": dead, "max_retries": 6}],
+                                   "parsing_models": [{"model_name": "openai/j", "api_base": dead}]}))
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "run", str(write_bench(tmp_path / "b.yaml", 4)),
+                             "--config", str(cfg), "--run-name", "interrupted"], cwd=REPO,
+                            env=local_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("submitted run "):
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert line.startswith("submitted run "), proc.stderr.read() if proc.poll() is not None else "no run line"
+        run_id = line.split()[2].rstrip(";")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, err
+    assert f"interrupted: run {run_id} keeps running" in err and f"veribus cancel {run_id}" in err
+    assert f"veribus status {run_id}" in err and "Traceback" not in err
+    cancel = veribus(local_env(settings), "cancel", "interrupted")
+    assert cancel.returncode == 0 and f"run {run_id}: cancelled" in cancel.stdout
+
+
+def test_a_temporary_stack_is_its_own_step(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    out = veribus(cli_env(home), "run", str(EXAMPLE), "--simulate", "--timeout", "300")
+    try:
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "deployment: none configured" in out.stderr
+        assert "step 1/2: starting a temporary local stack" in out.stderr
+        assert "temporary stack ready in" in out.stderr and "step 2/2: running" in out.stderr
+        assert "SIMULATED" in out.stdout
+    finally:
+        stack.down(Settings(home=home))  # only if the CLI left something behind
+    assert not (home / "stack.json").exists()
