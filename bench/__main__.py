@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import analysis, backpressure, run, sandbox
+from bench import analysis, backpressure, limits, run, sandbox
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,12 +19,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0])
     b.add_argument("--concurrency", type=int, default=32)
     b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
+    b.add_argument("--api-base", help="measure against this OpenAI-compatible server instead of the simulator")
+    b.add_argument("--bench-model", help="answering model at --api-base (default openai/bench-answerer)")
+    b.add_argument("--bench-judge", help="judge model at --api-base (default openai/bench-judge)")
     b.add_argument("--backpressure", action="store_true",
                    help="instead: queue --jobs jobs behind a slow model and report every service's RSS")
     b.add_argument("--jobs", type=int, default=10_000, help="jobs for --backpressure")
     b.add_argument("--hold-s", type=float, default=20.0, help="seconds to hold the queue for --backpressure")
     b.add_argument("--analysis", action="store_true",
                    help="instead: time summaries and a streamed export over a synthetic results table")
+    b.add_argument("--limits", action="store_true",
+                   help="instead: the per-call overhead of the deployment-wide model limiter")
+    b.add_argument("--limit-calls", type=int, default=3000, help="calls for --limits")
     b.add_argument("--sandbox", action="store_true",
                    help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
@@ -38,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return backpressure.main(args)
     if args.analysis:
         return analysis.main(args)
+    if args.limits:
+        return limits.main(args)
     if args.sandbox:
         return sandbox.main(args)
     return run.main(args)

@@ -65,22 +65,39 @@ def cpu_seconds(procs: list[stack.Proc]) -> dict[str, float]:
     return out
 
 
-def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int]) -> dict[str, Any]:
+async def stream_bytes(settings: Settings) -> int:
+    """Bytes the event stream holds now (its growth over a run / results = the log's cost)."""
+    from shared.core import events
+    from shared.runtime import bus
+
+    nc = await bus.connect(settings)
+    try:
+        return int((await nc.jetstream().stream_info(events.STREAM)).state.bytes or 0)
+    finally:
+        await nc.close()
+
+
+def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int],
+             api_base: str | None = None, model: str | None = None, judge: str | None = None) -> dict[str, Any]:
+    """One measured run. With `api_base`, against that OpenAI-compatible server (no simulator;
+    its latency is whatever it is, `latency_ms` is only a label)."""
     with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
         home = Path(tmp)
         settings = Settings(home=home / "home")
         bench_file, script = generated_benchmark(home / "bench.yaml", n, prefix="Bench", ids="bench-{i}")
         benchmark = Benchmark.load(bench_file)
-        state = stack.up(settings, replicas=replicas, simulator_args=["--latency-ms", str(latency_ms)])
+        state = stack.up(settings, replicas=replicas, simulator=api_base is None,
+                         simulator_args=["--latency-ms", str(latency_ms)])
         settings.nats_url = state.nats_url
         try:
-            httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
+            if api_base is None:
+                httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
             # C is the total number of model calls in flight: each result makes two sequential
             # calls (answer, then parse) in two services, so each model gets C/2.
-            models = {"api_base": state.simulator_url, "max_concurrency": max(1, concurrency // 2)}
+            models = {"api_base": api_base or state.simulator_url, "max_concurrency": max(1, concurrency // 2)}
             config = VerificationConfig(
-                answering_models=[ModelConfig(model_name="openai/bench-answerer", **models)],
-                parsing_models=[ModelConfig(model_name="openai/bench-judge", **models)],
+                answering_models=[ModelConfig(model_name=model or "openai/bench-answerer", **models)],
+                parsing_models=[ModelConfig(model_name=judge or "openai/bench-judge", **models)],
             )
             # warm-up: a few jobs so imports and template compilation are not in the measurement
             warm = runner.plan_run(Benchmark.load(bench_file), config, run_id="warmup")
@@ -89,6 +106,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             asyncio.run(runner.collect(settings, "warmup", set(warm.result_ids), timeout=120))
 
             plan = runner.plan_run(benchmark, config)
+            bytes0 = asyncio.run(stream_bytes(settings))
             sampler = Sampler(state.procs)
             sampler.start()
             cpu0 = cpu_seconds(state.procs)
@@ -101,6 +119,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             cpu1 = cpu_seconds(state.procs)
             sampler.stop.set()
             done = len(outcome.results)
+            stream_delta = asyncio.run(stream_bytes(settings)) - bytes0
             per_service = {name: round(1000 * max(0.0, cpu1[name] - cpu0.get(name, 0.0)) / max(done, 1), 3)
                            for name in cpu1}
             pipeline_cpu = sum(v for k, v in per_service.items() if k not in ("nats", "simulator"))
@@ -115,6 +134,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "cpu_ms_per_result_services_total": round(pipeline_cpu, 3),
                 "peak_rss_mb": {k: round(v, 1) for k, v in sampler.peak.items()},
                 "passed": sum(1 for r in outcome.results.values() if r.template and r.template.verify_result),
+                "stream_bytes_per_result": round(stream_delta / max(done, 1)),
             }
         finally:
             stack.down(settings)
@@ -126,15 +146,38 @@ def main(args: argparse.Namespace) -> int:
         name, _, k = item.partition("=")
         replicas[name] = int(k)
     rows = []
-    for lat in args.latency_ms:
-        row = run_once(args.questions, lat, args.concurrency, replicas)
+    api_base = getattr(args, "api_base", None)
+    for lat in (args.latency_ms if api_base is None else [0.0]):
+        row = run_once(args.questions, lat, args.concurrency, replicas, api_base,
+                       getattr(args, "bench_model", None), getattr(args, "bench_judge", None))
         rows.append(row)
-        print(f"\n== latency {lat:g} ms, {row['results']} results, concurrency {args.concurrency}")
+        where = f"server {api_base}" if api_base else f"latency {lat:g} ms"
+        print(f"\n== {where}, {row['results']} results, concurrency {args.concurrency}")
         print(f"  throughput: {row['results_per_s']} results/s in {row['elapsed_s']} s"
               + (f"  (bound C/(2L) = {row['bound_results_per_s']}/s, {100 * row['fraction_of_bound']:.1f}% of it)"
                  if row["bound_results_per_s"] else ""))
         print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
+        print(f"  event stream: {row['stream_bytes_per_result']} bytes per result (target <= 6144)")
         for name, ms in row["cpu_ms_per_result"].items():
             print(f"    {name:<14} {ms:>8.3f} ms/result   peak RSS {row['peak_rss_mb'].get(name, 0):>7.1f} MB")
+    print("\n" + targets_block(rows, api_base))
     print("\n" + json.dumps(rows, indent=2))
     return 0
+
+
+def targets_block(rows: list[dict[str, Any]], api_base: str | None = None) -> str:
+    """Issue 12's figures beside their targets. On a shared machine absolute throughput means
+    little: compare ratios measured in one run."""
+    lines = ["Issue 12 figures vs targets (" + (f"server {api_base}" if api_base else "simulator")
+             + "; on a shared machine compare ratios within one run, not absolute rates):"]
+    for row in rows:
+        lat = row["latency_ms"]
+        lines.append("  your server:" if api_base else f"  latency {lat:g} ms:")
+        if lat == 0:
+            lines.append(f"    results/s                       {row['results_per_s']:>10}   target >= 120")
+            lines.append(f"    CPU ms/result, services         {row['cpu_ms_per_result_services_total']:>10}   target <= 10")
+        elif row.get("fraction_of_bound") is not None:
+            lines.append(f"    fraction of C/(2L)              {row['fraction_of_bound']:>10}   target >= 0.90")
+        lines.append(f"    stream bytes per result         {row['stream_bytes_per_result']:>10}   target <= 6144")
+    lines.append("  not measured by this command: replica scaling (>= 1.8x), rebuild events/s (>= 50,000)")
+    return "\n".join(lines)

@@ -38,13 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retry-after", type=float, default=0.1, help="Retry-After seconds sent with 429")
     ap.add_argument("--slow-ms", type=float, default=30_000.0, help="delay of a 'slow' injected error")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-in-flight", type=int, default=0,
+                    help="per model: answer 429 to calls beyond this many in flight (a provider's limit)")
     args = ap.parse_args(argv)
     try:
         script = Script.load(args.script) if args.script else Script()
         config = SimConfig(
             latency_ms=args.latency_ms, latency_dist=args.latency_dist, latency_sigma=args.latency_sigma,
             error_rate=args.error_rate, error_mix=args.error_mix, retry_after_s=args.retry_after,
-            slow_ms=args.slow_ms, seed=args.seed,
+            slow_ms=args.slow_ms, seed=args.seed, max_in_flight=args.max_in_flight,
         )
     except (OSError, ValueError) as exc:
         print(f"simulator: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ class SimConfig:
     retry_after_s: float = 0.1
     slow_ms: float = 30_000.0
     seed: int = 0
+    max_in_flight: int = 0  # per model, like a provider's concurrency limit: 429 beyond it (0: none)
 
     def __post_init__(self) -> None:
         if self.latency_dist not in LATENCY_DISTS:

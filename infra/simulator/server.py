@@ -68,6 +68,7 @@ class Simulator:
             "requests": 0, "answer": 0, "judge": 0, "tool_call": 0, "matched": 0, "unmatched": 0,
             "errors_injected": {}, "by_model": {}, "in_flight": 0, "max_in_flight": 0,
             "prompt_tokens": 0, "completion_tokens": 0,
+            "in_flight_by_model": {}, "max_in_flight_by_model": {}, "rejected_over_limit": 0,
         }
 
     def reset(self) -> None:
@@ -151,6 +152,26 @@ class Simulator:
             stats["matched"] += 1
         by_model = stats["by_model"]
         by_model[model] = by_model.get(model, 0) + 1
+        flying = stats["in_flight_by_model"]
+        now_flying = flying.get(model, 0) + 1
+        if self.config.max_in_flight and now_flying > self.config.max_in_flight:
+            stats["rejected_over_limit"] += 1
+            self._count_error("429")
+            ra = self.config.retry_after_s
+            return _error(429, f"simulated concurrency limit ({self.config.max_in_flight}) for model {model}",
+                          "rate_limit_error", {"Retry-After": f"{ra:g}", "retry-after-ms": str(int(ra * 1000))})
+        flying[model] = now_flying
+        peaks = stats["max_in_flight_by_model"]
+        if now_flying > peaks.get(model, 0):
+            peaks[model] = now_flying
+        try:
+            return await self._respond(request, body, raw, model, messages, texts, joined, entry)
+        finally:
+            flying[model] -= 1
+
+    async def _respond(self, request: web.Request, body: dict[str, Any], raw: bytes, model: str,
+                       messages: list[Any], texts: list[str], joined: str, entry: Entry | None) -> web.StreamResponse:
+        stats = self.stats
 
         schema, judge = self._judge_schema(body, texts)
         tools = body.get("tools")

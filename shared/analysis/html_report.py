@@ -649,7 +649,9 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
     kpis = [("results", s["total"]), ("attempted", s["total_attempted"]), ("errors", s["errors"]),
             ("passed", f"{s['passed_attempts']} ({s['pass_rate']:.1f}%)"),
             ("avg score", f"{s['avg_score_attempted']:.3f}"),
-            ("questions", len({r.metadata.question_id for r in results}))]
+            ("questions", len({r.metadata.question_id for r in results})),
+            ("model calls", f"{s['usage']['model_calls']} (+{s['usage']['cached_replies']} cached)"),
+            ("cost USD", f"{s['usage']['cost_usd']:.4f}" + ("*" if s["usage"]["cost_unknown_models"] else ""))]
     kpi_html = "".join(f"<div class='kpi'><b>{_esc(_fmt(v))}</b><span>{_esc(k)}</span></div>" for k, v in kpis)
     body = [
         f"<h1>{_esc(title)}{sim}</h1>",
@@ -658,6 +660,8 @@ def render_html(data: RunData, gate_lines: Sequence[str] = ()) -> str:
         f"generated {_esc(datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC'))}</p>",
         banner, f"<div class='kpis'>{kpi_html}</div>",
         f"<ul>{gates}</ul>" if gates else "",
+        (f"<p class='muted'>* cost unknown for {_esc(', '.join(s['usage']['cost_unknown_models']))} "
+         "(no price in litellm's map or the run config)</p>") if s["usage"]["cost_unknown_models"] else "",
         "<h2>1. Pass rate per model</h2>", section_pass_rates(results),
         "<h2>2. Questions × models</h2>", section_heatmap(results),
         "<h2>3. Rubric trait scores</h2>", section_traits(results),

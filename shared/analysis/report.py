@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from shared.analysis.export import veribus_version
 from shared.analysis.stats import Proportion, describe
 from shared.core.models import VerificationResult
+from shared.core.usage import run_usage, usage_lines
 
 ACCURACY = "accuracy"
 DEFAULT_SCORE_RANGE = (1.0, 5.0)
@@ -310,6 +311,7 @@ def summarize(
         "unfinished_questions_skipped": unfinished_skipped,
         "by_metric": {n: metric_summary(samples, n, crit.get(n, DEFAULT_PASS)) for n in names},
         "per_model": per_model,
+        "usage": run_usage(results),  # model calls, cached replies, cost in USD (shared.core.usage)
     }
 
 
@@ -344,6 +346,8 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
         lines.append(f"  Unfinished questions skipped: {s['unfinished_questions_skipped']}")
     if s.get("dead_lettered"):
         lines.append(f"  Dead-lettered jobs: {s['dead_lettered']}")
+    if isinstance(s.get("usage"), Mapping):  # model calls, cached replies, cost (shared.core.usage)
+        lines.extend(usage_lines(s["usage"]))
     if gate_lines:
         lines.append("")
         lines.extend(gate_lines)

@@ -206,6 +206,9 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
         budget = pop_budget(data)
         if budget is not None and getattr(args, "max_tokens_budget", None) is None:
             args.max_tokens_budget = budget
+    from shared.cli import scale as cli_scale
+
+    cli_scale.apply_run_options(args, data)  # --cache, --cache-ttl, --max-cost-usd (and budget_cost_usd)
     if args.model:
         data["answering_models"] = [{"model_name": m} for m in args.model]
     if args.judge:
@@ -280,11 +283,13 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
     from shared.cli import analysis as cli_analysis
     from shared.control import runner
     from shared.control.credentials import config_problems
+    from shared.runtime.costcontrol import set_cost_budget
     from shared.runtime.runcontrol import set_budget
 
     config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     set_budget(plan.run_event, args.max_tokens_budget)
+    set_cost_budget(plan.run_event, getattr(args, "max_cost_usd", None))
     if plan.job_count == 0:
         raise ValueError(f"{benchmark.name!r}: {NO_JOBS_HINT}")
     problems = config_problems(config)
@@ -411,10 +416,12 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     from shared.cli import analysis as cli_analysis
     from shared.control import runner
     from shared.core.outcome import judge
+    from shared.runtime.costcontrol import set_cost_budget
     from shared.runtime.runcontrol import set_budget
 
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     set_budget(plan.run_event, args.max_tokens_budget)
+    set_cost_budget(plan.run_event, getattr(args, "max_cost_usd", None))
     label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
     if not args.quiet:
         print(f"run {plan.run_id}: {plan.job_count} jobs ({len(plan.requests)} answers to generate) "
@@ -552,6 +559,7 @@ def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.
 
 def build_parser() -> argparse.ArgumentParser:
     from shared.cli import analysis as cli_analysis
+    from shared.cli import scale as cli_scale
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nats-url", default=argparse.SUPPRESS, metavar="URL",
@@ -613,6 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-errors", metavar="N|F%",
                      help="jobs that may end in error and the run still pass: a count or a share (default: none)")
     cli_analysis.add_run_options(run)
+    cli_scale.add_run_options(run)  # --cache, --cache-ttl, --max-cost-usd
     run.set_defaults(fn=cmd_run)
 
     rs = sub.add_parser("runs", help="list runs: id, name, started, jobs, done, passed, errors, state")
@@ -635,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.cli import lifecycle as cli_lifecycle
 
     cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
+    cli_scale.register(sub)  # cache clear / info
 
     b = sub.add_parser("bench", add_help=False,
                        help="measure throughput, CPU and memory per service (`python -m bench`; "

@@ -10,10 +10,11 @@ import asyncio
 import sys
 from typing import Any
 
-from shared.control import lifecycle, rebuild, streams, wait
+from shared.control import lifecycle, rebuild, retention, streams, wait
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_OK
 from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_RUN_ERROR
+from shared.store.reads import run_query
 
 
 def _settings() -> Any:
@@ -219,6 +220,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_projections_rebuild(args: argparse.Namespace) -> int:
 
     settings = _settings()
+    before_runs = retention.results_per_run(lambda sql: run_query(settings, sql))
     try:
         rep = rebuild.rebuild_projections(settings, timeout=args.timeout, progress=lambda m: print(f"  {m}"))
     except streams.LifecycleError as exc:
@@ -231,6 +233,11 @@ def cmd_projections_rebuild(args: argparse.Namespace) -> int:
         print(f"  {table:<22} rows before {b[0]:>8}  after {a[0]:>8}  {same}")
     if not rep.identical:
         print("  (tables differ: events arrived during the rebuild, or the old tables had lost or extra rows)")
+    kept = asyncio.run(retention.stream_retention(settings))  # what retention left to rebuild from
+    for line in kept.lines():
+        print(line)
+    for line in retention.compare(before_runs, retention.results_per_run(lambda sql: run_query(settings, sql))).lines():
+        print(line)
     return EXIT_OK
 
 

@@ -27,6 +27,7 @@ from shared.core.config import Settings, VerificationConfig
 from shared.core.ids import answer_id_for, compute_result_id, event_id_for, template_id_for
 from shared.core.models import VerificationResult
 from shared.runtime import bus
+from shared.runtime.content import ContentStore
 from shared.runtime.runcontrol import STOP_ERROR_TYPES
 from shared.templates.calls import compile_check
 
@@ -265,12 +266,15 @@ async def plan_regrade(
         await bus.ensure_stream(js)
         parent = await run_event(js, parent_run_id)
         envs = await read_events(js, events.subject(events.ANSWER_GENERATED, parent_run_id, "*"))
-    latest: dict[str, events.StageEvent] = {}
-    for env in envs:  # a resumed job may have several: the newest is the one its result used
-        try:
-            latest[env.result_id] = events.payload_as(env, events.StageEvent)
-        except Exception:  # noqa: BLE001
-            continue
+        latest: dict[str, events.StageEvent] = {}
+        for env in envs:  # a resumed job may have several: the newest is the one its result used
+            try:
+                latest[env.result_id] = events.payload_as(env, events.StageEvent)
+            except Exception:  # noqa: BLE001
+                continue
+        content = ContentStore(lambda: js)
+        for ev in latest.values():  # lean events: the stored question, template and rubric back in
+            ev.job = msgspec.structs.replace(await content.hydrate(ev.job), refs={})
     plan = regrade_jobs(parent, latest.values(), benchmark=benchmark, mode=mode, run_name=run_name)
     plan.jobs_without_answer = max(0, parent.job_count - len(latest))
     return plan

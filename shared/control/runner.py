@@ -161,8 +161,13 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
         producer = "cli/0.1.0"
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))
+        requests = plan.requests
+        if settings.lean_events:  # contents once, by hash; events carry the hashes
+            from shared.runtime.content import ContentStore, lean_requests
+
+            requests = await lean_requests(ContentStore(lambda: js), requests)
         envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, r.jobs[0].answer_id, r, producer)
-                for r in plan.requests]
+                for r in requests]
         return await bus.publish_many(js, envs)
 
 

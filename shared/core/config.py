@@ -33,7 +33,15 @@ class ModelConfig(BaseModel):
     temperature: float = 0.0
     max_tokens: int | None = None
     system_prompt: str | None = None
-    max_concurrency: int = Field(default=32, ge=1)
+    max_concurrency: int = Field(default=32, ge=1, description="calls in flight, for the whole deployment")
+    requests_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
+    tokens_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
+    input_cost_per_million_tokens: float | None = Field(
+        default=None, ge=0, description="USD per million input tokens (overrides litellm's cost map)")
+    output_cost_per_million_tokens: float | None = Field(
+        default=None, ge=0, description="USD per million output tokens (overrides litellm's cost map)")
+    limit_scope: Literal["model", "endpoint"] = Field(
+        default="model", description="share the limits per model, or per endpoint (api_base) across its models")
     timeout: float = Field(default=120.0, gt=0)
     max_retries: int = Field(default=4, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
@@ -84,6 +92,11 @@ class ModelConfig(BaseModel):
             mcp_servers=dict(self.mcp_urls_dict or {}),
             max_turns=self.max_turns,
             manual_traces=dict(self.manual_traces or {}),
+            requests_per_minute=self.requests_per_minute,
+            tokens_per_minute=self.tokens_per_minute,
+            limit_scope=self.limit_scope,
+            input_cost_per_million_tokens=self.input_cost_per_million_tokens,
+            output_cost_per_million_tokens=self.output_cost_per_million_tokens,
         )
 
 
@@ -110,6 +123,9 @@ class StageOptions(BaseModel):
     use_full_trace_for_rubric: bool = True
     prompt_config: dict[str, str] | None = None
     template_timeout_s: float = Field(default=10.0, gt=0)
+    response_cache: bool = Field(default=False, description="reuse model replies across runs (veribus run --cache)")
+    response_cache_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0,
+                                        description="a cached reply older than this is asked again")
 
 
 class VerificationConfig(StageOptions):
@@ -230,6 +246,13 @@ class Settings(BaseModel):
     # the operator's allow-list of URL=KEY_VARIABLE pairs (shared.runtime.endpoints parses them)
     endpoints: str | None = None
     endpoints_file: str | None = None
+    model_limits: bool = True  # max_concurrency / rpm / tpm shared by the deployment (shared.runtime.limits)
+    limits_lease_s: float = 10.0  # a dead replica's slots are free again after this long
+    response_cache_max_age_s: float = 30 * 24 * 3600.0  # the cross-run cache bucket's max age
+    lean_events: bool = True  # jobs carry content hashes, not their question/template/rubric (shared.runtime.content)
+    stream_max_age_s: float = 0.0  # the event stream's retention by age (0: keep forever)
+    cost_map: str | None = None  # a price map file instead of the one litellm ships (shared.runtime.llm.pricing)
+    stream_max_bytes: int = -1  # the event stream's retention by size (-1: unlimited; oldest dropped first)
     stream_replicas: int | None = Field(default=None, ge=1, le=5)  # None: min(3, cluster size)
 
     @field_validator("nats_url")

@@ -64,6 +64,11 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     mcp_servers: dict[str, str] = {}
     max_turns: int = 10
     manual_traces: dict[str, Any] = {}
+    requests_per_minute: int | None = None  # deployment-wide limits (shared.runtime.limits)
+    tokens_per_minute: int | None = None
+    limit_scope: str = "model"  # "model" or "endpoint": what max_concurrency/rpm/tpm are shared by
+    input_cost_per_million_tokens: float | None = None  # price overrides (shared.core.usage)
+    output_cost_per_million_tokens: float | None = None
 
     @property
     def tools(self) -> list[str]:
@@ -95,6 +100,7 @@ class Job(msgspec.Struct, omit_defaults=True):
     replicate: int | None = None
     options: dict[str, Any] = {}  # VerificationConfig stage options (shared.config.StageOptions dump)
     few_shot_examples: list[dict[str, str]] = []
+    refs: dict[str, str] = {}  # content keys of fields left out of the wire (shared.runtime.content)
 
 
 class StageError(msgspec.Struct, omit_defaults=True):

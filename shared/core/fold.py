@@ -23,6 +23,7 @@ from shared.core.models import (
     VerificationResultTemplate,
 )
 from shared.core.prompts import answering_system_prompt
+from shared.core.usage import total_extras
 
 TOKEN_KEYS = ("input_tokens", "output_tokens", "total_tokens")
 
@@ -71,10 +72,11 @@ def merge_usage(*states: State | None) -> dict[str, Any] | None:
              for k, e in _stage_usage(*states).items()}
     if not usage:
         return None
-    total = {k: 0 for k in TOKEN_KEYS}
+    total: dict[str, Any] = {k: 0 for k in TOKEN_KEYS}
     for entry in usage.values():
         for k in TOKEN_KEYS:
             total[k] += int(entry.get(k) or 0)
+    total.update(total_extras(usage.values()))  # model calls, cached replies, cost (shared.core.usage)
     usage["total"] = total
     return usage
 

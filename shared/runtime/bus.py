@@ -57,9 +57,21 @@ _patch_pull_fetch_timeout()
 DUPLICATE_WINDOW_S = 600.0
 
 
-def stream_config(replicas: int = 1) -> StreamConfig:
+def retention_limits(settings: Settings | None) -> dict[str, Any]:
+    """The stream's retention from `VERIBUS_STREAM_MAX_AGE_S` / `VERIBUS_STREAM_MAX_BYTES` (oldest
+    events go first); {} when none is configured."""
+    limits: dict[str, Any] = {}
+    if settings is not None:
+        if settings.stream_max_age_s and settings.stream_max_age_s > 0:
+            limits["max_age"] = float(settings.stream_max_age_s)
+        if settings.stream_max_bytes and settings.stream_max_bytes > 0:
+            limits["max_bytes"] = int(settings.stream_max_bytes)
+    return limits
+
+
+def stream_config(replicas: int = 1, limits: dict[str, Any] | None = None) -> StreamConfig:
     """The single source-of-truth stream: every `vb.>` event, on disk, deduplicated by msg id,
-    kept on `replicas` servers of a cluster."""
+    kept on `replicas` servers of a cluster, within the retention `limits`."""
     return StreamConfig(
         name=events.STREAM,
         subjects=events.STREAM_SUBJECTS,
@@ -70,6 +82,7 @@ def stream_config(replicas: int = 1) -> StreamConfig:
         allow_direct=True,
         max_msg_size=8 * 1024 * 1024,
         num_replicas=replicas,
+        **(limits or {}),
     )
 
 
@@ -199,15 +212,22 @@ async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) 
     wanted = desired_replicas(nc, settings)
     explicit = replicas_override(settings) is not None
 
+    limits = retention_limits(settings)
+
     async def op() -> int:
         try:
             info = await js.stream_info(events.STREAM)
         except NotFoundError:
-            return int(await _create_placed(lambda n: js.add_stream(stream_config(n)), wanted,
+            return int(await _create_placed(lambda n: js.add_stream(stream_config(n, limits)), wanted,
                                             "stream " + events.STREAM, result=lambda n, _: n))
         have = info.config
         replicas = wanted if explicit else max(wanted, have.num_replicas or 1)
-        cfg = stream_config(replicas)
+        cfg = stream_config(replicas, limits)
+        # a process without retention settings keeps the stream's (a CLI must not lift them)
+        if not cfg.max_age:
+            cfg.max_age = have.max_age
+        if not cfg.max_bytes or cfg.max_bytes < 0:
+            cfg.max_bytes = have.max_bytes
         if _stream_differs(have, cfg):
             await js.update_stream(cfg)  # only when it differs: service roles may read, not change, the stream
         return replicas
@@ -250,7 +270,8 @@ async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None
 def _stream_differs(have: StreamConfig, want: StreamConfig) -> bool:
     return (sorted(have.subjects or []) != sorted(want.subjects or []) or have.max_msg_size != want.max_msg_size
             or have.duplicate_window != want.duplicate_window or have.allow_direct != want.allow_direct
-            or (have.num_replicas or 1) != (want.num_replicas or 1))
+            or (have.num_replicas or 1) != (want.num_replicas or 1)
+            or (have.max_age or 0) != (want.max_age or 0) or (have.max_bytes or -1) != (want.max_bytes or -1))
 
 
 def ensure_stream_blocking(settings: Settings, timeout: float = 30.0) -> None:

@@ -37,7 +37,9 @@ from pathlib import Path
 from shared.core import events
 
 STREAM = events.STREAM
-KV_BUCKETS = ("vb_llm_cache", "vb_run_usage")
+# every KV bucket a stage service uses: run-scoped and shared response caches, run usage and cost
+# (budgets), the deployment's model limits (watched: ordered consumers), job contents by hash
+KV_BUCKETS = ("vb_llm_cache", "vb_llm_cache_shared", "vb_run_usage", "vb_run_cost", "vb_model_limits", "vb_content")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,10 @@ def _stream_read_api() -> list[str]:
            f"$JS.API.DIRECT.GET.{STREAM}.>", f"$JS.API.STREAM.MSG.GET.{STREAM}"]
     for b in KV_BUCKETS:
         out += [f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.STREAM.CREATE.KV_{b}", f"$KV.{b}.>",
-                f"$JS.API.DIRECT.GET.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}"]
+                f"$JS.API.DIRECT.GET.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}",
+                # a watch is an ordered push consumer on the bucket's stream, with flow control
+                f"$JS.API.CONSUMER.CREATE.KV_{b}", f"$JS.API.CONSUMER.CREATE.KV_{b}.>",
+                f"$JS.API.CONSUMER.DELETE.KV_{b}.>", f"$JS.API.CONSUMER.INFO.KV_{b}.>", f"$JS.FC.KV_{b}.>"]
     return out
 
 

@@ -39,9 +39,13 @@ from shared.core.limits import safe_token
 from shared.core.scrub import scrub_text
 from shared.core.stage import stage_error
 from shared.runtime import bus, bus_auth, observability
-from shared.runtime.llm.cache import CACHE_SCOPE, NatsKVCache
+from shared.runtime.content import ContentStore
+from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
+from shared.runtime.limits import deployment_limiter
+from shared.runtime.llm.cache import CACHE_SCOPE
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.transport import close_transports
+from shared.runtime.response_cache import scope_for, service_cache
 from shared.runtime.runcontrol import RunControl, attempt_key, carry_attempt_key, tokens_before, tokens_spent
 
 log = logging.getLogger("veribus.service")
@@ -118,6 +122,8 @@ class StageService:
         self._stream = JStream(name=events.STREAM, declare=False)
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
         self.control = RunControl(lambda: self.js)
+        self.cost_control = CostControl(lambda: self.js)
+        self.content = ContentStore(lambda: self.js)  # job contents by hash (lean events)
         # events whose handling is dispatch of new model work: skipped for a stopped run
         self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
         self.durables: list[str] = []
@@ -129,8 +135,12 @@ class StageService:
         client = LLMClient()
 
         async def attach_cache() -> None:
-            if self.settings.llm_cache:
-                client.cache = NatsKVCache(self.js)
+            client.cache = service_cache(self.js, run_scoped=self.settings.llm_cache,
+                                         max_age_s=self.settings.response_cache_max_age_s)
+            if self.settings.model_limits:
+                client.limiter = deployment_limiter(self.broker.connection, self.producer,
+                                                    self.settings.limits_lease_s)
+                self.app.on_shutdown(client.limiter.close)
 
         self.startup_hooks.append(attach_cache)
         return client
@@ -146,6 +156,7 @@ class StageService:
 
     async def _close_control(self) -> None:
         await self.control.close()
+        await self.cost_control.close()
 
     def bind(self, js: JetStreamContext) -> None:
         """Publish and read through `js`: the broker's JetStream context at start-up (or an
@@ -173,6 +184,7 @@ class StageService:
         return env
 
     def emit(self, event_type: str, job: events.Job, payload: Any, attempt: int = 1) -> events.Envelope:
+        payload = self.content.lean_payload(payload)  # the job's contents travel as hashes
         return events.make_envelope(event_type, job.run_id, job.result_id, payload, self.producer, attempt)
 
     def fail_forward(self, out_type: str, stage: str) -> GiveUp:
@@ -272,7 +284,8 @@ class StageService:
         ATTEMPT_KEY.set(key)
         if give_up is not None and env.event_type in self.gated_event_types:
             try:
-                stop = await self.control.stop_reason(env.run_id, env.occurred_at)
+                stop = (await self.control.stop_reason(env.run_id, env.occurred_at)
+                        or await self.cost_control.stop_reason(env.run_id, env.occurred_at))
             except Exception as exc:  # noqa: BLE001 - the gate fails open
                 log.warning("%s: run control check failed: %r", self.name, exc)
                 stop = None
@@ -282,7 +295,10 @@ class StageService:
                 OUTCOME.set("stopped")
                 return
         before = await self._tokens_before(env, payload)
+        cost_before_ = await self._cost_before(env, payload)
         try:
+            payload = await self.content.hydrate_payload(payload)
+            CACHE_SCOPE.set(scope_for(env.run_id, payload))  # the run's options are in the content
             outs = await fn(env, payload)
             await self.publish(carry_attempt_key(key, outs))
             await msg.ack()
@@ -308,6 +324,21 @@ class StageService:
                 self.control.record_usage(env.run_id, tokens_spent(before, outs))
             except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
                 log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
+        if cost_before_ is not None and outs:
+            try:
+                self.cost_control.record_usage(env.run_id, cost_spent(cost_before_, outs))
+            except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+                log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
+
+    async def _cost_before(self, env: events.Envelope, payload: Any) -> int | None:
+        """For a run with a money budget: micro-dollars already on the incoming event (else None)."""
+        try:
+            if await self.cost_control.budget(env.run_id) is None:
+                return None
+            return cost_before(payload)
+        except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
+            log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
+            return None
 
     async def _tokens_before(self, env: events.Envelope, payload: Any) -> int | None:
         """For a run with a token budget: the tokens already on the incoming event (None: no budget)."""

@@ -309,10 +309,10 @@ class RunControl:
         raise RuntimeError(f"usage counter of run {run_id}: too much contention")
 
 
-async def usage_bucket(js: JetStreamContext) -> Any:
-    """The run-usage KV bucket (created on first use)."""
+async def usage_bucket(js: JetStreamContext, bucket: str = USAGE_BUCKET) -> Any:
+    """A run-usage KV bucket (created on first use): tokens, or micro-dollars (runtime.costcontrol)."""
     return await bus.ensure_kv(js, KeyValueConfig(
-        bucket=USAGE_BUCKET, history=1, ttl=30 * 24 * 3600, description="veribus tokens spent per run"))
+        bucket=bucket, history=1, ttl=30 * 24 * 3600, description="veribus spending per run"))
 
 
 async def run_usage(settings: Settings, run_id: str) -> int:

@@ -49,7 +49,7 @@ EVENT_COLUMNS = [
     "event_id", "event_type", "run_id", "result_id", "subject", "occurred_at", "producer", "attempt",
     "schema_version", "stage", "status", "reason", "error_type", "error_message", "duration_ms",
     "input_tokens", "output_tokens", "stage_names", "stage_statuses", "stage_started", "stage_ended",
-    "payload",
+    "payload", "cost_usd",
 ]
 
 RESULT_COLUMNS = [
@@ -69,6 +69,7 @@ RESULT_COLUMNS = [
     "llm_trait_labels", "regex_trait_scores", "callable_trait_scores", "metric_trait_scores",
     "deep_judgment_performed", "deep_judgment_rubric_performed", "template_json", "rubric_json",
     "deep_judgment_json", "deep_judgment_rubric_json", "usage_json", "result_json",
+    "cost_usd", "model_calls", "cached_replies", "usage_cost_usd",
 ]
 
 RUN_COLUMNS = [
@@ -119,13 +120,14 @@ def _base_event_row(env: Envelope) -> list[Any]:
         env.event_id, env.event_type, env.run_id, env.result_id, env.subject, _us(env.occurred_at),
         env.producer, min(max(env.attempt, 0), 65535), min(max(env.schema_version, 0), 65535),
         "", "", "", "", "", None, None, None, [], [], [], [],
-        bytes(env.payload),
+        bytes(env.payload), None,
     ]
 
 
 # indexes into an event row, for the fields filled per event type
 _STAGE, _STATUS, _REASON, _ETYPE, _EMSG, _DUR, _IN, _OUT = 9, 10, 11, 12, 13, 14, 15, 16
 _SNAMES, _SSTATUS, _SSTART, _SEND = 17, 18, 19, 20
+_COST = 22
 
 
 # the service stage behind each stage event, and the usage_metadata keys (spec/001) it fills
@@ -169,6 +171,8 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     if entries:
         row[_IN] = sum(_tokens(e, "input_tokens") for e in entries)
         row[_OUT] = sum(_tokens(e, "output_tokens") for e in entries)
+        if all("cost_usd" in e for e in entries):
+            row[_COST] = sum(float(e["cost_usd"] or 0.0) for e in entries)
     if state.error is not None:
         row[_ETYPE] = state.error.type
         row[_EMSG] = state.error.message
@@ -238,7 +242,7 @@ def undecodable_row(
     return [
         f"{kind}:{digest}", kind, run_id, result_id, subject, _us(time.time()), "", 0, 0,
         claimed_type, kind, "", err_type, scrub_text(str(error))[:4000], None, None, None, [], [], [], [],
-        scrub_bytes(data[:max_bytes]),  # whatever was on the bus, stored without this process's secrets
+        scrub_bytes(data[:max_bytes]), None,  # whatever was on the bus, stored without this process's secrets
     ]
 
 
@@ -332,6 +336,7 @@ def result_to_row(
     u_model: list[str] = []
     u_in: list[int] = []
     u_out: list[int] = []
+    u_cost: list[float | None] = []
     for stage, entry in usage.items():
         if stage == "total" or not isinstance(entry, dict):
             continue
@@ -340,6 +345,8 @@ def result_to_row(
         u_model.append(str(entry.get("model") or entry.get("model_name") or fallback))
         u_in.append(_tokens(entry, "input_tokens"))
         u_out.append(_tokens(entry, "output_tokens"))
+        c = entry.get("cost_usd")
+        u_cost.append(float(c) if isinstance(c, int | float) else None)
     total = usage.get("total")
     if isinstance(total, dict):
         t_in, t_out = _tokens(total, "input_tokens"), _tokens(total, "output_tokens")
@@ -417,7 +424,21 @@ def result_to_row(
         "deep_judgment_rubric_json": _json_or_empty(djr),
         "usage_json": _json_or_empty(usage or None),
         "result_json": _json.encode(data),
+        **_cost_columns(usage, u_cost),
     }
+
+
+def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> dict[str, Any]:
+    """cost_usd (None when any stage that made calls has no price), model calls, cached replies."""
+    total = usage.get("total") if isinstance(usage.get("total"), Mapping) else {}
+    entries = [e for k, e in usage.items() if k != "total" and isinstance(e, Mapping)]
+    calls = int(total.get("model_calls") or sum(int(e.get("model_calls") or 0) for e in entries))
+    cached = int(total.get("cached_replies") or sum(int(e.get("cached_replies") or 0) for e in entries))
+    c = total.get("cost_usd")
+    if not isinstance(c, int | float):
+        c = sum(x for x in u_cost if x is not None) if u_cost and all(x is not None for x in u_cost) else None
+    return {"cost_usd": float(c) if c is not None else None, "model_calls": calls, "cached_replies": cached,
+            "usage_cost_usd": u_cost}
 
 
 def row_to_result(result_json: str | bytes | Mapping[str, Any]) -> VerificationResult:

@@ -89,7 +89,7 @@ async def test_tool_call_then_answer(pool: MCPPool) -> None:
     }
     # usage summed over both turns (10+5, 11+5 tokens)
     assert st.usage["answer_generation"] == {"input_tokens": 21, "output_tokens": 10, "total_tokens": 31,
-                                             "model": "openai/agent"}
+                                             "model": "openai/agent", "model_calls": 2, "cached_replies": 0}
     # the raw response is the whole trace in the reference's layout, ending with the answer
     raw = t["raw_llm_response"]
     assert raw.startswith("--- AI Message ---\nthinking 0\nTool Calls:\n  mcp__calc__add (call_0_0)")

@@ -237,11 +237,12 @@ async def test_memory_cache_lru() -> None:
 
 def test_usage_helpers() -> None:
     r = LLMReply(text="x", usage={"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": "m"})
-    assert usage_entry(r) == {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": "m"}
+    calls = {"model_calls": 1, "cached_replies": 0}  # unknown model "m": no cost_usd
+    assert usage_entry(r) == {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": "m", **calls}
     s = add_usage(usage_entry(r), {"input_tokens": 1, "output_tokens": 2, "total_tokens": 3, "model": "m"})
-    assert s == {"input_tokens": 11, "output_tokens": 7, "total_tokens": 18, "model": "m"}
+    assert s == {"input_tokens": 11, "output_tokens": 7, "total_tokens": 18, "model": "m", **calls}
     t = add_usage(s, {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2, "model": "other"})
-    assert t == {"input_tokens": 12, "output_tokens": 8, "total_tokens": 20}
+    assert t == {"input_tokens": 12, "output_tokens": 8, "total_tokens": 20, **calls}
     assert add_usage({}, usage_entry(r)) == usage_entry(r)
 
 

@@ -155,8 +155,10 @@ def test_template_parsing_replies(path: Path, fake: FakeLitellm) -> None:
     assert st.error is None and st.signals.parsed == expected  # fenced JSON, extra "id": null kept as sent
     assert st.template["parsed_llm_response"] == {k: v for k, v in expected.items() if k != "id"}
     assert st.template["verify_result"] is True
+    # priced from litellm's map: 100 x $1/M in + 20 x $5/M out
     assert st.usage["parsing"] == {"input_tokens": 100, "output_tokens": 20, "total_tokens": 120,
-                                   "model": "anthropic/claude-haiku-4-5"}
+                                   "model": "anthropic/claude-haiku-4-5", "model_calls": 1, "cached_replies": 0,
+                                   "cost_usd": 0.0002}
     sent = fake.requests[0][0][-1]["content"]
     assert question in sent and response in sent
 

@@ -19,8 +19,10 @@ from typing import Any
 from shared.core.events import ModelSpec
 from shared.runtime.endpoints import EndpointRefused
 from shared.runtime.endpoints import check_model as check_endpoint
+from shared.runtime.limits import LocalLimiter, estimate_tokens
 from shared.runtime.llm import transport
 from shared.runtime.llm.cache import ResponseCache, cache_key
+from shared.runtime.llm.pricing import call_cost
 from shared.runtime.llm.reply import (
     DUMMY_KEY,
     MAX_OUTPUT_RETRIES,
@@ -70,14 +72,8 @@ class LLMClient:
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
         self._rng = rng or random.Random()
-        self._semaphores: dict[tuple[str, str | None], asyncio.Semaphore] = {}
-
-    def semaphore(self, model: ModelSpec) -> asyncio.Semaphore:
-        key = (model.canonical_key, model.api_base)
-        sem = self._semaphores.get(key)
-        if sem is None:
-            sem = self._semaphores[key] = asyncio.Semaphore(max(1, model.max_concurrency))
-        return sem
+        # per-process concurrency by default; services attach the deployment-wide `Limiter`
+        self.limiter: Any = LocalLimiter()
 
     def backoff_delay(self, attempt: int, retry_after: float | None = None) -> float:
         """Full-jitter exponential backoff; a server's Retry-After is a floor (capped)."""
@@ -162,6 +158,7 @@ class LLMClient:
         if tool_calls:
             raw_message["tool_calls"] = tool_calls
         reply = LLMReply(text=text, usage=usage, parsed=parsed, tool_calls=tool_calls, attempts=attempts,
+                         cost_usd=call_cost(model, usage.get("input_tokens", 0), usage.get("output_tokens", 0)),
                          raw_message=raw_message, retries=retries)
         if key is not None and self.cache is not None:
             try:
@@ -240,25 +237,29 @@ class LLMClient:
         counted by its error kind in `retries` (metadata.retry_counts)."""
         direct = transport_for(model) == "direct"
         litellm = None if direct else transport._get_litellm()
-        sem = self.semaphore(model)
+        limiter = self.limiter
+        estimate = estimate_tokens(model, messages) if model.tokens_per_minute else 0
         attempt = 0
         dropped_format = False
         hard_timeout = model.timeout * 1.5 + 5.0
         while True:
             attempt += 1
+            lease = await limiter.acquire(model, estimate)
             try:
-                async with sem:
-                    async with asyncio.timeout(hard_timeout):
-                        if direct:
-                            resp = await transport._direct.complete(model, messages, kwargs, api_key)
-                        else:
-                            resp = await litellm.acompletion(messages=messages, **kwargs)
+                async with asyncio.timeout(hard_timeout):
+                    if direct:
+                        resp = await transport._direct.complete(model, messages, kwargs, api_key)
+                    else:
+                        resp = await litellm.acompletion(messages=messages, **kwargs)
+                limiter.release(lease, tokens=_usage_of(resp, model.model_name)["total_tokens"])
                 METRICS.model_call(model.model_name, "ok")
                 return resp, attempt
             except asyncio.CancelledError:
+                limiter.release(lease)
                 raise
             except Exception as exc:
                 kind, status = _classify(exc)
+                limiter.release(lease, rate_limited=kind == "rate_limit")
                 if (kind == "bad_request" and "response_format" in kwargs and not dropped_format
                         and _mentions_response_format(exc)):
                     log.info("llm %s rejected response_format; retrying without it", model.model_name)

@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from shared.core.usage import add_extras, usage_extras
+
 USAGE_KEYS = ("input_tokens", "output_tokens", "total_tokens")
 DUMMY_KEY = "sk-none"
 MAX_OUTPUT_RETRIES = 2  # extra calls after a malformed / invalid structured reply
@@ -25,6 +27,7 @@ class LLMReply:
     cached: bool = False
     attempts: int = 1
     raw_message: dict[str, Any] | None = None
+    cost_usd: float | None = None  # None: the model's price is unknown (shared.runtime.llm.pricing)
     retries: dict[str, int] = field(default_factory=dict)  # transient error kind -> retries it cost
 
 
@@ -59,6 +62,7 @@ def usage_entry(reply: LLMReply) -> dict[str, Any]:
         out["model"] = reply.usage["model"]
     if reply.retries:
         out["retries"] = dict(reply.retries)  # folded into metadata.retry_counts, not usage_metadata
+    out.update(usage_extras(cost_usd=reply.cost_usd, attempts=reply.attempts, cached=reply.cached))
     return out
 
 
@@ -74,7 +78,7 @@ def add_usage(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             retries[kind] = retries.get(kind, 0) + int(n)
     if retries:
         out["retries"] = retries
-    return out
+    return add_extras(out, a, b)  # model calls, cached replies, cost
 
 
 # ---------------------------------------------------------------- JSON extraction

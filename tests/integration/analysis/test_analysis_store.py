@@ -265,8 +265,12 @@ def test_cli_commands(settings: Settings, store: Store, tmp_path: Path, monkeypa
     assert main(["export", "nope", "--output", str(tmp_path / "x.json")]) == 2
 
     out_dir, html, junit = tmp_path / "out", tmp_path / "r.html", tmp_path / "j.xml"
+    # the grid has one job that ended in error: by default no error is tolerated (exit 4) ...
+    assert main(["report", "grid", "--gate", "accuracy>=0.6", "--quiet"]) == 4
+    assert "error" in capsys.readouterr().out.lower()
+    # ... and `--max-errors 1` tolerates exactly that one
     code = main(["report", "grid", "--html", str(html), "--output", str(out_dir), "--gate", "accuracy>=0.6",
-                 "--junit", str(junit)])
+                 "--junit", str(junit), "--max-errors", "1"])
     text = capsys.readouterr().out
     assert code == 0 and "Total samples: 36" in text and "Gate (accuracy >= 0.6): PASSED" in text
     assert html.stat().st_size > 5000 and junit.exists()
@@ -274,11 +278,12 @@ def test_cli_commands(settings: Settings, store: Store, tmp_path: Path, monkeypa
     assert summary["gates_passed"] is True and summary["metrics"]["total"] == 36
     assert summary["suite"] == "grid-bench" and len((out_dir / "results.jsonl").read_text().splitlines()) == 36
 
-    assert main(["report", "grid", "--gate", "accuracy>=0.9", "--quiet"]) == 1
-    assert capsys.readouterr().out.strip() == "✗ FAILED"
+    assert main(["report", "grid", "--gate", "accuracy>=0.9", "--quiet", "--max-errors", "1"]) == 1
+    assert capsys.readouterr().out.strip().startswith("✗ FAILED")
     assert main(["report", "grid", "--gate", "accuracy is great"]) == 2
     # a results file works wherever a run does
-    assert main(["report", str(tmp_path / "g.json"), "--gate", "pass_rate:model-b>=0.7", "--quiet"]) == 0
+    assert main(["report", str(tmp_path / "g.json"), "--gate", "pass_rate:model-b>=0.7", "--quiet",
+                 "--max-errors", "1"]) == 0
     assert capsys.readouterr().out.strip() == "✓ PASSED"
 
     assert main(["results", "grid", "--format", "json"]) == 0

@@ -1,0 +1,189 @@
+"""A lean log: a job's question, template, rubric and run options are stored once, by content
+hash, in a JetStream KV bucket (`vb_content`); events carry the hashes (`Job.refs`) instead of
+repeating them on every stage event, and services keep what they read in an in-process cache.
+
+- `runner.submit` writes the contents, then publishes lean jobs (`lean_jobs`);
+- the service harness fills a job back in when it takes an event (`ContentStore.hydrate`), and
+  strips it again in the events it publishes (`lean`), so a stage sees the same full `Job` as
+  before and only the wire is smaller;
+- a field is stripped only when it equals the stored content: a job whose template was changed
+  on the way (`regrade`) keeps the new one inline.
+
+The bucket has no age limit by default: the stream's retention (`VERIBUS_STREAM_MAX_AGE_S`) may
+drop old events, and what is kept must still hydrate. `VERIBUS_LEAN_EVENTS=false` publishes fat
+jobs as before (both kinds are read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+from nats.js.api import KeyValueConfig
+
+from shared.core import events
+from shared.runtime.bus import ensure_kv
+
+log = logging.getLogger("veribus.content")
+
+BUCKET = "vb_content"
+QUESTION = "q"  # question text, template, rubric, keywords, expected answer, few-shot examples
+OPTIONS = "o"  # the run's stage options
+MODELS = "m"  # the answering and parsing model specs
+_FIELDS: dict[str, tuple[str, ...]] = {
+    QUESTION: ("question_text", "template_code", "rubric", "keywords", "raw_answer", "few_shot_examples"),
+    OPTIONS: ("options",),
+    MODELS: ("answering", "parsing"),
+}
+_NO_MODEL = events.ModelSpec(model_name="")
+_EMPTY: dict[str, Any] = {"question_text": "", "template_code": None, "rubric": None, "keywords": None,
+                          "raw_answer": None, "few_shot_examples": [], "options": {},
+                          "answering": _NO_MODEL, "parsing": _NO_MODEL}
+_TYPES: dict[str, Any] = {"answering": events.ModelSpec, "parsing": events.ModelSpec}
+_enc = msgspec.json.Encoder(order="sorted")
+
+
+class ContentMissing(LookupError):
+    """A job refers to content the store does not have (deleted, or never written)."""
+
+
+def _blob(job: events.Job, kind: str) -> dict[str, Any]:
+    """One kind of a job's contents, as plain data."""
+    return {f: msgspec.to_builtins(getattr(job, f)) for f in _FIELDS[kind]}
+
+
+def content_key(data: bytes) -> str:
+    return "c_" + hashlib.sha256(data).hexdigest()[:40]
+
+
+def blobs_of(job: events.Job) -> dict[str, tuple[str, bytes]]:
+    """kind -> (key, encoded content) of one (full) job."""
+    out = {}
+    for kind in _FIELDS:
+        data = _enc.encode(_blob(job, kind))
+        out[kind] = (content_key(data), data)
+    return out
+
+
+def lean(job: events.Job, known: dict[str, dict[str, Any]]) -> events.Job:
+    """The job without the fields that equal its referenced content (`known`: key -> content)."""
+    if not job.refs:
+        return job
+    changes: dict[str, Any] = {}
+    for kind, key in job.refs.items():
+        content = known.get(key)
+        if content is None:
+            continue
+        for f in _FIELDS.get(kind, ()):
+            value = getattr(job, f)
+            if value != _EMPTY[f] and msgspec.to_builtins(value) == content.get(f):
+                changes[f] = _EMPTY[f]
+    return msgspec.structs.replace(job, **changes) if changes else job
+
+
+def fill(job: events.Job, contents: dict[str, dict[str, Any]]) -> events.Job:
+    """The job with its empty fields taken from its referenced content."""
+    changes: dict[str, Any] = {}
+    for kind, key in job.refs.items():
+        content = contents[key]
+        for f in _FIELDS.get(kind, ()):
+            if getattr(job, f) == _EMPTY[f] and content.get(f) not in (None, _EMPTY[f]):
+                t = _TYPES.get(f)
+                changes[f] = msgspec.convert(content[f], t) if t is not None else content[f]
+    return msgspec.structs.replace(job, **changes) if changes else job
+
+
+class ContentStore:
+    """Contents by key on JetStream KV, with an in-process LRU cache (contents never change)."""
+
+    def __init__(self, js: Callable[[], Any], *, max_cached: int = 20_000) -> None:
+        self._js = js
+        self._kv: Any = None
+        self._lock = asyncio.Lock()
+        self.cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.max_cached = max_cached
+        self.reads = 0
+
+    async def _bucket(self) -> Any:
+        if self._kv is None:
+            async with self._lock:
+                if self._kv is None:
+                    cfg = KeyValueConfig(bucket=BUCKET, history=1, description="veribus job contents by hash")
+                    self._kv = await ensure_kv(self._js(), cfg)  # replicated like the stream
+        return self._kv
+
+    def _remember(self, key: str, content: dict[str, Any]) -> None:
+        self.cache[key] = content
+        self.cache.move_to_end(key)
+        while len(self.cache) > self.max_cached:
+            self.cache.popitem(last=False)
+
+    async def put_many(self, items: Iterable[tuple[str, bytes]], window: int = 256) -> int:
+        """Write contents (idempotent: same key, same bytes); returns how many were written."""
+        kv = await self._bucket()
+        todo = list({k: d for k, d in items if k not in self.cache}.items())
+        for i in range(0, len(todo), window):  # pipelined: a run of 10,000 questions is one burst
+            chunk = todo[i:i + window]
+            await asyncio.gather(*(kv.put(k, d) for k, d in chunk))
+            for k, d in chunk:
+                self._remember(k, msgspec.json.decode(d))
+        return len(todo)
+
+    async def get(self, key: str) -> dict[str, Any]:
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.cache.move_to_end(key)
+            return hit
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self._bucket()
+        self.reads += 1
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            raise ContentMissing(f"job content {key} is not in the content store (bucket {BUCKET}): it was "
+                                 "deleted, or the run was published without it") from None
+        content = msgspec.json.decode(entry.value)
+        self._remember(key, content)
+        return content
+
+    async def hydrate(self, job: events.Job) -> events.Job:
+        if not job.refs:
+            return job
+        return fill(job, {key: await self.get(key) for key in job.refs.values()})
+
+    async def hydrate_payload(self, payload: Any) -> Any:
+        """Fill in the job(s) of a StageEvent or AnswerRequested (in place); other payloads pass."""
+        if isinstance(payload, events.StageEvent):
+            payload.job = await self.hydrate(payload.job)
+        elif isinstance(payload, events.AnswerRequested):
+            payload.jobs = [await self.hydrate(j) for j in payload.jobs]
+        return payload
+
+    def lean_payload(self, payload: Any) -> Any:
+        """A copy of a StageEvent whose job is lean (for publishing); other payloads pass."""
+        if isinstance(payload, events.StageEvent) and payload.job.refs:
+            return msgspec.structs.replace(payload, job=lean(payload.job, self.cache))
+        return payload
+
+
+async def lean_requests(store: ContentStore, requests: list[events.AnswerRequested]) -> list[events.AnswerRequested]:
+    """Store every job's contents once and return the requests with lean jobs (what `submit` sends)."""
+    items: dict[str, bytes] = {}
+    out = []
+    for req in requests:
+        jobs = []
+        for job in req.jobs:
+            refs = {}
+            for kind, (key, data) in blobs_of(job).items():
+                items[key] = data
+                refs[kind] = key
+            jobs.append(msgspec.structs.replace(job, refs=refs))
+        out.append(events.AnswerRequested(jobs=jobs))
+    await store.put_many(items.items())
+    return [events.AnswerRequested(jobs=[lean(j, store.cache) for j in r.jobs]) for r in out]

@@ -1,0 +1,735 @@
+"""Model limits for the whole deployment: concurrency, requests/minute and tokens/minute per model
+(or per endpoint), shared by every replica of every service, adapting to 429s (AIMD).
+
+Why a ledger and not a semaphore: `max_concurrency` used to be per process, so three replicas of
+generation and three of parsing put six times the cap on a provider. Here every process that
+calls a model shares one *ledger* per limit key (a JetStream KV entry, updated by compare-and-set):
+
+- **Slots.** The ledger records, per process ("holder"), how many slots it holds and until when
+  (`exp`, a lease). A process takes a small batch of slots in one CAS and reuses them for call
+  after call without touching the bus; it gives surplus back when it idles, when others wait
+  (fair share) or when the window shrinks. A holder that dies stops renewing; once its lease has
+  expired any other process drops it from the ledger and its slots are free again.
+- **Rates.** Requests and tokens per minute are token buckets in the same ledger; a process
+  takes a batch of permits at a time (lost if it dies: conservative, never an overshoot).
+- **AIMD.** A 429 halves the shared window (at most once per `decrease_interval_s`, so one burst
+  of 429s is one congestion event); successes grow it back by one slot per window's worth of
+  successes, up to the configured cap.
+
+The ledger arithmetic is pure (`grant`, `give_back`, `decrease`, ... on a `Ledger`) and unit
+tested; `Limiter` runs one small task per limit key per process that does all ledger writes,
+while `acquire`/`release` touch only local state. `LedgerStore` is where ledgers live:
+`KVLedgerStore` (JetStream KV, the deployment) or `MemoryLedgerStore` (one process, tests).
+
+Clocks: lease expiry compares wall clocks of different hosts; keep them NTP-synchronised (skew
+well under `lease_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+from nats.js.api import KeyValueConfig
+
+from shared.core.events import ModelSpec
+from shared.runtime.bus import ensure_kv
+
+log = logging.getLogger("veribus.limits")
+
+BUCKET = "vb_model_limits"
+DEFAULT_ANSWER_TOKENS = 512  # a call's output estimate for tokens/minute when max_tokens is unset
+
+
+# ---------------------------------------------------------------- the ledger (pure)
+
+
+class Holder(msgspec.Struct, omit_defaults=True):
+    n: int = 0  # slots held
+    want: int = 0  # slots it waits for (tells others to shed down to their fair share)
+    exp: float = 0.0  # lease end (wall clock)
+
+
+class Bucket(msgspec.Struct, omit_defaults=True):
+    level: float
+    ts: float
+
+
+class Ledger(msgspec.Struct, omit_defaults=True):
+    cap: int
+    window: float
+    holders: dict[str, Holder] = {}
+    last_decrease: float = 0.0
+    decreases: int = 0
+    rpm: Bucket | None = None
+    tpm: Bucket | None = None
+
+
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder(Ledger)
+
+
+def encode_ledger(ledger: Ledger) -> bytes:
+    return _enc.encode(ledger)
+
+
+def decode_ledger(data: bytes) -> Ledger:
+    return _dec.decode(data)
+
+
+def new_ledger(cap: int) -> Ledger:
+    return Ledger(cap=cap, window=float(cap), holders={})
+
+
+def prune(ledger: Ledger, now: float) -> list[str]:
+    """Drop holders whose lease has expired (dead or stalled processes); returns who was dropped."""
+    dead = [k for k, h in ledger.holders.items() if h.exp < now]
+    for k in dead:
+        del ledger.holders[k]
+    return dead
+
+
+def set_cap(ledger: Ledger, cap: int) -> None:
+    """The configured cap of the newest caller wins; the window never exceeds it."""
+    cap = max(1, int(cap))
+    if cap != ledger.cap:
+        ledger.cap = cap
+    ledger.window = min(max(1.0, ledger.window), float(cap))
+
+
+def slots(ledger: Ledger) -> int:
+    """Whole slots the window allows (at least one, so a model is never starved to zero)."""
+    return max(1, math.floor(ledger.window))
+
+
+def held_total(ledger: Ledger) -> int:
+    return sum(h.n for h in ledger.holders.values())
+
+
+def shares(ledger: Ledger) -> tuple[int, int]:
+    """(floor, ceil) of the window split over the holders that hold or want slots."""
+    active = max(1, sum(1 for h in ledger.holders.values() if h.n > 0 or h.want > 0))
+    return slots(ledger) // active, math.ceil(slots(ledger) / active)
+
+
+def _starving(ledger: Ledger, me: str, floor: int) -> bool:
+    """Another holder waits while holding less than its floor share (at least one slot)."""
+    least = max(1, floor)
+    return any(h.want > 0 and h.n < least for k, h in ledger.holders.items() if k != me)
+
+
+def grant(ledger: Ledger, me: str, want: int, batch: int, now: float, lease_s: float) -> int:
+    """Give `me` up to min(want, batch) free slots, no more than its share while others wait;
+    record what it still wants; renew its lease."""
+    h = ledger.holders.setdefault(me, Holder())
+    h.want = want
+    free = slots(ledger) - held_total(ledger)
+    g = max(0, min(free, want, batch))
+    floor, ceil = shares(ledger)
+    if _starving(ledger, me, floor):
+        g = min(g, max(0, max(1, floor) - h.n))
+    elif any(o.want > 0 for k, o in ledger.holders.items() if k != me):
+        g = min(g, max(0, ceil - h.n))
+    h.n += g
+    h.want = max(0, want - g)
+    h.exp = now + lease_s
+    return g
+
+
+def give_back(ledger: Ledger, me: str, k: int, now: float, lease_s: float) -> int:
+    h = ledger.holders.get(me)
+    if h is None:
+        return 0
+    k = max(0, min(k, h.n))
+    h.n -= k
+    h.exp = now + lease_s
+    if h.n == 0 and h.want == 0:
+        del ledger.holders[me]
+    return k
+
+
+def must_shed(ledger: Ledger, me: str, held: int) -> bool:
+    """True when `me` should give a freed slot back instead of reusing it: the ledger is over the
+    window (it shrank), or another holder waits with less than its share while `me` has more."""
+    if held_total(ledger) > slots(ledger):
+        return True
+    floor, _ = shares(ledger)
+    return held > floor and _starving(ledger, me, floor)
+
+
+def shed_amount(ledger: Ledger, me: str, held: int) -> int:
+    """How many slots `me` should give back now (see `must_shed`)."""
+    total, allowed = held_total(ledger), slots(ledger)
+    floor, _ = shares(ledger)
+    over = held - floor if _starving(ledger, me, floor) else 0
+    if total > allowed:
+        over = max(over, min(total - allowed, max(1, held - floor)))
+    return max(0, over)
+
+
+def decrease(ledger: Ledger, now: float, min_interval_s: float) -> bool:
+    """Multiplicative decrease after a 429 (once per congestion event)."""
+    if now - ledger.last_decrease < min_interval_s:
+        return False
+    ledger.window = max(1.0, ledger.window / 2.0)
+    ledger.last_decrease = now
+    ledger.decreases += 1
+    return True
+
+
+def increase(ledger: Ledger, successes: int) -> None:
+    """Additive increase: one slot per window's worth of successful calls, up to the cap."""
+    if successes > 0:
+        ledger.window = min(float(ledger.cap), ledger.window + successes / max(1.0, ledger.window))
+
+
+def take(bucket: Bucket, per_minute: float, k: float, now: float, *, whole: bool) -> float:
+    """Refill a token bucket (capacity one minute's worth) and take up to `k` from it."""
+    rate = per_minute / 60.0
+    bucket.level = min(per_minute, bucket.level + max(0.0, now - bucket.ts) * rate)
+    bucket.ts = now
+    avail = math.floor(bucket.level) if whole else bucket.level
+    g = max(0.0, min(k, avail))
+    bucket.level -= g
+    return g
+
+
+def refund(bucket: Bucket, per_minute: float, k: float) -> None:
+    bucket.level = min(per_minute, bucket.level + max(0.0, k))
+
+
+def wait_for(bucket: Bucket, per_minute: float, need: float) -> float:
+    """Seconds until the bucket holds `need`."""
+    missing = need - bucket.level
+    return 0.0 if missing <= 0 else missing / (per_minute / 60.0)
+
+
+# ---------------------------------------------------------------- where ledgers live
+
+
+class Conflict(Exception):
+    """Someone else wrote the ledger since we read it."""
+
+
+class LedgerStore(Protocol):
+    async def get(self, key: str) -> tuple[Ledger | None, int]: ...
+
+    async def cas(self, key: str, ledger: Ledger, revision: int) -> int: ...
+
+    async def watch(self, key: str, on_change: Any) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryLedgerStore:
+    """Ledgers in this process (tests, single-process use)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, tuple[bytes, int]] = {}
+        self.ops = 0
+        self._watchers: dict[str, list[Any]] = {}
+
+    async def get(self, key: str) -> tuple[Ledger | None, int]:
+        self.ops += 1
+        raw = self.data.get(key)
+        return (decode_ledger(raw[0]), raw[1]) if raw else (None, 0)
+
+    async def cas(self, key: str, ledger: Ledger, revision: int) -> int:
+        self.ops += 1
+        current = self.data.get(key, (b"", 0))[1]
+        if current != revision:
+            raise Conflict(key)
+        data = encode_ledger(ledger)
+        self.data[key] = (data, current + 1)
+        for cb in self._watchers.get(key, []):
+            cb(data)
+        return current + 1
+
+    async def watch(self, key: str, on_change: Any) -> None:
+        self._watchers.setdefault(key, []).append(on_change)
+
+    async def close(self) -> None:
+        self._watchers.clear()
+
+
+class KVLedgerStore:
+    """Ledgers in a JetStream KV bucket; a core subscription on the key's subject wakes waiters."""
+
+    def __init__(self, nc: Any, bucket: str = BUCKET) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.bucket = bucket
+        self.ops = 0
+        self._kv: Any = None
+        self._lock = asyncio.Lock()
+        self._subs: list[Any] = []
+
+    async def _bucket(self) -> Any:
+        if self._kv is None:
+            async with self._lock:
+                if self._kv is None:
+                    cfg = KeyValueConfig(bucket=self.bucket, history=1, ttl=24 * 3600,
+                                         description="veribus model limits (leases, rate buckets)")
+                    self._kv = await ensure_kv(self.js, cfg)  # replicated like the stream
+        return self._kv
+
+    async def get(self, key: str) -> tuple[Ledger | None, int]:
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self._bucket()
+        self.ops += 1
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None, 0
+        if not entry.value:
+            return None, entry.revision or 0
+        return decode_ledger(entry.value), entry.revision or 0
+
+    async def cas(self, key: str, ledger: Ledger, revision: int) -> int:
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        kv = await self._bucket()
+        self.ops += 1
+        try:
+            if revision == 0:
+                return int(await kv.create(key, encode_ledger(ledger)))
+            return int(await kv.update(key, encode_ledger(ledger), last=revision))
+        except KeyWrongLastSequenceError as exc:
+            raise Conflict(key) from exc
+
+    async def watch(self, key: str, on_change: Any) -> None:
+        async def cb(msg: Any) -> None:
+            on_change(msg.data)
+
+        await self._bucket()
+        self._subs.append(await self.nc.subscribe(f"$KV.{self.bucket}.{key}", cb=cb))
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection already gone
+                pass
+        self._subs.clear()
+
+
+# ---------------------------------------------------------------- identity and estimates
+
+
+def limit_identity(model: ModelSpec) -> str:
+    """What a limit is shared by: the model (+ endpoint) or, for scope 'endpoint', the endpoint."""
+    if getattr(model, "limit_scope", "model") == "endpoint":
+        return f"endpoint|{model.api_base or model.model_name.split('/', 1)[0]}"
+    return f"model|{model.canonical_key}|{model.api_base or ''}"
+
+
+def limit_key(model: ModelSpec) -> str:
+    return "m_" + hashlib.sha256(limit_identity(model).encode()).hexdigest()[:32]
+
+
+def estimate_tokens(model: ModelSpec, messages: list[dict[str, Any]]) -> int:
+    """A call's tokens before it is made (for tokens/minute): ~4 characters a token in, plus
+    `max_tokens` (or a default) out. The difference to the real count is settled afterwards."""
+    chars = 0
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            chars += len(c)
+        elif isinstance(c, list):
+            chars += sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict))
+    return chars // 4 + 1 + (model.max_tokens or DEFAULT_ANSWER_TOKENS)
+
+
+# ---------------------------------------------------------------- the limiter
+
+
+@dataclass
+class Lease:
+    """One admitted call; hand it back to `Limiter.release`."""
+
+    key: str
+    estimate: int = 0
+    released: bool = False
+
+
+@dataclass
+class _Waiter:
+    fut: asyncio.Future[None]
+    estimate: int
+
+
+@dataclass
+class _KeyState:
+    key: str
+    cap: int
+    rpm: int | None
+    tpm: int | None
+    held: int = 0
+    in_use: int = 0
+    rpm_local: int = 0
+    tpm_local: float = 0.0
+    waiters: deque[_Waiter] = field(default_factory=deque)
+    view: Ledger | None = None  # the newest ledger seen (watch or own write): for shedding decisions
+    base: Ledger | None = None  # the ledger at `revision` (own read or write): the base of a CAS
+    revision: int = 0
+    valid_until: float = 0.0  # local slots may be used until then (lease renewed before)
+    successes: int = 0
+    rate_limited: bool = False
+    last_busy: float = 0.0
+    next_retry: float = 0.0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    registered: bool = False
+    wanting: bool = False  # our ledger entry says we wait for slots
+    dirty: bool = False  # the ledger changed in a way that may help us
+    last_write: float = 0.0
+    last_written: bytes = b""
+
+
+class Limiter:
+    """Deployment-wide model limits (see module docstring). One per process."""
+
+    def __init__(self, store: LedgerStore, owner: str, *, lease_s: float = 10.0, batch: int = 4,
+                 linger_s: float = 0.5, decrease_interval_s: float = 1.0, poll_s: float = 1.0) -> None:
+        self.store = store
+        self.owner = owner
+        self.lease_s = lease_s
+        self.batch = max(1, batch)
+        self.linger_s = linger_s
+        self.decrease_interval_s = decrease_interval_s
+        self.poll_s = poll_s
+        self._states: dict[str, _KeyState] = {}
+        self._closed = False
+        self.calls = 0  # admitted calls (for the per-call overhead figure: store.ops / calls)
+
+    # -- the two calls on the hot path (local state only)
+
+    async def acquire(self, model: ModelSpec, estimate: int = 0) -> Lease:
+        st = self._state(model)
+        self.calls += 1
+        if st.tpm is None:
+            estimate = 0
+        if not st.waiters and self._can_admit(st, estimate):
+            self._admit(st, estimate)
+            return Lease(st.key, estimate)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), estimate)
+        st.waiters.append(waiter)
+        st.wake.set()
+        try:
+            await waiter.fut
+        except asyncio.CancelledError:
+            if waiter.fut.done() and not waiter.fut.cancelled():
+                self.release(Lease(st.key, estimate))  # admitted just as we were cancelled
+            else:
+                try:
+                    st.waiters.remove(waiter)
+                except ValueError:
+                    pass
+            raise
+        return Lease(st.key, estimate)
+
+    def release(self, lease: Lease, *, tokens: int | None = None, rate_limited: bool = False) -> None:
+        """The call is over: `tokens` it really used (settles the estimate), whether it got a 429."""
+        if lease.released:
+            return
+        lease.released = True
+        st = self._states.get(lease.key)
+        if st is None:
+            return
+        st.in_use -= 1
+        st.last_busy = time.monotonic()
+        if st.tpm is not None and tokens is not None:
+            st.tpm_local -= max(0, tokens) - lease.estimate  # negative: a debt the next take repays
+        if rate_limited:
+            st.rate_limited = True
+        else:
+            st.successes += 1
+        self._serve(st)
+        st.wake.set()
+
+    # -- local admission
+
+    def _can_admit(self, st: _KeyState, estimate: int) -> bool:
+        if st.in_use >= st.held or time.monotonic() >= st.valid_until:
+            return False
+        if st.view is not None and must_shed(st.view, self.owner, st.held):
+            return False
+        if st.rpm is not None and st.rpm_local < 1:
+            return False
+        return not (st.tpm is not None and st.tpm_local < estimate)
+
+    def _admit(self, st: _KeyState, estimate: int) -> None:
+        st.in_use += 1
+        st.last_busy = time.monotonic()
+        if st.rpm is not None:
+            st.rpm_local -= 1
+        if st.tpm is not None:
+            st.tpm_local -= estimate
+
+    def _serve(self, st: _KeyState) -> None:
+        while st.waiters and self._can_admit(st, st.waiters[0].estimate):
+            w = st.waiters.popleft()
+            if w.fut.done():
+                continue
+            self._admit(st, w.estimate)
+            w.fut.set_result(None)
+
+    def _state(self, model: ModelSpec) -> _KeyState:
+        key = limit_key(model)
+        st = self._states.get(key)
+        rpm = getattr(model, "requests_per_minute", None) or None
+        tpm = getattr(model, "tokens_per_minute", None) or None
+        if st is None:
+            st = self._states[key] = _KeyState(key, max(1, model.max_concurrency), rpm, tpm)
+        else:
+            st.cap, st.rpm, st.tpm = max(1, model.max_concurrency), rpm, tpm
+        if st.task is None or st.task.done():
+            st.task = asyncio.get_running_loop().create_task(self._run(st), name=f"veribus-limit-{key}")
+        return st
+
+    # -- the one writer per key
+
+    async def _run(self, st: _KeyState) -> None:
+        if not st.registered:
+            try:
+                await self.store.watch(st.key, lambda data: self._on_change(st, data))
+                st.registered = True
+            except Exception as exc:  # noqa: BLE001 - polling still works
+                log.warning("limits: cannot watch %s: %r", st.key, exc)
+        while not self._closed:
+            timeout = self.poll_s
+            st.wake.clear()
+            try:
+                if self._needs_write(st):
+                    await self._write(st)
+                self._serve(st)
+                if st.waiters:
+                    ahead = st.next_retry - time.time()
+                    timeout = min(self.poll_s, max(0.005, ahead)) if ahead > 0 else self.poll_s
+                else:
+                    timeout = min(self.lease_s / 3, self.linger_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the bus is down: retry, never admit blindly
+                log.warning("limits: ledger %s write failed: %r", st.key, exc)
+                timeout = self.poll_s
+            try:
+                await asyncio.wait_for(st.wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _on_change(self, st: _KeyState, data: bytes) -> None:
+        """Another process wrote the ledger: keep the view, and wake the writer when something
+        became free (slots, or a new window) or others now wait (we may have to shed)."""
+        if not data or data == st.last_written:
+            return
+        try:
+            view = decode_ledger(data)
+        except msgspec.DecodeError:
+            return
+        st.view = view
+        if slots(view) - held_total(view) > 0 or must_shed(view, self.owner, st.held):
+            st.dirty = True
+            st.wake.set()
+
+    def _needs_write(self, st: _KeyState) -> bool:
+        now = time.monotonic()
+        if st.rate_limited:
+            return True
+        if st.waiters and time.time() >= st.next_retry:
+            free_local = st.held - st.in_use
+            blocked = (len(st.waiters) > free_local or now >= st.valid_until
+                       or (st.rpm is not None and st.rpm_local < 1)
+                       or (st.tpm is not None and st.tpm_local < st.waiters[0].estimate))
+            if blocked and (not st.wanting or st.dirty or now - st.last_write >= self.poll_s):
+                return True
+        if st.held > 0 or st.rpm_local > 0 or st.tpm_local > 0:
+            if now >= st.valid_until - self.lease_s * 0.3:  # renew before the lease runs out
+                return True
+            if st.held > st.in_use:
+                if not st.waiters and now - st.last_busy >= self.linger_s:
+                    return True
+                if st.view is not None and must_shed(st.view, self.owner, st.held):
+                    return True
+        v = st.view
+        return bool(st.successes and v is not None and v.window < st.cap and st.successes >= max(1.0, v.window / 2))
+
+    async def _write(self, st: _KeyState) -> None:
+        """One read-modify-CAS of the ledger: take what waiters need, give back surplus, renew,
+        and fold in this process's 429s and successes. Retries on conflict."""
+        for _ in range(50):
+            # the base of a compare-and-set is only ever what this process last read or wrote at
+            # `revision`: the watched view may be older or newer than that revision
+            if st.base is None or st.revision == 0:
+                ledger, rev = await self.store.get(st.key)
+            else:
+                ledger, rev = st.base, st.revision
+            ledger = msgspec.structs.replace(ledger) if ledger is not None else new_ledger(st.cap)
+            ledger.holders = {k: msgspec.structs.replace(h) for k, h in ledger.holders.items()}
+            wall = time.time()
+            prune(ledger, wall)
+            set_cap(ledger, st.cap)
+            mine = ledger.holders.get(self.owner)
+            if mine is None and st.held > 0:  # our lease lapsed (a stall): claim what is in flight
+                st.held = st.in_use
+                if st.held:
+                    ledger.holders[self.owner] = Holder(n=st.held, exp=wall + self.lease_s)
+            elif mine is not None and mine.n != st.held:
+                mine.n = st.held
+            if st.rate_limited:
+                decrease(ledger, wall, self.decrease_interval_s)
+            increase(ledger, st.successes)
+            # give back what is not needed, take what waiters need
+            free_local = st.held - st.in_use
+            give = 0
+            if free_local > 0:
+                if must_shed(ledger, self.owner, st.held):
+                    give = min(free_local, shed_amount(ledger, self.owner, st.held))
+                elif not st.waiters and time.monotonic() - st.last_busy >= self.linger_s:
+                    give = free_local
+            if give:
+                give_back(ledger, self.owner, give, wall, self.lease_s)
+            need = max(0, len(st.waiters) - (free_local - give))
+            got = 0
+            if need or st.held - give > 0:
+                got = grant(ledger, self.owner, need, need, wall, self.lease_s)
+            if st.held - give + got == 0 and not need:
+                ledger.holders.pop(self.owner, None)
+            rpm_got, tpm_got, retry_at = self._rates(st, ledger, wall)
+            try:
+                rev = await self.store.cas(st.key, ledger, rev)
+            except Conflict:
+                st.base, st.revision = None, 0
+                continue
+            st.base, st.view, st.revision = ledger, ledger, rev
+            st.last_written = encode_ledger(ledger)
+            st.last_write = time.monotonic()
+            st.dirty = False
+            st.wanting = need - got > 0
+            st.held = st.held - give + got
+            st.rpm_local += int(rpm_got)
+            st.tpm_local += tpm_got
+            st.rate_limited = False
+            st.successes = 0
+            st.valid_until = time.monotonic() + self.lease_s * 0.8
+            st.next_retry = retry_at if st.waiters else 0.0
+            return
+        raise RuntimeError(f"ledger {st.key}: too many conflicting writers")
+
+    def _rates(self, st: _KeyState, ledger: Ledger, wall: float) -> tuple[float, float, float]:
+        """Take request / token permits for the waiters (a small batch ahead); give back unused
+        ones when idle. Returns (requests taken, tokens taken, wall time worth retrying at)."""
+        retry_at = 0.0
+        idle = not st.waiters and time.monotonic() - st.last_busy >= self.linger_s
+        rpm_got = tpm_got = 0.0
+        if st.rpm is not None:
+            if ledger.rpm is None:
+                ledger.rpm = Bucket(level=float(st.rpm), ts=wall)
+            if idle and st.rpm_local > 0:
+                refund(ledger.rpm, st.rpm, st.rpm_local)
+                rpm_got = -st.rpm_local
+            else:
+                need = max(0, len(st.waiters) - st.rpm_local)
+                if need:
+                    ahead = max(0, min(self.batch, st.rpm // 60) - 1)
+                    rpm_got = take(ledger.rpm, st.rpm, need + ahead, wall, whole=True)
+                    if rpm_got < need:
+                        retry_at = wall + wait_for(ledger.rpm, st.rpm, 1.0)
+        if st.tpm is not None:
+            if ledger.tpm is None:
+                ledger.tpm = Bucket(level=float(st.tpm), ts=wall)
+            if idle and st.tpm_local > 0:
+                refund(ledger.tpm, st.tpm, st.tpm_local)
+                tpm_got = -st.tpm_local
+            else:
+                need_t = sum(w.estimate for w in st.waiters) - st.tpm_local
+                if st.waiters and need_t > 0:
+                    first = max(0.0, st.waiters[0].estimate - st.tpm_local)
+                    if first > st.tpm:  # a call bigger than a whole minute's tokens: let it through alone
+                        need_t = first = float(st.tpm)
+                    tpm_got = take(ledger.tpm, st.tpm, need_t, wall, whole=False)
+                    if tpm_got < first:
+                        retry_at = max(retry_at, wall + wait_for(ledger.tpm, st.tpm, first - tpm_got))
+                elif need_t > 0 and not st.waiters:  # repay a debt from an underestimate
+                    tpm_got = take(ledger.tpm, st.tpm, need_t, wall, whole=False)
+        return rpm_got, tpm_got, retry_at
+
+    async def close(self) -> None:
+        """Give every slot and unused permit back (a clean shutdown frees them at once)."""
+        self._closed = True
+        for st in self._states.values():
+            if st.task is not None:
+                st.task.cancel()
+                try:
+                    await st.task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+            for w in st.waiters:
+                if not w.fut.done():
+                    w.fut.cancel()
+            try:
+                await self._leave(st)
+            except Exception as exc:  # noqa: BLE001 - the lease expires anyway
+                log.debug("limits: leaving %s failed: %r", st.key, exc)
+        await self.store.close()
+
+    async def _leave(self, st: _KeyState) -> None:
+        for _ in range(20):
+            ledger, rev = await self.store.get(st.key)
+            if ledger is None:
+                return
+            wall = time.time()
+            ledger.holders.pop(self.owner, None)
+            if ledger.rpm is not None and st.rpm and st.rpm_local > 0:
+                refund(ledger.rpm, st.rpm, st.rpm_local)
+            if ledger.tpm is not None and st.tpm and st.tpm_local > 0:
+                refund(ledger.tpm, st.tpm, st.tpm_local)
+            prune(ledger, wall)
+            try:
+                await self.store.cas(st.key, ledger, rev)
+                st.held = st.rpm_local = 0
+                st.tpm_local = 0.0
+                return
+            except Conflict:
+                continue
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """This process's view per key: held, in use, waiting, window (for status and tests)."""
+        return {k: {"held": s.held, "in_use": s.in_use, "waiting": len(s.waiters),
+                    "window": s.view.window if s.view else None} for k, s in self._states.items()}
+
+
+class LocalLimiter:
+    """Per-process concurrency only (no bus): what a client without a deployment uses."""
+
+    def __init__(self) -> None:
+        self._sems: dict[str, asyncio.Semaphore] = {}
+
+    async def acquire(self, model: ModelSpec, estimate: int = 0) -> Lease:
+        key = limit_key(model)
+        sem = self._sems.get(key)
+        if sem is None:
+            sem = self._sems[key] = asyncio.Semaphore(max(1, model.max_concurrency))
+        await sem.acquire()
+        return Lease(key, estimate)
+
+    def release(self, lease: Lease, *, tokens: int | None = None, rate_limited: bool = False) -> None:
+        if not lease.released:
+            lease.released = True
+            self._sems[lease.key].release()
+
+    async def close(self) -> None:
+        return None
+
+
+def deployment_limiter(nc: Any, owner: str, lease_s: float = 10.0) -> Limiter:
+    """The limiter a service attaches to its model client: ledgers in JetStream KV."""
+    return Limiter(KVLedgerStore(nc), owner, lease_s=lease_s)

@@ -1,0 +1,42 @@
+"""Job contents on a real nats-server: `lean_requests` stores them once and publishes thin jobs;
+a fresh store (another process) fills them back from the bucket; missing content is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nats
+import pytest
+
+from shared.control import runner
+from shared.core.benchmark.model import Benchmark
+from shared.core.config import ModelConfig, VerificationConfig
+from shared.runtime import content
+from tests.support.stack import generated_benchmark
+
+
+async def test_store_once_fill_elsewhere(nats_server, tmp_path: Path) -> None:  # noqa: ANN001
+    path, _ = generated_benchmark(tmp_path / "b.yaml", 4, prefix="Lean")
+    cfg = VerificationConfig(answering_models=[ModelConfig(model_name="openai/a")],
+                             parsing_models=[ModelConfig(model_name="openai/j")], replicate_count=3)
+    plan = runner.plan_run(Benchmark.load(path), cfg)
+    nc = await nats.connect(nats_server.url)
+    try:
+        writer = content.ContentStore(lambda: nc.jetstream())
+        thin = await content.lean_requests(writer, plan.requests)
+        kv = await nc.jetstream().key_value(content.BUCKET)
+        assert (await kv.status()).values == 4 + 1 + 1  # 4 questions, one options set, one judge
+        reader = content.ContentStore(lambda: nc.jetstream())
+        for fat, lean in zip(plan.requests, thin, strict=True):
+            assert lean.jobs[0].question_text == ""
+            filled = await reader.hydrate(lean.jobs[0])
+            assert filled.question_text == fat.jobs[0].question_text
+            assert filled.template_code == fat.jobs[0].template_code and filled.options == fat.jobs[0].options
+        assert reader.reads == 6  # each content read once, then cached
+        missing = thin[0].jobs[0].__class__(**{**{f: getattr(thin[0].jobs[0], f)
+                                                   for f in thin[0].jobs[0].__struct_fields__},
+                                                "refs": {"q": "c_" + "0" * 40}})
+        with pytest.raises(content.ContentMissing, match="c_0000"):
+            await reader.hydrate(missing)
+    finally:
+        await nc.close()
