@@ -126,7 +126,11 @@ def check_job(job: Any, env: Any | None = None) -> None:
     _need(job.raw_answer is None or len(job.raw_answer) <= MAX_ANSWER_CHARS,
           f"job.raw_answer is over {MAX_ANSWER_CHARS:,} characters")
     _need(len(job.template_id) <= 64, "job.template_id is too long")
-    check_model(job.answering, "job.answering")
-    check_model(job.parsing, "job.parsing")
+    # a lean job (shared.runtime.content) carries its model specs by reference: empty until hydrated
+    by_ref = "m" in job.refs  # shared.runtime.content.MODELS
+    if not (by_ref and job.answering.model_name == ""):
+        check_model(job.answering, "job.answering")
+    if not (by_ref and job.parsing.model_name == ""):
+        check_model(job.parsing, "job.parsing")
     if env is not None:
         _need(job.run_id == env.run_id, f"job.run_id {_short(job.run_id)} is not the event's run {env.run_id!r}")
