@@ -124,7 +124,11 @@ def check_job(job: Any, env: Any | None = None) -> None:
     _need(job.raw_answer is None or len(job.raw_answer) <= MAX_ANSWER_CHARS,
           f"job.raw_answer is over {MAX_ANSWER_CHARS:,} characters")
     _need(len(job.template_id) <= 64, "job.template_id is too long")
-    check_model(job.answering, "job.answering")
-    check_model(job.parsing, "job.parsing")
+    # a lean job carries its model specs by content hash ("m" in refs: shared.runtime.content) and
+    # leaves them empty on the wire; they are checked here again once filled in (content.fill)
+    lean_models = "m" in (getattr(job, "refs", None) or {})
+    for spec, role in ((job.answering, "job.answering"), (job.parsing, "job.parsing")):
+        if not (lean_models and not spec.model_name):
+            check_model(spec, role)
     if env is not None:
         _need(job.run_id == env.run_id, f"job.run_id {_short(job.run_id)} is not the event's run {env.run_id!r}")
