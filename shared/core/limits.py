@@ -98,8 +98,6 @@ def check_envelope(env: Any, subject: str | None = None) -> None:
           f"event_id {_short(env.event_id)} is not 1-512 of [A-Za-z0-9_-:.]")
     _need(len(env.producer) <= MAX_NAME_CHARS, f"producer is {len(env.producer):,} characters")
     _need(0 < env.attempt < 1_000_000, f"attempt {env.attempt} out of range")
-    _need(env.attempt_key == "" or (valid_id(env.attempt_key) and env.event_id.endswith(":" + env.attempt_key)),
-          f"attempt_key {_short(env.attempt_key)} is not 1-64 of [A-Za-z0-9_-] at the end of the event id")
     _need(len(env.payload) <= MAX_EVENT_BYTES, f"payload is {len(env.payload):,} bytes")
     if subject is not None:
         _need(subject == env.subject, f"arrived on {_short(subject)} but names {_short(env.subject)}")
@@ -126,11 +124,11 @@ def check_job(job: Any, env: Any | None = None) -> None:
     _need(job.raw_answer is None or len(job.raw_answer) <= MAX_ANSWER_CHARS,
           f"job.raw_answer is over {MAX_ANSWER_CHARS:,} characters")
     _need(len(job.template_id) <= 64, "job.template_id is too long")
-    # a lean job (shared.runtime.content) carries its model specs by reference: empty until hydrated
-    by_ref = "m" in job.refs  # shared.runtime.content.MODELS
-    if not (by_ref and job.answering.model_name == ""):
-        check_model(job.answering, "job.answering")
-    if not (by_ref and job.parsing.model_name == ""):
-        check_model(job.parsing, "job.parsing")
+    # a lean job carries its model specs by content hash ("m" in refs: shared.runtime.content) and
+    # leaves them empty on the wire; they are checked here again once filled in (content.fill)
+    lean_models = "m" in (getattr(job, "refs", None) or {})
+    for spec, role in ((job.answering, "job.answering"), (job.parsing, "job.parsing")):
+        if not (lean_models and not spec.model_name):
+            check_model(spec, role)
     if env is not None:
         _need(job.run_id == env.run_id, f"job.run_id {_short(job.run_id)} is not the event's run {env.run_id!r}")

@@ -27,6 +27,7 @@ import msgspec
 from nats.js.api import KeyValueConfig
 
 from shared.core import events
+from shared.core.limits import check_job
 from shared.runtime.bus import ensure_kv
 
 log = logging.getLogger("veribus.content")
@@ -95,7 +96,11 @@ def fill(job: events.Job, contents: dict[str, dict[str, Any]]) -> events.Job:
             if getattr(job, f) == _EMPTY[f] and content.get(f) not in (None, _EMPTY[f]):
                 t = _TYPES.get(f)
                 changes[f] = msgspec.convert(content[f], t) if t is not None else content[f]
-    return msgspec.structs.replace(job, **changes) if changes else job
+    if not changes:
+        return job
+    filled = msgspec.structs.replace(job, **changes)
+    check_job(filled)  # content from the store is held to the same limits as a job on the wire
+    return filled
 
 
 class ContentStore:
