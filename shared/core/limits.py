@@ -98,6 +98,8 @@ def check_envelope(env: Any, subject: str | None = None) -> None:
           f"event_id {_short(env.event_id)} is not 1-512 of [A-Za-z0-9_-:.]")
     _need(len(env.producer) <= MAX_NAME_CHARS, f"producer is {len(env.producer):,} characters")
     _need(0 < env.attempt < 1_000_000, f"attempt {env.attempt} out of range")
+    _need(env.attempt_key == "" or (valid_id(env.attempt_key) and env.event_id.endswith(":" + env.attempt_key)),
+          f"attempt_key {_short(env.attempt_key)} is not 1-64 of [A-Za-z0-9_-] at the end of the event id")
     _need(len(env.payload) <= MAX_EVENT_BYTES, f"payload is {len(env.payload):,} bytes")
     if subject is not None:
         _need(subject == env.subject, f"arrived on {_short(subject)} but names {_short(env.subject)}")
