@@ -147,8 +147,10 @@ def bwrap_argv(bwrap: str, tmp_mb: int, tag: str, *, privileged: bool) -> list[s
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         argv += ["--unshare-user", "--disable-userns"]
-    argv += ["--tmpfs", "/"]
-    made: set[str] = set()
+    # the scratch tmpfs /tmp first: the read-only binds below go on top of it, so a repository or
+    # venv that itself lives under /tmp (a CI checkout) stays visible inside the jail
+    argv += ["--tmpfs", "/", "--perms", "1777", "--size", str(int(tmp_mb) * 1024 * 1024), "--tmpfs", "/tmp"]
+    made: set[str] = {"/tmp"}
     binds = [*_ro_paths(), os.path.join(_ROOT, "shared")]
     for p in binds:
         for parent in _parents(p):
@@ -169,7 +171,6 @@ def bwrap_argv(bwrap: str, tmp_mb: int, tag: str, *, privileged: bool) -> list[s
                 made.add("/usr")
             argv += ["--ro-bind", lib, lib]
     argv += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(int(tmp_mb) * 1024 * 1024), "--tmpfs", "/tmp",
              "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp",
              "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",

@@ -195,6 +195,10 @@ def _landlock_confine(scratch: str) -> None:
     read = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
     rules = [("/" + name, read) for name in os.listdir("/") if name not in ("tmp", "dev")]
     rules += [("/dev", read | _LL_WRITE_FILE | (_LL_IOCTL_DEV & handled)), (scratch, handled)]
+    # the read-only Python the jail binds may itself live under /tmp (a CI checkout and its venv)
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shared/
+    rules += [(p, read) for p in sorted({*sys.path, sys.prefix, sys.exec_prefix, pkg})
+              if p.startswith("/tmp/") and os.path.isdir(p)]
     try:
         for path, access in rules:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
