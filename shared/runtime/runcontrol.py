@@ -354,6 +354,8 @@ def attempt_key(env: events.Envelope) -> str:
     (`<id>:<type>:<key>`), which is read instead."""
     if env.attempt_key:
         return env.attempt_key
+    if env.event_type == events.DEAD_LETTER:  # its id's suffix names the service and the bad bytes, not an attempt
+        return ""
     key = env.result_id if env.result_id != events.RUN_KEY else env.run_id
     base = f"{key}:{env.event_type}"
     if env.event_id.startswith(base + ":"):

@@ -25,7 +25,7 @@ def test_replicas_share_the_work(tmp_path: Path) -> None:
                      simulator_args=["--latency-ms", "30"])
     settings.nats_url = state.nats_url
     try:
-        bench_file, script = generated_benchmark(80, tmp_path / "b.yaml")
+        bench_file, script = generated_benchmark(tmp_path / "b.yaml", 80)
         httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
         models = {"api_base": state.simulator_url, "max_concurrency": 8}
         config = VerificationConfig(answering_models=[ModelConfig(model_name="openai/a", **models)],
