@@ -276,10 +276,10 @@ def test_all_jobs_in_error_is_exit_4_with_errors_grouped(live, tmp_path: Path) -
     assert "Errors by stage and type" in html.read_text() and "LLMError(connection)" in html.read_text()
 
     # regrade of a run whose judge cannot be reached is refused before publishing
-    before = run_requested(settings.nats_url)
+    before = run_requested(settings.nats_url, home=str(settings.home))  # the stack's cli role
     regrade = veribus(env, "regrade", "deadbase")
     assert regrade.returncode == 2 and "cannot be reached" in regrade.stderr and "openai/j" in regrade.stderr
-    assert run_requested(settings.nats_url) == before
+    assert run_requested(settings.nats_url, home=str(settings.home)) == before
 
 
 def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
@@ -362,13 +362,15 @@ def test_runs_by_name_list_and_regrade(live, tmp_path: Path) -> None:
 
 def test_simulate_on_a_configured_deployment(live, tmp_path: Path) -> None:
     settings, state = live
-    env = cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url,
+    # another machine's CLI: the deployment's URL and the cli role's credentials file (bus roles)
+    creds = str(settings.home / "auth" / "credentials.json")
+    env = cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url, VERIBUS_NATS_CREDENTIALS=creds,
                   VERIBUS_SIMULATOR_URL=state.simulator_url)
     out = veribus(env, "run", str(write_bench(tmp_path / "b.yaml", 2, prefix="Conf")), "--simulate")
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"deployment: NATS {state.nats_url} (from VERIBUS_NATS_URL)" in out.stderr
     assert "SIMULATED" in out.stdout and "temporary" not in out.stderr
-    refused = veribus(cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url),
+    refused = veribus(cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url, VERIBUS_NATS_CREDENTIALS=creds),
                       "run", str(write_bench(tmp_path / "c.yaml", 1)), "--simulate")
     assert refused.returncode == 2 and "VERIBUS_SIMULATOR_URL" in refused.stderr
 
