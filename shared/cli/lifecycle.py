@@ -23,6 +23,16 @@ def _settings() -> Any:
     return select().settings
 
 
+def _resolve_run_arg(settings: Any, args: argparse.Namespace) -> bool:
+    """Replace `args.run` (an id or a name) by the run id; False (said on stderr) when no run has it."""
+    try:
+        args.run = _run_id(settings, args.run)
+    except LookupError as exc:  # RunNotFound
+        _err(str(exc).strip("'\""))
+        return False
+    return True
+
+
 def _run_id(settings: Any, ref: str) -> str:
     """A run id or name -> the run id, read from the stream (the most recent run of a name; a
     note on stderr when the name is ambiguous). Raises RunNotFound (exit 2)."""
@@ -42,10 +52,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from shared.core.benchmark.question import BenchmarkError
 
     settings = _settings()
-    try:
-        args.run = _run_id(settings, args.run)
-    except LookupError as exc:  # RunNotFound
-        _err(str(exc).strip("'\""))
+    if not _resolve_run_arg(settings, args):
         return EXIT_INPUT
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
@@ -138,10 +145,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     from shared.core.outcome import judge
 
     settings = _settings()
-    try:
-        args.run = _run_id(settings, args.run)
-    except LookupError as exc:  # RunNotFound
-        _err(str(exc).strip("'\""))
+    if not _resolve_run_arg(settings, args):
         return EXIT_INPUT
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
@@ -197,10 +201,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
 
     settings = _settings()
-    try:
-        args.run = _run_id(settings, args.run)
-    except LookupError as exc:  # RunNotFound
-        _err(str(exc).strip("'\""))
+    if not _resolve_run_arg(settings, args):
         return EXIT_INPUT
     try:
         out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
