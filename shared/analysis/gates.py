@@ -28,7 +28,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.analysis.report import ACCURACY, DEFAULT_PASS, OP_SYMBOLS, OPS, PassCriterion, Sample, samples_of
+from shared.analysis.report import (
+    ACCURACY,
+    DEFAULT_PASS,
+    OP_SYMBOLS,
+    OPS,
+    PassCriterion,
+    Sample,
+    metric_scores,
+    score_of,
+)
 from shared.analysis.stats import model_matches
 from shared.core.models import VerificationResult
 
@@ -286,53 +295,93 @@ def _split_model(metric: str, known: set[str]) -> tuple[str, str | None]:
     return base, model
 
 
-def _evaluate(gate: Gate, samples: Sequence[Sample]) -> GateOutcome:
-    known = {n for s in samples for n in s.metrics}
-    base, model = _split_model(gate.metric, known)
-    if model is not None:
-        samples = [s for s in samples if model_matches(s.model, s.result.metadata.answering.model_name, model)]
-        if not samples:
-            return GateOutcome(gate, None, False, 0, f"no results for model {model!r}")
-    attempted = [s for s in samples if s.attempted]
-    crit = gate.criterion
-    actual: float | None
-    n = len(attempted)
-    if base == "avg_score":
-        actual = sum(s.score for s in attempted) / n if n else None
-    elif base == "avg_score_total":
-        n = len(samples)
-        actual = sum(s.score for s in attempted) / n if n else None
-    elif base == "pass_rate":
-        c = crit or DEFAULT_PASS
-        actual = sum(1 for s in attempted if c(s.score)) / n if n else None
-    elif base in ("error_rate", "errors", "total", "total_attempted"):
-        total = len(samples)
-        actual = {"error_rate": (total - n) / total if total else None, "errors": float(total - n),
-                  "total": float(total), "total_attempted": float(n)}[base]
-        n = total
-    else:
-        vals = [s.metrics[base] for s in attempted if base in s.metrics]
-        n = len(vals)
-        if not vals:
-            return GateOutcome(gate, None, False, 0, f"no attempted sample has metric {base!r}")
-        if crit is not None or gate.aggregate == "accuracy" or base == ACCURACY:
-            c = crit or DEFAULT_PASS
-            actual = sum(1 for v in vals if c(v)) / n
+class _GateTally:
+    """One reading of a gate (`base` metric, optional `model` filter) counted sample by sample."""
+
+    def __init__(self, gate: Gate, base: str, model: str | None) -> None:
+        self.gate, self.base, self.model = gate, base, model
+        self.total = self.attempted = self.passed = 0
+        self.score_sum = 0.0
+        self.vals_n = self.vals_passed = 0
+        self.vals_sum = 0.0
+
+    def add(self, model: str, model_name: str, attempted: bool, score: float, metrics: Mapping[str, float]) -> None:
+        if self.model is not None and not model_matches(model, model_name, self.model):
+            return
+        self.total += 1
+        if not attempted:
+            return
+        self.attempted += 1
+        self.score_sum += score
+        c = self.gate.criterion or DEFAULT_PASS
+        self.passed += 1 if c(score) else 0
+        if self.base in metrics:
+            v = metrics[self.base]
+            self.vals_n += 1
+            self.vals_sum += v
+            self.vals_passed += 1 if c(v) else 0
+
+    def outcome(self) -> GateOutcome:
+        gate, base = self.gate, self.base
+        if self.model is not None and not self.total:
+            return GateOutcome(gate, None, False, 0, f"no results for model {self.model!r}")
+        n = self.attempted
+        actual: float | None
+        if base == "avg_score":
+            actual = self.score_sum / n if n else None
+        elif base == "avg_score_total":
+            n = self.total
+            actual = self.score_sum / n if n else None
+        elif base == "pass_rate":
+            actual = self.passed / n if n else None
+        elif base in ("error_rate", "errors", "total", "total_attempted"):
+            total = self.total
+            actual = {"error_rate": (total - n) / total if total else None, "errors": float(total - n),
+                      "total": float(total), "total_attempted": float(n)}[base]
+            n = total
         else:
-            actual = sum(vals) / n
-    if actual is None:
-        return GateOutcome(gate, None, False, n, "no samples")
-    return GateOutcome(gate, actual, OPS[gate.op](actual, gate.value), n)
+            n = self.vals_n
+            if not n:
+                return GateOutcome(gate, None, False, 0, f"no attempted sample has metric {base!r}")
+            if gate.criterion is not None or gate.aggregate == "accuracy" or base == ACCURACY:
+                actual = self.vals_passed / n
+            else:
+                actual = self.vals_sum / n
+        if actual is None:
+            return GateOutcome(gate, None, False, n, "no samples")
+        return GateOutcome(gate, actual, OPS[gate.op](actual, gate.value), n)
 
 
 def evaluate_gates(
     results: Iterable[VerificationResult] | Sequence[Sample], gates: Sequence[Gate],
     trait_ranges: Mapping[str, tuple[float, float]] | None = None,
 ) -> GateReport:
-    """Evaluate every gate; the report passes when all do (and trivially with no gates)."""
-    items = list(results)
-    samples = items if items and isinstance(items[0], Sample) else samples_of(items, trait_ranges)  # type: ignore[arg-type]
-    outcomes = [_evaluate(g, samples) for g in gates]  # type: ignore[arg-type]
+    """Evaluate every gate; the report passes when all do (and trivially with no gates). One pass
+    over `results` (which may be streamed from the store), keeping counts only. A gate named
+    `metric:model` is read whole when some sample has a metric of that name, else split."""
+    tallies: list[tuple[_GateTally, _GateTally | None]] = []
+    for g in gates:
+        split = None
+        if g.metric not in RUN_METRICS and ":" in g.metric:
+            base, model = g.metric.split(":", 1)
+            split = _GateTally(g, base, model)
+        tallies.append((_GateTally(g, g.metric, None), split))
+    known: set[str] = set()
+    for item in results:
+        if isinstance(item, Sample):
+            s = item
+        else:
+            sc = score_of(item, trait_ranges)
+            s = Sample(item, sc is not None, sc if sc is not None else 0.0,
+                       metric_scores(item, trait_ranges) if sc is not None else {})
+        known.update(s.metrics)
+        m = s.result.metadata
+        for whole, split in tallies:
+            for t in (whole, split):
+                if t is not None:
+                    t.add(m.answering_model, m.answering.model_name, s.attempted, s.score, s.metrics)
+    outcomes = [(whole if split is None or whole.gate.metric in known else split).outcome()
+                for whole, split in tallies]
     return GateReport(all(o.passed for o in outcomes), outcomes)
 
 
@@ -367,13 +416,15 @@ def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None =
         tc = ET.SubElement(gs, "testcase", classname=f"{suite}.gates", name=o.gate.label())
         if not o.passed:
             ET.SubElement(tc, "failure", message=o.line, type="GateFailed").text = o.line
-    samples = samples_of(list(results or []), trait_ranges)
-    fails = sum(1 for s in samples if s.attempted and not criterion(s.score))
-    errs = sum(1 for s in samples if not s.attempted)
-    ss = ET.SubElement(root, "testsuite", name=f"{suite}.samples", tests=str(len(samples)),
-                       failures=str(fails), errors=str(errs))
-    for s in samples:
-        m = s.result.metadata
+    ss = ET.SubElement(root, "testsuite", name=f"{suite}.samples")
+    tests = fails = errs = 0
+    for r in results or ():  # one result at a time: a streamed run is never held
+        sc = score_of(r, trait_ranges)
+        s = Sample(r, sc is not None, sc if sc is not None else 0.0)
+        tests += 1
+        fails += 1 if s.attempted and not criterion(s.score) else 0
+        errs += 0 if s.attempted else 1
+        m = r.metadata
         rep = f" r{m.replicate}" if m.replicate is not None else ""
         tc = ET.SubElement(ss, "testcase", classname=f"{suite}.samples.{m.answering_model}",
                            name=f"{m.question_id} [{m.parsing_model}{rep}]", time=f"{m.execution_time or 0.0:.3f}")
@@ -382,6 +433,9 @@ def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None =
         elif not criterion(s.score):
             msg = f"score {s.score:.3g} fails {OP_SYMBOLS[criterion.op]} {criterion.value:g}"
             ET.SubElement(tc, "failure", message=msg, type="SampleFailed").text = msg
+    ss.set("tests", str(tests))
+    ss.set("failures", str(fails))
+    ss.set("errors", str(errs))
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 

@@ -213,18 +213,30 @@ def _job_count(run_id: str) -> int | None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from shared.analysis.html_report import write_html
+
+    data = load_run_arg(args.run)
+    try:
+        return _report(args, data, write_html)
+    finally:
+        data.close()
+
+
+def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
+    """The report of one loaded run. A run from the store is streamed: each step below is one
+    paged pass over its results, keeping counts (summary, gates, verdict) or writing as it goes
+    (results.jsonl, the HTML page, JUnit)."""
     from shared.analysis import report
     from shared.analysis.gates import check_gates, evaluate_gates, parse_gates, summary_criterion, write_junit
-    from shared.analysis.html_report import write_html
     from shared.core.outcome import MaxErrors, judge
 
     gates = parse_gates(args.gate)
     max_errors = MaxErrors.parse(args.max_errors)
-    data = load_run_arg(args.run)
     if not data.results:
         raise ValueError(f"run {args.run!r} has no results")
-    models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
-    check_gates(gates, _metrics_of(data), models)
+    if gates:
+        models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
+        check_gates(gates, _metrics_of(data), models)
     for g in gates:
         if not args.quiet or g.note:
             print(g.understood(), file=sys.stderr)
