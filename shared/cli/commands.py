@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shared.cli import asyncapi as cli_asyncapi
 from shared.cli.common import err, say
 from shared.cli.run import cmd_run
 from shared.cli.stack import cmd_down, cmd_query, cmd_runs, cmd_status, cmd_up, cmd_view
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
     cli_scale.register(sub)  # cache clear / info
+    cli_asyncapi.register(sub)  # docs asyncapi
 
     b = sub.add_parser("bench", add_help=False,
                        help="measure throughput, CPU and memory per service (`python -m bench`; "
