@@ -203,6 +203,8 @@ class Settings(BaseModel):
     litellm_lean: bool = True  # skip litellm's per-call logging hooks (see shared.runtime.llm.transport)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"
+    # OTLP/HTTP collector for OpenTelemetry spans (shared.runtime.tracing); unset: no tracing, nothing imported
+    otel_endpoint: str | None = None
     progress_interval_s: float = Field(default=10.0, ge=0)  # the CLI's progress line while following a run (0: every result)
     debug: bool = False  # the CLI shows the traceback of an unexpected error instead of one line
     # /healthz /readyz /metrics of a service process (VERIBUS_<SERVICE>_METRICS_PORT wins)
