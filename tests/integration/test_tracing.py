@@ -121,3 +121,47 @@ def test_without_an_endpoint_nothing_is_imported_or_sent(tmp_path: Path) -> None
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
                          timeout=120, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_with_an_endpoint_spans_reach_the_collector_over_otlp_http(tmp_path: Path) -> None:
+    """A process configured with VERIBUS_OTEL_ENDPOINT posts its spans to `<endpoint>/v1/traces`
+    (protobuf), with the result id in them."""
+    import http.server
+    import threading
+
+    got: list[tuple[str, bytes]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            got.append((self.path, self.rfile.read(int(self.headers.get("Content-Length") or 0))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    code = (
+        "from types import SimpleNamespace\n"
+        "from shared.core.config import Settings\n"
+        "from shared.runtime import tracing\n"
+        "assert tracing.configure('guards', Settings.from_env())\n"
+        "msg = SimpleNamespace(subject='vb.answer.generated.run-otlp.res-otlp-42', headers=None)\n"
+        "with tracing.handling('guards', 'answer.generated', msg):\n"
+        "    pass\n"
+        "tracing.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(PYTHONPATH=str(REPO), VERIBUS_OTEL_ENDPOINT=f"http://127.0.0.1:{server.server_port}")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                             cwd=REPO)
+    finally:
+        server.shutdown()
+        thread.join(10)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [p for p, _ in got] == ["/v1/traces"]
+    body = got[0][1]
+    assert b"res-otlp-42" in body and b"run-otlp" in body and b"guards answer.generated" in body
