@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from shared.analysis.html_report import PALETTE, _color, svg_grouped_bars, svg_rate_bars
+from shared.analysis.html_svg import PALETTE, _color, svg_grouped_bars, svg_rate_bars
 from shared.analysis.stats import Proportion
 from shared.cli.view.filters import STATUSES, Filters
 from shared.cli.view.queries import fmt_p
