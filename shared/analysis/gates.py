@@ -352,37 +352,56 @@ class _GateTally:
         return GateOutcome(gate, actual, OPS[gate.op](actual, gate.value), n)
 
 
+class GateEvaluator:
+    """`evaluate_gates` one result at a time (`add`), for a caller that makes one pass over a
+    streamed run for several purposes; `report()` gives the GateReport."""
+
+    def __init__(self, gates: Sequence[Gate], trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> None:
+        self.trait_ranges = trait_ranges
+        self.tallies: list[tuple[_GateTally, _GateTally | None]] = []
+        for g in gates:
+            split = None
+            if g.metric not in RUN_METRICS and ":" in g.metric:
+                base, model = g.metric.split(":", 1)
+                split = _GateTally(g, base, model)
+            self.tallies.append((_GateTally(g, g.metric, None), split))
+        self.known: set[str] = set()
+
+    def add(self, item: VerificationResult | Sample) -> None:
+        if not self.tallies:
+            return
+        if isinstance(item, Sample):
+            s = item
+        else:
+            sc = score_of(item, self.trait_ranges)
+            s = Sample(item, sc is not None, sc if sc is not None else 0.0,
+                       metric_scores(item, self.trait_ranges) if sc is not None else {})
+        self.known.update(s.metrics)
+        m = s.result.metadata
+        for whole, split in self.tallies:
+            for t in (whole, split):
+                if t is not None:
+                    t.add(m.answering_model, m.answering.model_name, s.attempted, s.score, s.metrics)
+
+    def report(self) -> GateReport:
+        """A gate named `metric:model` is read whole when some sample has a metric of that
+        name, else split into metric and model."""
+        outcomes = [(whole if split is None or whole.gate.metric in self.known else split).outcome()
+                    for whole, split in self.tallies]
+        return GateReport(all(o.passed for o in outcomes), outcomes)
+
+
 def evaluate_gates(
     results: Iterable[VerificationResult] | Sequence[Sample], gates: Sequence[Gate],
     trait_ranges: Mapping[str, tuple[float, float]] | None = None,
 ) -> GateReport:
     """Evaluate every gate; the report passes when all do (and trivially with no gates). One pass
-    over `results` (which may be streamed from the store), keeping counts only. A gate named
-    `metric:model` is read whole when some sample has a metric of that name, else split."""
-    tallies: list[tuple[_GateTally, _GateTally | None]] = []
-    for g in gates:
-        split = None
-        if g.metric not in RUN_METRICS and ":" in g.metric:
-            base, model = g.metric.split(":", 1)
-            split = _GateTally(g, base, model)
-        tallies.append((_GateTally(g, g.metric, None), split))
-    known: set[str] = set()
-    for item in results:
-        if isinstance(item, Sample):
-            s = item
-        else:
-            sc = score_of(item, trait_ranges)
-            s = Sample(item, sc is not None, sc if sc is not None else 0.0,
-                       metric_scores(item, trait_ranges) if sc is not None else {})
-        known.update(s.metrics)
-        m = s.result.metadata
-        for whole, split in tallies:
-            for t in (whole, split):
-                if t is not None:
-                    t.add(m.answering_model, m.answering.model_name, s.attempted, s.score, s.metrics)
-    outcomes = [(whole if split is None or whole.gate.metric in known else split).outcome()
-                for whole, split in tallies]
-    return GateReport(all(o.passed for o in outcomes), outcomes)
+    over `results` (which may be streamed from the store), keeping counts only."""
+    ev = GateEvaluator(gates, trait_ranges)
+    if gates:
+        for item in results:
+            ev.add(item)
+    return ev.report()
 
 
 def summary_criterion(gates: Sequence[Gate]) -> tuple[PassCriterion, dict[str, PassCriterion]]:

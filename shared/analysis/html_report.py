@@ -131,23 +131,26 @@ details.resp pre{white-space:pre-wrap;background:#f8f8f8;border:1px solid #eee;p
 
 
 
-def _digest_and_summary(results: Iterable[VerificationResult], summary: Mapping[str, Any] | None
-                        ) -> tuple[RunDigest, Mapping[str, Any]]:
-    """The sections' digest and (unless given) the run summary, in one pass over the results."""
+def _digest_and_summary(results: Iterable[VerificationResult], summary: Mapping[str, Any] | None,
+                        digest: RunDigest | None) -> tuple[RunDigest, Mapping[str, Any]]:
+    """The sections' digest and the run summary: as given, else both from one pass."""
+    if digest is not None and summary is not None:
+        return digest, summary
     d = RunDigest()
     tally = SummaryTally() if summary is None else None
     for r in results:
         d.add(r)
         if tally is not None:
             tally.add(r)
-    return d, (tally.summary() if tally is not None else summary)  # type: ignore[return-value]
+    return (digest or d), (tally.summary() if tally is not None else summary)  # type: ignore[return-value]
 
 
 def iter_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping[str, Any] | None = None,
-              appendix_limit: int = MAX_APPENDIX_RESPONSES) -> Iterator[str]:
-    """The page in chunks: everything but the appendix from one pass over the results, then the
-    appendix question by question. `summary` (from `report.summarize`) saves recomputing it."""
-    d, s = _digest_and_summary(data.results, summary)
+              digest: RunDigest | None = None, appendix_limit: int = MAX_APPENDIX_RESPONSES) -> Iterator[str]:
+    """The page in chunks: everything but the appendix from one pass over the results (none
+    when the caller hands in the `digest` and the default-criterion `summary` it gathered in its
+    own pass), then the appendix question by question."""
+    d, s = _digest_and_summary(data.results, summary, digest)
     title = f"veribus report — {data.run_name or data.run_id}"
     simulated = bool(data.simulated) or d.simulated
     sim = "<span class='badge sim'>SIMULATED LLM</span>" if simulated else ""
@@ -199,18 +202,19 @@ def iter_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping
     yield "</body></html>"
 
 
-def render_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping[str, Any] | None = None) -> str:
+def render_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping[str, Any] | None = None,
+                digest: RunDigest | None = None) -> str:
     """The whole page as one string (no external resources)."""
-    return "".join(iter_html(data, gate_lines, summary=summary))
+    return "".join(iter_html(data, gate_lines, summary=summary, digest=digest))
 
 
 def write_html(path: str | Path, data: RunData, gate_lines: Sequence[str] = (), *,
-               summary: Mapping[str, Any] | None = None) -> Path:
+               summary: Mapping[str, Any] | None = None, digest: RunDigest | None = None) -> Path:
     """Write the page chunk by chunk (the appendix never sits in memory whole)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("w", encoding="utf-8") as fh:
-        for chunk in iter_html(data, gate_lines, summary=summary):
+        for chunk in iter_html(data, gate_lines, summary=summary, digest=digest):
             fh.write(chunk)
     return p
 

@@ -223,11 +223,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
-    """The report of one loaded run. A run from the store is streamed: each step below is one
-    paged pass over its results, keeping counts (summary, gates, verdict) or writing as it goes
-    (results.jsonl, the HTML page, JUnit)."""
+    """The report of one loaded run. A run from the store is streamed, never held: one paged pass
+    gathers the summary, the gates and the HTML page's aggregates (counts only); the verdict,
+    results.jsonl, the page's appendix and JUnit each read the results again as they write."""
     from shared.analysis import report
-    from shared.analysis.gates import check_gates, evaluate_gates, parse_gates, summary_criterion, write_junit
+    from shared.analysis.gates import GateEvaluator, check_gates, parse_gates, summary_criterion, write_junit
+    from shared.analysis.html_digest import RunDigest
     from shared.core.outcome import MaxErrors, judge
 
     gates = parse_gates(args.gate)
@@ -242,8 +243,18 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
             print(g.understood(), file=sys.stderr)
     ranges = report.trait_ranges_from_rubric(data.rubric_definition)
     overall, per_metric = summary_criterion(gates)
-    summary = report.summarize(data.results, trait_ranges=ranges, criterion=overall, criteria=per_metric)
-    rep = evaluate_gates(data.results, gates, ranges)
+    # one pass for the summary, the gates and the HTML page's aggregates
+    tally = report.SummaryTally(trait_ranges=ranges, criterion=overall, criteria=per_metric)
+    gate_eval = GateEvaluator(gates, ranges)
+    digest, page_tally = (RunDigest(), report.SummaryTally()) if args.html else (None, None)
+    for r in data.results:
+        tally.add(r)
+        gate_eval.add(r)
+        if digest is not None and page_tally is not None:
+            digest.add(r)
+            page_tally.add(r)
+    summary = tally.summary()
+    rep = gate_eval.report()
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
     expected = None if _is_file(args.run) else _job_count(data.run_id)
@@ -255,7 +266,8 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
         report.write_outputs(Path(args.output), data.benchmark_name or data.run_name or data.run_id, data.run_id,
                              data.results, summary, data.config or {}, bool(data.simulated), trait_ranges=ranges)
     if args.html:
-        path = write_html(args.html, data, rep.lines)
+        path = write_html(args.html, data, rep.lines, digest=digest,
+                          summary=page_tally.summary() if page_tally is not None else None)
         if not args.quiet:
             print(f"wrote {path}")
     if args.junit:

@@ -133,6 +133,32 @@ def test_the_report_path_streams_a_large_run(big: tuple[Store, Settings], tmp_pa
     assert len(rows) == n and held > 2 * BOUND, f"holding the run took only {held / 2**20:.1f} MiB"
 
 
+def test_the_cli_report_streams_a_large_run(big: tuple[Store, Settings], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`veribus report RUN --output --html --junit --gate` (its body, on a loaded run): the same bound."""
+    import argparse
+
+    from shared.cli import analysis as cli_analysis
+
+    monkeypatch.setattr(cli_analysis, "_job_count", lambda run_id: COPIES * 36)
+    args = argparse.Namespace(run=RUN, gate=["accuracy>=0.5"], max_errors="5%", quiet=False,
+                              output=str(tmp_path / "out"), html=str(tmp_path / "r.html"), junit=str(tmp_path / "j.xml"))
+    source = CountingSource(big[0])
+
+    def run() -> int:
+        data = load_run_data(source, RUN, page_size=PAGE)
+        return cli_analysis._report(args, data, write_html)
+
+    peak, code = _peak(run)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"Total samples: {COPIES * 36}" in out and f"Errors: {COPIES}" in out and "PASSED" in out
+    assert (tmp_path / "r.html").read_text().count("<details class='resp'>") == COPIES * 36
+    assert (tmp_path / "j.xml").read_text().count("<testcase ") == COPIES * 36 + 1
+    assert 0 < source.max_result_rows <= PAGE
+    assert peak < BOUND, f"the CLI report peaked at {peak / 2**20:.1f} MiB (bound {BOUND / 2**20:.1f} MiB)"
+
+
 def test_the_appendix_is_capped_with_a_note(big: tuple[Store, Settings]) -> None:
     data = load_run_data(StoreSource(big[0]), RUN, page_size=PAGE)
     page = "".join(iter_html(data, appendix_limit=100))
