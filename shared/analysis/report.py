@@ -33,6 +33,7 @@ from shared.analysis.export import veribus_version
 from shared.analysis.stats import Proportion, describe
 from shared.analysis.stored import iter_sorted
 from shared.core.models import VerificationResult
+from shared.core.outcome import VERIFY_RAISED, error_kind, error_lines
 from shared.core.usage import run_usage, usage_lines
 
 ACCURACY = "accuracy"
@@ -289,8 +290,6 @@ class SummaryTally:
         self.unknown: set[str] = set()
 
     def add(self, r: VerificationResult) -> None:
-        from shared.core.outcome import error_kind
-
         s = score_of(r, self.trait_ranges)
         attempted = s is not None
         score = s if s is not None else 0.0
@@ -314,8 +313,6 @@ class SummaryTally:
         self.unknown.update(u["cost_unknown_models"])
 
     def summary(self, unfinished_skipped: int = 0) -> dict[str, Any]:
-        from shared.core.outcome import VERIFY_RAISED
-
         a = self.all
         total, att, passed = a.total, a.attempted, a.passed
         p = Proportion.of(passed, att)
@@ -409,8 +406,6 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
         lines.append(f"  Errors: {s['errors']}")
     groups = s.get("error_groups") or []
     if groups:
-        from shared.core.outcome import error_lines
-
         lines.append("  Errors by stage and type (count x stage / type: example):")
         lines.extend(error_lines(groups))
     if s.get("unfinished_questions_skipped"):

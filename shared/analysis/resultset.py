@@ -129,6 +129,7 @@ class VerificationResultSet(_View):
 
     def to_dataframe(self) -> pd.DataFrame:
         """One flat row per result (the CSV export's columns)."""
+        # local import: pandas takes ~2 s to import; only DataFrame output needs it
         import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
 
 
@@ -195,6 +196,7 @@ class VerificationResultSet(_View):
                         batch_size: int = 5000, **filters: Any) -> Iterator[pd.DataFrame]:
         """The flat rows of `to_dataframe`, `batch_size` results per DataFrame, read page by page
         (a batch's trait columns are those its results carry)."""
+        # local import: pandas takes ~2 s to import; only DataFrame output needs it
         import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
 
         batch: list[VerificationResult] = []

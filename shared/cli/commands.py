@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from shared.cli import analysis as cli_analysis
 from shared.cli import asyncapi as cli_asyncapi
+from shared.cli import lifecycle as cli_lifecycle
+from shared.cli import scale as cli_scale
 from shared.cli.common import err, say
 from shared.cli.run import cmd_run
 from shared.cli.stack import cmd_down, cmd_query, cmd_runs, cmd_status, cmd_up, cmd_view
+from shared.control import deployment
 from shared.control.credentials import PROVIDER_KEYS
-from shared.core.outcome import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RESULTS_MISSING
+from shared.control.deployment import FLAG_ENV, Unreachable, mask_url
+from shared.control.runref import RunNotFound
+from shared.core.outcome import EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERRUPTED, EXIT_RESULTS_MISSING
 
 EXIT_INPUT = EXIT_BAD_INPUT  # the names older callers import
 PROVIDER_KEY_VARS = tuple(v for names in PROVIDER_KEYS.values() for v in names)
@@ -24,9 +31,6 @@ DESCRIPTION = "`veribus` command line: the local stack, runs, and queries over C
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared.cli import analysis as cli_analysis
-    from shared.cli import scale as cli_scale
-
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nats-url", default=argparse.SUPPRESS, metavar="URL",
                         help="the deployment's NATS server (default: VERIBUS_NATS_URL, else the local stack); "
@@ -107,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--open", action="store_true", help="open the page in a web browser")
     v.set_defaults(fn=cmd_view)
 
-    from shared.cli import lifecycle as cli_lifecycle
 
     cli_lifecycle.register(sub)  # resume, regrade, cancel, projections rebuild
     cli_scale.register(sub)  # cache clear / info
@@ -128,8 +131,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def run_bench(bench_args: list[str]) -> int:
-    import subprocess
-
     return subprocess.run([sys.executable, "-m", "bench", *bench_args], check=False).returncode
 
 
@@ -138,15 +139,11 @@ READ_COMMANDS = frozenset({"query", "results", "export", "report", "compare", "r
 
 
 def _exit_codes_text() -> str:
-    from shared.core.outcome import EXIT_CODES
-
     return "exit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
 
 
 def _apply_deployment_flags(args: argparse.Namespace) -> None:
     """--nats-url / --clickhouse-url win over the environment, for this process and what it starts."""
-    from shared.control.deployment import FLAG_ENV
-
     if getattr(args, "nats_url", None):
         os.environ["VERIBUS_NATS_URL"] = args.nats_url
         os.environ[FLAG_ENV] = args.nats_url
@@ -162,8 +159,6 @@ def _reads_a_file(args: argparse.Namespace) -> bool:
 def _preflight(args: argparse.Namespace) -> None:
     """Say which deployment this command talks to, and fail fast (one line, no retries) when
     its bus cannot be reached. `run` does this itself, after checking its input."""
-    from shared.control import deployment
-
     cmd = args.command
     if cmd in BUS_COMMANDS:
         dep = deployment.select()
@@ -185,9 +180,6 @@ def _preflight(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: every failure becomes one line on stderr and an exit code from
     `shared.outcome` (VERIBUS_DEBUG=1 re-raises unexpected errors with their traceback)."""
-    from shared.control.deployment import Unreachable
-    from shared.control.runref import RunNotFound
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every option, --help included, belongs to `python -m bench`
         return run_bench(argv[1:])
@@ -208,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback (unless asked)
         if os.environ.get("VERIBUS_DEBUG"):  # Settings.debug, read raw: this handler must not fail itself
             raise
-        from shared.control.deployment import mask_url
 
         text = mask_url(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         err(f"{type(exc).__name__}: {text}" if not isinstance(exc, RuntimeError | TimeoutError) or not text

@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from shared.control.deployment import select
+
 
 def deployment_settings() -> Any:
     """The settings of the deployment this command talks to (flags, environment, local stack)."""
-    from shared.control.deployment import select
-
     return select().settings
 
 

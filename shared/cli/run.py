@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
+from infra.simulator.from_benchmark import simulator_script_for
+from shared.cli import analysis as cli_analysis
+from shared.cli import scale as cli_scale
 from shared.cli.common import err, say
+from shared.cli.progress import ProgressPrinter, RunProgress
 from shared.cli.stack import simulator_args
-from shared.core.config import Settings
+from shared.control import deployment, runner, stack
+from shared.control.credentials import config_problems
+from shared.core.benchmark.model import Benchmark
+from shared.core.benchmark.question import BenchmarkError
+from shared.core.config import Settings, VerificationConfig
 from shared.core.limits import check_config_size
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
-from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErrors
+from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErrors, judge
+from shared.runtime.costcontrol import set_cost_budget
+from shared.runtime.runcontrol import pop_budget, set_budget
+from shared.store.reads import run_query
 
 
 def _read_config_file(args: argparse.Namespace) -> dict[str, Any]:
@@ -48,17 +61,12 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
     goes to the simulator at `simulated_base`; otherwise models keep their api_base as given
     (`--api-base` fills it only where a model has none), and `simulator`-interface models of a
     config without an api_base get `simulated_base`."""
-    from shared.core.config import VerificationConfig
-
     data = _read_config_file(args)
     data.pop("gates", None)
     if args.config:
-        from shared.runtime.runcontrol import pop_budget
-
         budget = pop_budget(data)
         if budget is not None and getattr(args, "max_tokens_budget", None) is None:
             args.max_tokens_budget = budget
-    from shared.cli import scale as cli_scale
 
     cli_scale.apply_run_options(args, data)  # --cache, --cache-ttl, --max-cost-usd (and budget_cost_usd)
     if args.model:
@@ -131,12 +139,8 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
     """Every check that needs no bus, before anything starts or is published: config, plan (0 jobs
     is refused with a hint), provider keys, gates (metric, operator, range), --max-errors.
     Returns (config, gates, max_errors); raises ValueError with the message to print."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import check_gates, known_metrics
-    from shared.cli import analysis as cli_analysis
-    from shared.control import runner
-    from shared.control.credentials import config_problems
-    from shared.runtime.costcontrol import set_cost_budget
-    from shared.runtime.runcontrol import set_budget
 
     config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
@@ -153,13 +157,8 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from infra.simulator.from_benchmark import simulator_script_for
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
-    from shared.control import deployment, runner, stack
-    from shared.core.benchmark.model import Benchmark
-    from shared.core.benchmark.question import BenchmarkError
 
     dep = deployment.select()
     settings = dep.settings
@@ -260,12 +259,8 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
              trait_ranges: dict[str, tuple[float, float]], max_errors: MaxErrors | None = None,
              current: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any], int, Any]:
     """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan)."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
-    from shared.cli import analysis as cli_analysis
-    from shared.control import runner
-    from shared.core.outcome import judge
-    from shared.runtime.costcontrol import set_cost_budget
-    from shared.runtime.runcontrol import set_budget
 
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     set_budget(plan.run_event, args.max_tokens_budget)
@@ -317,7 +312,7 @@ def _merge_scripts(base: dict, extra: dict) -> dict:
 
 
 def _post_script(simulator_url: str, script: dict) -> None:
-    import httpx
+    import httpx  # local import: httpx loads click, rich, pygments (~0.4 s); only --simulate posts
 
     base = simulator_url.removesuffix("/v1")
     try:
@@ -330,9 +325,6 @@ def _post_script(simulator_url: str, script: dict) -> None:
 async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: ANN001, ANN202
     """Collect the run's results, showing progress on stderr (redrawn on a terminal, a plain line
     every VERIBUS_PROGRESS_INTERVAL_S seconds, default 10, when piped)."""
-    from shared.cli.progress import ProgressPrinter, RunProgress
-    from shared.control import runner
-
     expected = set(plan.result_ids)
     if quiet:
         return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout))
@@ -357,8 +349,6 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
 async def _interruptible(coro: Any) -> Any:
     """Await `coro`; Ctrl-C cancels it and raises KeyboardInterrupt, whatever the libraries
     underneath do with the cancellation (so the caller can say what keeps running)."""
-    import signal
-
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(coro)
     interrupted = False
@@ -390,8 +380,6 @@ async def _interruptible(coro: Any) -> Any:
 
 def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> None:  # noqa: ANN001
     """Wait until the projector has written this run's rows, so queries right after see them."""
-    from shared.store.reads import run_query
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -4,11 +4,17 @@ on the deployment."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
 from shared.cli.common import deployment_settings, say
+from shared.control import stack
+from shared.control.deployment import select
+from shared.control.runref import RunNotFound, format_runs, list_runs, resolve
+from shared.control.status import format_run_problems, run_problems
 from shared.core.outcome import EXIT_OK
+from shared.store.reads import format_json, format_table, run_query
 
 
 def _parse_replicas(items: list[str] | None) -> dict[str, int]:
@@ -22,8 +28,6 @@ def _parse_replicas(items: list[str] | None) -> dict[str, int]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared.control import stack
-
     settings = deployment_settings()
     sim_args = simulator_args(args)
     state = stack.up(settings, replicas=_parse_replicas(args.replicas), simulator=not args.no_simulator,
@@ -51,21 +55,15 @@ def simulator_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from shared.control import stack
-
     stopped = stack.down(deployment_settings())
     print("stack down: " + (", ".join(stopped) if stopped else "nothing was running"))
     return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from shared.control import stack
-
     settings = deployment_settings()
     st = stack.status(settings)
     if os.environ.get("VERIBUS_NATS_URL"):
-        from shared.control.deployment import select
-
         print(select().describe())
     elif not st["procs"]:
         print("stack: not running")
@@ -81,10 +79,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st["orphans"]:
         print(f"  orphans (not in stack.json): pids {', '.join(map(str, st['orphans']))}; `veribus down` stops them")
     if args.run:
-        from shared.control.runref import RunNotFound, list_runs
-        from shared.control.status import format_run_problems, run_problems
-        from shared.store.reads import run_query
-
         try:
             run_id = resolve_run_arg(settings, args.run, stream=False)
         except RunNotFound:
@@ -102,8 +96,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def resolve_run_arg(settings: Any, ref: str, *, stream: bool) -> str:
     """A run id or name -> the run id (the most recent run of a name; said when it is ambiguous)."""
-    from shared.control.runref import resolve
-
     picked = resolve(settings, ref, stream=stream)
     if picked.note:
         say(f"note: {picked.note}")
@@ -111,10 +103,6 @@ def resolve_run_arg(settings: Any, ref: str, *, stream: bool) -> str:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    import json
-
-    from shared.control.runref import format_runs, list_runs
-
     rows = list_runs(deployment_settings(), limit=args.limit)
     if args.format == "json":
         print(json.dumps(rows, indent=2, default=str))
@@ -126,15 +114,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    from shared.store.reads import format_json, format_table, run_query
-
     res = run_query(deployment_settings(), args.sql)
     print(format_json(res) if args.format == "json" else format_table(res))
     return EXIT_OK
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from shared.cli.view import serve  # aiohttp: only `veribus view` serves HTTP
+    from shared.cli.view import serve  # local import: aiohttp.web; only `veribus view` serves HTTP
 
     return serve(deployment_settings(), host=args.host, port=args.port, open_browser=args.open)
 

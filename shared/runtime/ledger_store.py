@@ -7,6 +7,7 @@ import asyncio
 from typing import Any, Protocol
 
 from nats.js.api import KeyValueConfig
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from shared.runtime.bus import ensure_kv
 from shared.runtime.ledger import Ledger, decode_ledger, encode_ledger
@@ -81,8 +82,6 @@ class KVLedgerStore:
         return self._kv
 
     async def get(self, key: str) -> tuple[Ledger | None, int]:
-        from nats.js.errors import KeyNotFoundError
-
         kv = await self._bucket()
         self.ops += 1
         try:
@@ -94,8 +93,6 @@ class KVLedgerStore:
         return decode_ledger(entry.value), entry.revision or 0
 
     async def cas(self, key: str, ledger: Ledger, revision: int) -> int:
-        from nats.js.errors import KeyWrongLastSequenceError
-
         kv = await self._bucket()
         self.ops += 1
         try:

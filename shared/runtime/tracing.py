@@ -44,6 +44,7 @@ class _Tracing:
     """The tracer and the W3C propagator, once tracing is on."""
 
     def __init__(self) -> None:
+        # local import: OpenTelemetry is an optional extra, imported only when tracing is on
         from opentelemetry import trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -70,7 +71,8 @@ def configure(service: str, settings: Settings | None = None, *, exporter: Any =
     endpoint = endpoint_of(settings) if settings is not None else None
     if exporter is None and not endpoint:
         return False
-    try:  # the optional extra `otel`
+    try:
+        # local import: OpenTelemetry is an optional extra, imported only when tracing is on
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -90,6 +92,7 @@ def configure(service: str, settings: Settings | None = None, *, exporter: Any =
         if exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
         else:
+            # local import: the OTLP exporter (optional extra) only when an endpoint is configured
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=str(key))))
