@@ -7,7 +7,7 @@ One channel per event type (address `vb.<type>.{run_id}.{result_id}`, plus the p
 payload), and a send/receive operation per producer and consumer. `docs/asyncapi.json` is the
 committed copy; `tests/unit/test_asyncapi.py` fails when it is stale.
 
-Also runs on its own: `python -m shared.cli.asyncapi [--output FILE] [--check]`.
+Without an installed `veribus`: `python -m shared.cli docs asyncapi [--output FILE] [--check]`.
 """
 
 from __future__ import annotations
@@ -186,11 +186,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.cli.asyncapi")
+    """The command on its own parser (the tests; `veribus docs asyncapi` is the way to run it)."""
+    parser = argparse.ArgumentParser(prog="veribus docs asyncapi")
     add_arguments(parser)
     args = parser.parse_args(argv)
     return int(args.fn(args))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ def _event_types() -> set[str]:
 
 def test_the_committed_document_is_the_generated_one() -> None:
     assert COMMITTED.read_text(encoding="utf-8") == asyncapi.render(), (
-        "docs/asyncapi.json is stale: run `python -m shared.cli.asyncapi` (veribus docs asyncapi)")
+        "docs/asyncapi.json is stale: run `veribus docs asyncapi` (python -m shared.cli docs asyncapi)")
 
 
 def test_every_event_type_has_a_channel_a_message_and_its_payload_schema() -> None:
