@@ -362,10 +362,12 @@ def compare_models(
 ) -> PairedComparison:
     """Compare two answering models on the same jobs, paired by (question, replicate, judge).
 
-    With `results_b`, model B is read from that second result set (two runs)."""
-    ra = list(results_a)
+    With `results_b`, model B is read from that second result set (two runs). A re-iterable input
+    (a list, or a run streamed from the store) is read twice rather than copied; only the
+    verdicts are kept."""
+    ra = results_a if hasattr(results_a, "__len__") else list(results_a)
     va = _verdicts(ra, model_a)
-    vb = _verdicts(ra if results_b is None else list(results_b), model_b)
+    vb = _verdicts(ra if results_b is None else results_b, model_b)
     keys = sorted(set(va) & set(vb), key=repr)
     if not keys:
         raise ValueError(f"no paired verdicts for {model_a!r} and {model_b!r} (same question, replicate and judge)")
