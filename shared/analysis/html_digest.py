@@ -2,22 +2,36 @@
 
 `RunDigest.of(results)` reads the results once (a list, or `StoredResults` streamed page by page)
 and keeps counts whose size grows with the number of models, questions, traits and error
-kinds, never with the number of results, except one float per result for the end-to-end time
-quantiles (8 bytes each). The sections in `html_sections` render from the digest.
+kinds, never with the number of results. The end-to-end time quantiles of a stored run come from
+SQL (`StoredResults.execution_time_by_model`); for a list (already in memory) the digest keeps one
+float per result. The sections in `html_sections` render from the digest.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.analysis.report import trait_score
+from shared.analysis.stored import StoredResults
 from shared.core.models import VerificationResult
 from shared.core.outcome import error_kind
 from shared.core.usage import COST_KEY
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks (numpy's default; ClickHouse's
+    quantileExactInclusive)."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def _bucket(v: Any) -> Any:
@@ -82,10 +96,22 @@ class RunDigest:
     errors: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # (model, stage): model calls, cached replies, cost in USD, entries without a price, tokens
     cost: dict[tuple[str, str], list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0.0, 0, 0]))
+    # end-to-end time per model: (model, results, p50, p95, max) from SQL for a stored run, else
+    # from the per-result times kept in `e2e` (`track_e2e`)
+    e2e_rows: list[tuple[str, int, float | None, float | None, float | None]] | None = None
+    track_e2e: bool = True
+
+    @classmethod
+    def for_results(cls, results: Iterable[VerificationResult]) -> RunDigest:
+        """An empty digest for these results: a stored run's end-to-end quantiles come from SQL
+        (so nothing per result is kept), a list's from its times."""
+        if isinstance(results, StoredResults):
+            return cls(e2e_rows=results.execution_time_by_model(), track_e2e=False)
+        return cls()
 
     @classmethod
     def of(cls, results: Iterable[VerificationResult]) -> RunDigest:
-        d = cls()
+        d = cls.for_results(results)
         for r in results:
             d.add(r)
         return d
@@ -134,7 +160,8 @@ class RunDigest:
             elif calls or ("model_calls" not in e and e.get("total_tokens")):
                 k[3] += 1
             k[4] += int(e.get("input_tokens") or 0) + int(e.get("output_tokens") or 0)
-        self.e2e[model].append(float(m.execution_time or 0.0))
+        if self.track_e2e:
+            self.e2e[model].append(float(m.execution_time or 0.0))
         kind = error_kind(r)
         if kind is not None:
             stage, etype, message = kind
@@ -156,6 +183,12 @@ class RunDigest:
                 self.trait_kinds.setdefault(name, "literal" if name in labels else kind)
                 tally = self.traits[name].setdefault(model, TraitTally())
                 tally.add(labels.get(name, v) if name in labels else v)
+
+    def e2e_table(self) -> list[tuple[str, int, float | None, float | None, float | None]]:
+        """(answering model, results, p50 s, p95 s, max s) of the end-to-end execution time."""
+        if self.e2e_rows is not None:
+            return self.e2e_rows
+        return [(m, len(v), _quantile(v, 0.5), _quantile(v, 0.95), max(v)) for m, v in sorted(self.e2e.items())]
 
     def error_groups(self) -> list[dict[str, Any]]:
         """Errored results by (stage, type), most frequent first (`shared.core.outcome.error_kind`)."""

@@ -136,7 +136,7 @@ def _digest_and_summary(results: Iterable[VerificationResult], summary: Mapping[
     """The sections' digest and the run summary: as given, else both from one pass."""
     if digest is not None and summary is not None:
         return digest, summary
-    d = RunDigest()
+    d = RunDigest.for_results(results)
     tally = SummaryTally() if summary is None else None
     for r in results:
         d.add(r)

@@ -5,7 +5,6 @@ of the questions it shows, a few questions at a time."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -267,19 +266,9 @@ def section_usage_latency(data: RunDigest | Iterable[VerificationResult],
                             "Stage latency (events table)"))
     else:
         parts.append("<p class='muted'>No stage events available (results loaded from a file).</p>")
-    parts.append(_table(["answering model", "results", "p50 s", "p95 s", "max s"],
-                        [(m, len(v), _quantile(v, 0.5), _quantile(v, 0.95), max(v)) for m, v in sorted(d.e2e.items())],
+    parts.append(_table(["answering model", "results", "p50 s", "p95 s", "max s"], d.e2e_table(),
                         "End-to-end execution time per result"))
     return "".join(parts)
-
-
-def _quantile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def section_cost(data: RunDigest | Iterable[VerificationResult]) -> str:

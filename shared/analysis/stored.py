@@ -74,6 +74,15 @@ class StoredResults:
                           f"ORDER BY {column}", params)
         return [str(r[0]) for r in res.rows]
 
+    def execution_time_by_model(self) -> list[tuple[str, int, float | None, float | None, float | None]]:
+        """(answering model, results, p50, p95, max) of execution_time, aggregated in SQL."""
+        cond, params = self.where.sql()
+        res = self._query(
+            "SELECT answering_model, count(), quantileExactInclusive(0.5)(execution_time), "
+            "quantileExactInclusive(0.95)(execution_time), max(execution_time) FROM verification_results FINAL "
+            f"WHERE {cond} GROUP BY answering_model ORDER BY answering_model", params)
+        return [(str(r[0]), int(r[1]), float(r[2]), float(r[3]), float(r[4])) for r in res.rows]
+
     def iter_sorted(self, question_ids: Sequence[str] | None = None) -> Iterator[VerificationResult]:
         """In (question, answering model, judge, replicate) order, keyset-paged on that key."""
         cond, params = self.where.sql()

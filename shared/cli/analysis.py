@@ -246,7 +246,7 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     # one pass for the summary, the gates and the HTML page's aggregates
     tally = report.SummaryTally(trait_ranges=ranges, criterion=overall, criteria=per_metric)
     gate_eval = GateEvaluator(gates, ranges)
-    digest, page_tally = (RunDigest(), report.SummaryTally()) if args.html else (None, None)
+    digest, page_tally = (RunDigest.for_results(data.results), report.SummaryTally()) if args.html else (None, None)
     for r in data.results:
         tally.add(r)
         gate_eval.add(r)
