@@ -78,23 +78,26 @@ async def stream_bytes(settings: Settings) -> int:
 
 
 def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int],
-             api_base: str | None = None, model: str | None = None, judge: str | None = None) -> dict[str, Any]:
+             api_base: str | None = None, model: str | None = None, judge: str | None = None, *,
+             extra_env: dict[str, str] | None = None, model_limit: int | None = None) -> dict[str, Any]:
     """One measured run. With `api_base`, against that OpenAI-compatible server (no simulator;
-    its latency is whatever it is, `latency_ms` is only a label)."""
+    its latency is whatever it is, `latency_ms` is only a label). `extra_env` goes to every
+    process of the stack; `model_limit` replaces each model's `max_concurrency` (C/2)."""
     with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
         home = Path(tmp)
         settings = Settings(home=home / "home")
         bench_file, script = generated_benchmark(home / "bench.yaml", n, prefix="Bench", ids="bench-{i}")
         benchmark = Benchmark.load(bench_file)
         state = stack.up(settings, replicas=replicas, simulator=api_base is None,
-                         simulator_args=["--latency-ms", str(latency_ms)])
+                         simulator_args=["--latency-ms", str(latency_ms)], extra_env=extra_env)
         settings.nats_url = state.nats_url
         try:
             if api_base is None:
                 httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
             # C is the total number of model calls in flight: each result makes two sequential
             # calls (answer, then parse) in two services, so each model gets C/2.
-            models = {"api_base": api_base or state.simulator_url, "max_concurrency": max(1, concurrency // 2)}
+            models = {"api_base": api_base or state.simulator_url,
+                      "max_concurrency": model_limit or max(1, concurrency // 2)}
             config = VerificationConfig(
                 answering_models=[ModelConfig(model_name=model or "openai/bench-answerer", **models)],
                 parsing_models=[ModelConfig(model_name=judge or "openai/bench-judge", **models)],
@@ -135,12 +138,47 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "peak_rss_mb": {k: round(v, 1) for k, v in sampler.peak.items()},
                 "passed": sum(1 for r in outcome.results.values() if r.template and r.template.verify_result),
                 "stream_bytes_per_result": round(stream_delta / max(done, 1)),
+                "replicas": dict(replicas),
             }
         finally:
             stack.down(settings)
 
 
+SCALED = ("generation", "parsing")
+"""The bottleneck at model latency: the two stages that wait on the model (each result makes one
+call in each). Profiled at zero latency every stage is CPU-bound on the same two cores, so a
+replica there adds no capacity; at latency a replica adds its own worker slots."""
+
+
+def scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """The same workload with one and then two replicas of the bottleneck stages, each replica
+    capped at `--scaling-workers` handlers, and a deployment-wide model limit (`max_concurrency`)
+    four times that, so the model never caps it: the ratio is what a second replica buys."""
+    lat = next((x for x in args.latency_ms if x > 0), 300.0)
+    workers = args.scaling_workers
+    env = {f"VERIBUS_{name.upper()}_WORKERS": str(workers) for name in SCALED}
+    rows = []
+    for n in (1, 2):
+        row = run_once(args.questions, lat, args.concurrency, dict.fromkeys(SCALED, n),
+                       extra_env=env, model_limit=4 * workers)
+        rows.append(row)
+        print(f"\n== scaling: {n} replica(s) of {' and '.join(SCALED)}, {workers} workers each, latency {lat:g} ms, "
+              f"model limit {4 * workers}")
+        print(f"  throughput: {row['results_per_s']} results/s in {row['elapsed_s']} s "
+              f"(stage bound n*workers/L = {n * workers / (lat / 1000):.1f}/s); "
+              f"CPU ms/result, services: {row['cpu_ms_per_result_services_total']}")
+    one, two = rows
+    ratio = round(two["results_per_s"] / one["results_per_s"], 3) if one["results_per_s"] else 0.0
+    return {"latency_ms": lat, "workers_per_replica": workers, "model_limit": 4 * workers,
+            "stages": list(SCALED), "one": one, "two": two, "ratio": ratio}
+
+
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "scaling", False):
+        result = scaling(args)
+        print("\n" + targets_block([], scaling=result))
+        print("\n" + json.dumps(result, indent=2))
+        return 0
     replicas = {}
     for item in getattr(args, "replicas", None) or []:
         name, _, k = item.partition("=")
@@ -165,9 +203,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def targets_block(rows: list[dict[str, Any]], api_base: str | None = None) -> str:
+def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
+                  scaling: dict[str, Any] | None = None) -> str:
     """Issue 12's figures beside their targets. On a shared machine absolute throughput means
-    little: compare ratios measured in one run."""
+    little: compare ratios measured in one run. `scaling`: the result of `--scaling`."""
     lines = ["Issue 12 figures vs targets (" + (f"server {api_base}" if api_base else "simulator")
              + "; on a shared machine compare ratios within one run, not absolute rates):"]
     for row in rows:
@@ -179,5 +218,13 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None) -> st
         elif row.get("fraction_of_bound") is not None:
             lines.append(f"    fraction of C/(2L)              {row['fraction_of_bound']:>10}   target >= 0.90")
         lines.append(f"    stream bytes per result         {row['stream_bytes_per_result']:>10}   target <= 6144")
-    lines.append("  not measured by this command: replica scaling (>= 1.8x), rebuild events/s (>= 50,000)")
+    if scaling is not None:
+        lines.append(f"  replica scaling ({' and '.join(scaling['stages'])}, latency {scaling['latency_ms']:g} ms, "
+                     f"model limit {scaling['model_limit']}):")
+        lines.append(f"    2 replicas / 1 replica            {scaling['ratio']:>8}   target >= 1.8"
+                     f"   ({scaling['two']['results_per_s']} vs {scaling['one']['results_per_s']} results/s)")
+        lines.append("  not measured by this command: rebuild events/s (>= 50,000)")
+    else:
+        lines.append("  not measured by this command: replica scaling (>= 1.8x: `veribus bench --scaling`), "
+                     "rebuild events/s (>= 50,000)")
     return "\n".join(lines)
