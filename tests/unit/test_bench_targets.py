@@ -14,7 +14,9 @@ def _row(lat: float, rate: float, cpu: float, frac: float | None) -> dict:
 
 def test_targets_block_points_at_the_scaling_mode_when_it_was_not_run() -> None:
     text = targets_block([_row(0.0, 130.0, 9.5, None), _row(300.0, 99.0, 9.0, 0.93)])
-    assert "130.0   target >= 120" in text and "9.5   target <= 10" in text and "0.93   target >= 0.90" in text
+    assert "130.0   target >= 120" in text and "9.5   target <= 10" in text
+    assert "fraction of C/(2L), whole run         0.93   target >= 0.90" in text
+    assert "fraction of C/(2L), steady" not in text, "no steady figure measured, none shown"
     assert "replica scaling (>= 1.8x: `veribus bench --scaling`)" in text
 
 
