@@ -21,10 +21,11 @@ stay the CLI's input and run errors). `write_junit` writes one testcase per gate
 
 from __future__ import annotations
 
+import difflib
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +131,6 @@ def _as_rate(what: str, value: float, raw: Any) -> tuple[float, str | None]:
 def normalize_gate(gate: Gate, raw_value: Any = None, raw_pass: Any = None) -> Gate:
     """Rates (every metric but errors/total/total_attempted) to 0..1 and counts >= 0; raises
     GateError on a threshold out of range."""
-    from dataclasses import replace
-
     base = _base_metric(gate.metric)
     notes = []
     value = gate.value
@@ -163,8 +162,6 @@ def check_gates(gates: Sequence[Gate], metrics: set[str], models: Sequence[tuple
     for g in gates:
         base, model = (g.metric, None) if g.metric in metrics else _split_model(g.metric, metrics)
         if base not in metrics:
-            import difflib
-
             close = difflib.get_close_matches(base, sorted(metrics), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise GateError(f"gate {g.text or g.label()!r}: unknown metric {base!r}{hint} (known: "

@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from shared.analysis.export import veribus_version
 from shared.analysis.stats import Proportion, describe
 from shared.core.models import VerificationResult
+from shared.core.outcome import VERIFY_RAISED, error_groups, error_lines
 from shared.core.usage import run_usage, usage_lines
 
 ACCURACY = "accuracy"
@@ -291,7 +292,6 @@ def summarize(
             "pass_rate": _rate(mp, len(att), pct=True) if att else None,
             "pass_rate_ci95": [round(100 * pp.ci_low, 2), round(100 * pp.ci_high, 2)],
         })
-    from shared.core.outcome import VERIFY_RAISED, error_groups
 
     groups = error_groups(results)
     raised = sum(g["count"] for g in groups if g["type"].startswith(VERIFY_RAISED))
@@ -338,8 +338,6 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
         lines.append(f"  Errors: {s['errors']}")
     groups = s.get("error_groups") or []
     if groups:
-        from shared.core.outcome import error_lines
-
         lines.append("  Errors by stage and type (count x stage / type: example):")
         lines.extend(error_lines(groups))
     if s.get("unfinished_questions_skipped"):

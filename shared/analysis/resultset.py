@@ -119,6 +119,7 @@ class VerificationResultSet(_View):
 
     def to_dataframe(self) -> pd.DataFrame:
         """One flat row per result (the CSV export's columns)."""
+        # local import: pandas takes ~2 s to import; only DataFrame output needs it
         import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
 
 

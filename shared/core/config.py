@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -156,8 +157,6 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 def parse_server_list(value: str) -> list[str]:
     """Split a comma-separated list of NATS URLs; a bad entry is named in the error. A bare
     `host:port` is read as `nats://host:port` (nats-py does the same)."""
-    from urllib.parse import urlparse
-
     out: list[str] = []
     for raw in value.split(","):
         url = raw.strip()

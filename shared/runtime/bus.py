@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -321,7 +322,6 @@ def ensure_stream_blocking(settings: Settings, timeout: float = 30.0) -> None:
     except RuntimeError:
         asyncio.run(bounded())
         return
-    import threading
 
     box: list[BaseException] = []
     t = threading.Thread(target=lambda: _capture(box, bounded))
