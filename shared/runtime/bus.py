@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import nats
 from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -62,8 +63,6 @@ def _patch_next_msg_fast_path() -> None:
     once per message of a batch. Profiled (issue 12), that was a fifth of the projector's CPU.
     A message already queued is returned at once, with the same bookkeeping; an empty queue
     takes the original path (wait, timeout, errors)."""
-    from nats.aio.subscription import Subscription
-
     if getattr(Subscription.next_msg, "_veribus_patched", False):
         return
     original = Subscription.next_msg
