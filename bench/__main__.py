@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limits", action="store_true",
                    help="instead: the per-call overhead of the deployment-wide model limiter")
     b.add_argument("--limit-calls", type=int, default=3000, help="calls for --limits")
+    b.add_argument("--scaling", action="store_true",
+                   help="instead: throughput with 1 and then 2 replicas of the bottleneck stages (generation, "
+                        "parsing) at the first non-zero --latency-ms, the model limit set not to cap them")
+    b.add_argument("--scaling-workers", type=int, default=8,
+                   help="handlers per replica of each scaled stage for --scaling (a replica's capacity)")
     b.add_argument("--sandbox", action="store_true",
                    help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
