@@ -212,10 +212,14 @@ def _cache_get(cache: OrderedDict[str, Any], key: str, code: Any) -> Any:
     return None
 
 
-def _cache_put(cache: OrderedDict[str, Any], key: str, code: Any, value: Any) -> None:
+def _cache_put(cache: OrderedDict[str, Any], key: str, code: Any, value: Any) -> bool:
+    """Store `value`; True when an older value left the cache (replaced or evicted)."""
+    dropped = key in cache
     cache[key] = (code, value)
     if len(cache) > _CACHE_MAX:
         cache.popitem(last=False)
+        dropped = True
+    return dropped
 
 
 def _compile_template(code: str, module_name: str) -> Any:
@@ -265,10 +269,11 @@ def _template_class(code: str, template_id: str | None) -> Any:
         except TemplateError as exc:
             sys.modules.pop(module_name, None)
             cls = str(exc)  # the message, so each use raises a fresh exception
-        _cache_put(_CLASSES, key, code, cls)
-        live = {getattr(c, "__module__", None) for _, c in _CLASSES.values()}
-        for name in [m for m in sys.modules if m.startswith("veribus_template_") and m not in live]:
-            del sys.modules[name]  # evicted from the cache
+        if _cache_put(_CLASSES, key, code, cls):  # only then can a module have lost its last class:
+            # the scan of sys.modules costs about as much as a quarter of a compile, so not per compile
+            live = {getattr(c, "__module__", None) for _, c in _CLASSES.values()}
+            for name in [m for m in sys.modules if m.startswith("veribus_template_") and m not in live]:
+                del sys.modules[name]  # evicted from the cache
     if isinstance(cls, str):
         raise TemplateError(cls)
     return cls

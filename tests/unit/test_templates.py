@@ -530,3 +530,34 @@ async def test_verify_round_trip_cost(sb: Sandbox) -> None:
     wall = (time.perf_counter() - wall0) / n
     assert out.verify_result is True
     print(f"run_verify: parent CPU {cpu * 1e6:.0f} us/call, round trip {wall * 1e6:.0f} us")
+
+
+def _int_answer(value: int) -> str:
+    return ("class Answer(BaseAnswer):\n    value: int\n\n"
+            "    def model_post_init(self, __context):\n"
+            f"        self.correct = {{'value': {value}}}\n\n"
+            "    def verify(self) -> bool:\n        return self.value == self.correct['value']\n")
+
+
+def test_worker_class_cache_drops_the_modules_it_evicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's class cache (which scans sys.modules only when a class left it) removes exactly
+    the modules no cached class lives in any more (trusted code, run in-process on purpose)."""
+    import sys
+
+    from shared.templates import calls
+
+    monkeypatch.setattr(calls, "_CACHE_MAX", 2)
+    monkeypatch.setattr(calls, "_CLASSES", type(calls._CLASSES)())
+    before = {m for m in sys.modules if m.startswith("veribus_template_")}
+    first = calls._template_class(_int_answer(1), "t1")
+    shared_code = calls._template_class(_int_answer(1), "t1-copy")  # same code, other id: same module
+    assert first.__module__ == shared_code.__module__ and first.__module__ in sys.modules
+    calls._template_class(_int_answer(2), "t2")  # evicts t1; t1-copy still lives in the module
+    assert first.__module__ in sys.modules
+    replaced = calls._template_class(_int_answer(3), "t2")  # same id, new code: t2's old module goes
+    gone = {m for m in sys.modules if m.startswith("veribus_template_")} - before
+    assert gone == {first.__module__, replaced.__module__}
+    calls._template_class(_int_answer(4), "t4")  # evicts t1-copy: nothing lives in t1's module now
+    assert first.__module__ not in sys.modules
+    for name in {m for m in sys.modules if m.startswith("veribus_template_")} - before:
+        del sys.modules[name]
