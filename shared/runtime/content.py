@@ -25,7 +25,8 @@ from typing import Any
 
 import msgspec
 from nats.js.api import KeyValueConfig
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from shared.core import events
 from shared.core.limits import check_job
@@ -119,7 +120,10 @@ class ContentStore:
         if self._kv is None:
             async with self._lock:
                 if self._kv is None:
-                    cfg = KeyValueConfig(bucket=BUCKET, history=1, description="veribus job contents by hash")
+                    # direct gets: a read is a plain request answered with the raw value, not a
+                    # JSON API reply with the value in base64 (about a quarter less CPU per read)
+                    cfg = KeyValueConfig(bucket=BUCKET, history=1, direct=True,
+                                         description="veribus job contents by hash")
                     self._kv = await ensure_kv(self._js(), cfg)  # replicated like the stream
         return self._kv
 
@@ -149,13 +153,27 @@ class ContentStore:
         kv = await self._bucket()
         self.reads += 1
         try:
-            entry = await kv.get(key)
+            value = (await kv.get(key)).value
         except KeyNotFoundError:
+            value = await self._leader_get(kv, key) if getattr(kv, "_direct", False) else None
+        if value is None:
             raise ContentMissing(f"job content {key} is not in the content store (bucket {BUCKET}): it was "
-                                 "deleted, or the run was published without it") from None
-        content = msgspec.json.decode(entry.value)
+                                 "deleted, or the run was published without it")
+        content = msgspec.json.decode(value)
         self._remember(key, content)
         return content
+
+    async def _leader_get(self, kv: Any, key: str) -> bytes | None:
+        """The value as the stream's leader has it. Any replica answers a direct get, and one that
+        has not applied a put yet says "not found": content is written before the jobs that refer
+        to it, so a miss is asked again where the write was acknowledged (misses are rare)."""
+        try:
+            msg = await self._js().get_msg(kv._stream, subject=kv._pre + key)
+        except NotFoundError:
+            return None
+        if msg.headers and msg.headers.get(KV_OP) in (KV_DEL, KV_PURGE):
+            return None
+        return msg.data
 
     async def hydrate(self, job: events.Job) -> events.Job:
         if not job.refs:

@@ -40,3 +40,31 @@ async def test_store_once_fill_elsewhere(nats_server, tmp_path: Path) -> None:  
             await reader.hydrate(missing)
     finally:
         await nc.close()
+
+
+async def test_direct_reads_ask_the_leader_on_a_miss(nats_server, tmp_path: Path) -> None:  # noqa: ANN001
+    """The bucket answers direct gets; a direct get answered "not found" by a replica that has not
+    applied the write yet (simulated: the direct read misses) is asked again of the leader."""
+    path, _ = generated_benchmark(tmp_path / "b.yaml", 2, prefix="Direct")
+    cfg = VerificationConfig(answering_models=[ModelConfig(model_name="openai/a")],
+                             parsing_models=[ModelConfig(model_name="openai/j")])
+    plan = runner.plan_run(Benchmark.load(path), cfg)
+    nc = await nats.connect(nats_server.url)
+    try:
+        thin = await content.lean_requests(content.ContentStore(lambda: nc.jetstream()), plan.requests)
+        reader = content.ContentStore(lambda: nc.jetstream())
+        kv = await reader._bucket()
+        assert kv._direct  # created with allow_direct: reads skip the JSON API
+        job = thin[0].jobs[0]
+        assert (await kv.get(job.refs["q"])).value  # a direct get answers
+
+        async def lagging_replica(key: str, *args: object, **kwargs: object) -> object:
+            raise content.KeyNotFoundError
+
+        kv.get = lagging_replica  # type: ignore[method-assign]
+        filled = await reader.hydrate(job)
+        assert filled.question_text == plan.requests[0].jobs[0].question_text
+        with pytest.raises(content.ContentMissing):  # a key the leader lacks too is still missing
+            await reader.get("c_" + "1" * 40)
+    finally:
+        await nc.close()
