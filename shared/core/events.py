@@ -195,7 +195,34 @@ class DeadLetter(msgspec.Struct, omit_defaults=True):
 
 
 class ResultFinalized(msgspec.Struct, omit_defaults=True):
-    result: dict[str, Any]  # VerificationResult.model_dump(mode="json")
+    """Payload of `result.finalized`: the whole VerificationResult, so a rebuild needs no other event.
+
+    Decoded, `result` is always the full `model_dump(mode="json")`. On the wire the finalizer
+    sends `compact` instead (the dump without its default values, `shared.core.compact`), which
+    decoding expands back; events written before that carry `result` itself and read unchanged."""
+
+    result: dict[str, Any] = {}  # VerificationResult.model_dump(mode="json")
+    compact: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if self.compact and not self.result:
+            from shared.core.compact import expand
+
+            self.result = expand(self.compact)
+            self.compact = {}
+
+    @classmethod
+    def wire(cls, dump: dict[str, Any]) -> ResultFinalizedWire:
+        """What the finalizer publishes for a result dump: its compact form only."""
+        from shared.core.compact import compact
+
+        return ResultFinalizedWire(compact=compact(dump))
+
+
+class ResultFinalizedWire(msgspec.Struct):
+    """The encoding side of ResultFinalized (decode with ResultFinalized)."""
+
+    compact: dict[str, Any]
 
 
 class Envelope(msgspec.Struct, omit_defaults=True):

@@ -163,9 +163,14 @@ class ContentStore:
         return fill(job, {key: await self.get(key) for key in job.refs.values()})
 
     async def hydrate_payload(self, payload: Any) -> Any:
-        """Fill in the job(s) of a StageEvent or AnswerRequested (in place); other payloads pass."""
+        """Fill in the job(s) of a StageEvent or AnswerRequested (in place); other payloads pass.
+
+        A StageEvent's stage log is emptied: each event carries the records of the stage that
+        published it, not those of every stage before (they are on the earlier events, and no
+        stage reads them), so the log is not repeated down the pipeline."""
         if isinstance(payload, events.StageEvent):
             payload.job = await self.hydrate(payload.job)
+            payload.state.stages = []
         elif isinstance(payload, events.AnswerRequested):
             payload.jobs = [await self.hydrate(j) for j in payload.jobs]
         return payload

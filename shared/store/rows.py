@@ -26,6 +26,7 @@ from shared.core.events import (
     TEMPLATE_VERIFIED,
     DeadLetter,
     Envelope,
+    ResultFinalized,
     RunRequested,
     StageError,
     StageFailed,
@@ -104,15 +105,11 @@ class _StageProbe(msgspec.Struct):
     state: _StateProbe | None = None
 
 
-class _ResultPayload(msgspec.Struct):
-    result: dict[str, Any]
-
-
 _stage_probe = msgspec.json.Decoder(_StageProbe)
 _failed_dec = msgspec.json.Decoder(StageFailed)
 _dead_dec = msgspec.json.Decoder(DeadLetter)
 _run_dec = msgspec.json.Decoder(RunRequested)
-_result_dec = msgspec.json.Decoder(_ResultPayload)
+_result_dec = msgspec.json.Decoder(ResultFinalized)  # expands a compact result
 
 
 def _base_event_row(env: Envelope) -> list[Any]:
@@ -151,9 +148,10 @@ _EVENT_USAGE_KEYS = {
 def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     """Status, error, tokens and the stage log of a StageEvent payload.
 
-    The stage log in `state.stages` is cumulative (each event carries the records of all the
-    stages before it), so per-stage latency is computed in SQL (v_stage_latency), where each
-    record is attributed to the first event that carried it; `duration_ms` stays NULL here.
+    The stage log in `state.stages` holds the records of the stage that published the event
+    (events written before the log went lean carry every earlier record too), so per-stage
+    latency is computed in SQL (v_stage_latency), where each record is attributed to the first
+    event that carried it; `duration_ms` stays NULL here.
     """
     probe = _stage_probe.decode(payload)
     row[_STATUS] = probe.status

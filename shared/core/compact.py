@@ -1,0 +1,121 @@
+"""A VerificationResult dump without its default values, and back, exactly.
+
+`result.finalized` carries the whole result so a rebuild needs no other event, but most of a
+result's ~80 fields hold their defaults (null, false, [], 0). On the wire the finalizer sends
+`compact(dump)`: every field of a result section (the models in `shared.core.models`) whose JSON
+value equals the field's default is left out. `expand` puts them back in the model's field
+order, so `expand(compact(d))` is `d` key for key and byte for byte once encoded (the projector's
+`result_json` and a rebuild's fingerprints depend on that). The defaults are read from the
+models themselves, once, so a field added there is handled without touching this module.
+
+Only the sections' own fields are compacted; nested maps and lists (usage, traces, scores)
+travel as they are. Values are compared by type as well (`0` is not `false`).
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+_MISSING = object()
+_Schema = tuple[tuple[str, Any, "_Schema | None"], ...]
+_SCHEMA: _Schema | None = None
+
+
+def _default_json(field: Any) -> Any:
+    """The JSON value of a field's default, or _MISSING when it has none or it is not a constant."""
+    from pydantic_core import PydanticUndefined
+
+    if field.default_factory is not None:
+        if field.default_factory is list:
+            return []
+        if field.default_factory is dict:
+            return {}
+        return _MISSING
+    if field.default is PydanticUndefined:
+        return _MISSING
+    d = field.default
+    if d is None or isinstance(d, bool | int | float | str):
+        return d
+    if isinstance(d, list | dict) and not d:
+        return type(d)()
+    return _MISSING
+
+
+def _section_of(annotation: Any) -> Any:
+    """The section model a field holds (`Model` or `Model | None`), else None."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1:
+            return models[0]
+    return None
+
+
+def _schema_of(model: Any) -> _Schema:
+    out = []
+    for name, field in model.model_fields.items():
+        sub = _section_of(field.annotation)
+        out.append((name, _default_json(field), _schema_of(sub) if sub is not None else None))
+    return tuple(out)
+
+
+def _schema() -> _Schema:
+    global _SCHEMA
+    if _SCHEMA is None:
+        from shared.core.models import VerificationResult  # pydantic, only when a result is compacted
+
+        _SCHEMA = _schema_of(VerificationResult)
+    return _SCHEMA
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return default is not _MISSING and type(value) is type(default) and value == default
+
+
+def _compact(data: dict[str, Any], schema: _Schema) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    known = set()
+    for name, default, sub in schema:
+        known.add(name)
+        if name not in data:
+            continue
+        value = data[name]
+        if _is_default(value, default):
+            continue
+        out[name] = _compact(value, sub) if sub is not None and isinstance(value, dict) else value
+    for name, value in data.items():  # extra fields (reference files' unknown keys) stay as they are
+        if name not in known:
+            out[name] = value
+    return out
+
+
+def _expand(data: dict[str, Any], schema: _Schema) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, default, sub in schema:
+        value = data.get(name, _MISSING)
+        if value is _MISSING:
+            if default is _MISSING:
+                continue  # a required field the sender did not have: leave it out, as it was
+            value = type(default)() if isinstance(default, list | dict) else default  # a fresh [] / {}
+        elif sub is not None and isinstance(value, dict):
+            value = _expand(value, sub)
+        out[name] = value
+    for name, value in data.items():  # extra fields, after the declared ones as in a dump
+        if name not in out:
+            out[name] = value
+    return out
+
+
+def compact(dump: dict[str, Any]) -> dict[str, Any]:
+    """A `VerificationResult.model_dump(mode="json")` without the fields at their defaults."""
+    return _compact(dump, _schema())
+
+
+def expand(data: dict[str, Any]) -> dict[str, Any]:
+    """The full dump back from `compact`, in the model's field order."""
+    return _expand(data, _schema())
