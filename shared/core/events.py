@@ -49,7 +49,7 @@ def subscription(event_type: str) -> str:
 class ModelSpec(msgspec.Struct, omit_defaults=True):
     """A model as the services call it. Holds the *name* of the key's env var, never a key."""
 
-    model_name: str
+    model_name: str = ""  # empty only in a lean job, whose specs travel by content hash
     id: str = ""
     interface: str = "litellm"
     api_base: str | None = None
@@ -79,17 +79,21 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
         return f"{self.interface}:{self.model_name}:{','.join(self.tools)}"
 
 
-class Job(msgspec.Struct, omit_defaults=True):
-    """The fixed inputs of one result (question × answering × parsing × replicate)."""
+class Job(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The fixed inputs of one result (question × answering × parsing × replicate).
 
-    run_id: str
-    result_id: str
+    A lean job on the wire (`shared.runtime.content`) leaves out what its `refs` point to and
+    the ids its envelope already names (`run_id`; `result_id` in a stage event): `payload_as`
+    puts the ids back, the content store the rest."""
+
+    run_id: str = ""
+    result_id: str = ""
     answer_id: str
     question_id: str
-    question_text: str
+    question_text: str = ""
     answering: ModelSpec
     parsing: ModelSpec
-    timestamp: str
+    timestamp: str = ""
     evaluation_mode: str = "template_only"
     run_name: str | None = None
     raw_answer: str | None = None
@@ -294,8 +298,23 @@ def payload_as(env: Envelope, kind: type[T]) -> T:
     if dec is None:
         dec = _payload_decoders[kind] = msgspec.json.Decoder(kind)
     payload = dec.decode(env.payload)
+    _ids_from_envelope(env, payload)
     check_payload(env, payload)
     return payload
+
+
+def _ids_from_envelope(env: Envelope, payload: Any) -> None:
+    """A lean job leaves out the ids its envelope names: put them back before the checks."""
+    if isinstance(payload, StageEvent):
+        job = payload.job
+        if not job.run_id:
+            job.run_id = env.run_id
+        if not job.result_id:
+            job.result_id = env.result_id
+    elif isinstance(payload, AnswerRequested):
+        for job in payload.jobs:
+            if not job.run_id:
+                job.run_id = env.run_id
 
 
 def check_payload(env: Envelope, payload: Any) -> None:

@@ -17,6 +17,7 @@ jobs as before (both kinds are read).
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 from collections import OrderedDict
@@ -37,14 +38,15 @@ QUESTION = "q"  # question text, template, rubric, keywords, expected answer, fe
 OPTIONS = "o"  # the run's stage options
 MODELS = "m"  # the answering and parsing model specs
 _FIELDS: dict[str, tuple[str, ...]] = {
-    QUESTION: ("question_text", "template_code", "rubric", "keywords", "raw_answer", "few_shot_examples"),
-    OPTIONS: ("options",),
+    QUESTION: ("question_text", "template_code", "template_id", "rubric", "keywords", "raw_answer",
+               "few_shot_examples"),
+    OPTIONS: ("options", "timestamp"),
     MODELS: ("answering", "parsing"),
 }
-_NO_MODEL = events.ModelSpec(model_name="")
-_EMPTY: dict[str, Any] = {"question_text": "", "template_code": None, "rubric": None, "keywords": None,
-                          "raw_answer": None, "few_shot_examples": [], "options": {},
-                          "answering": _NO_MODEL, "parsing": _NO_MODEL}
+_NO_MODEL = events.ModelSpec()
+_EMPTY: dict[str, Any] = {"question_text": "", "template_code": None, "template_id": "no_template", "rubric": None,
+                          "keywords": None, "raw_answer": None, "few_shot_examples": [], "options": {},
+                          "timestamp": "", "answering": _NO_MODEL, "parsing": _NO_MODEL}
 _TYPES: dict[str, Any] = {"answering": events.ModelSpec, "parsing": events.ModelSpec}
 _enc = msgspec.json.Encoder(order="sorted")
 
@@ -59,7 +61,9 @@ def _blob(job: events.Job, kind: str) -> dict[str, Any]:
 
 
 def content_key(data: bytes) -> str:
-    return "c_" + hashlib.sha256(data).hexdigest()[:40]
+    """`c_` + 132 bits of the content's SHA-256, base64url (a KV key; keys of older runs, 40 hex
+    digits, are read the same way)."""
+    return "c_" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()[:22]
 
 
 def blobs_of(job: events.Job) -> dict[str, tuple[str, bytes]]:
@@ -176,9 +180,12 @@ class ContentStore:
         return payload
 
     def lean_payload(self, payload: Any) -> Any:
-        """A copy of a StageEvent whose job is lean (for publishing); other payloads pass."""
+        """A copy of a StageEvent whose job is lean (for publishing); other payloads pass. The
+        job's run and result ids are left out too: the envelope names them (`events.payload_as`
+        puts them back)."""
         if isinstance(payload, events.StageEvent) and payload.job.refs:
-            return msgspec.structs.replace(payload, job=lean(payload.job, self.cache))
+            job = msgspec.structs.replace(lean(payload.job, self.cache), run_id="", result_id="")
+            return msgspec.structs.replace(payload, job=job)
         return payload
 
 
@@ -196,4 +203,6 @@ async def lean_requests(store: ContentStore, requests: list[events.AnswerRequest
             jobs.append(msgspec.structs.replace(job, refs=refs))
         out.append(events.AnswerRequested(jobs=jobs))
     await store.put_many(items.items())
-    return [events.AnswerRequested(jobs=[lean(j, store.cache) for j in r.jobs]) for r in out]
+    # the envelope names the run (`events.payload_as` puts it back)
+    return [events.AnswerRequested(jobs=[msgspec.structs.replace(lean(j, store.cache), run_id="") for j in r.jobs])
+            for r in out]
