@@ -124,7 +124,11 @@ class StageRecord(msgspec.Struct, omit_defaults=True):
 
 
 class State(msgspec.Struct, omit_defaults=True):
-    """What the stages have found so far, by result section; folded into a VerificationResult."""
+    """What the stages have found so far, by result section; folded into a VerificationResult.
+
+    On the wire (`lean_state`) the stage log travels as `log`, one array per record
+    `[stage, status, reason, start - started_at, end - start]` in seconds to the microsecond;
+    decoding turns it back into `stages` (events written before carry `stages` itself)."""
 
     template: dict[str, Any] = {}
     rubric: dict[str, Any] | None = None
@@ -136,6 +140,32 @@ class State(msgspec.Struct, omit_defaults=True):
     error: StageError | None = None
     stages: list[StageRecord] = []
     started_at: float = 0.0
+    log: list[tuple[str, Literal["performed", "skipped", "failed"], str, float, float]] = []
+
+    def __post_init__(self) -> None:
+        if self.log:
+            self.stages = [*self.stages, *records_from_log(self.log, self.started_at)]
+            self.log = []
+
+
+def records_from_log(log: list[Any], started_at: float) -> list[StageRecord]:
+    """Stage records from the wire's compact log (`State.log`)."""
+    out = []
+    for stage, status, reason, start, took in log:
+        begin = round(started_at + start, 6)
+        out.append(StageRecord(stage=stage, status=status, reason=reason, started_at=begin,
+                               ended_at=round(begin + took, 6)))
+    return out
+
+
+def lean_state(state: State) -> State:
+    """The state as published: its stage log compact (see State)."""
+    if not state.stages:
+        return state
+    base = state.started_at
+    log = [(r.stage, r.status, r.reason, round(r.started_at - base, 6), round(r.ended_at - r.started_at, 6))
+           for r in state.stages]
+    return msgspec.structs.replace(state, stages=[], log=log)
 
 
 class StageEvent(msgspec.Struct, omit_defaults=True):
@@ -229,11 +259,16 @@ class ResultFinalizedWire(msgspec.Struct):
     compact: dict[str, Any]
 
 
-class Envelope(msgspec.Struct, omit_defaults=True):
-    event_id: str
-    event_type: str
-    run_id: str
-    result_id: str
+class Envelope(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The wire envelope. Published (`wire`), it leaves out what its subject
+    (`vb.<event_type>.<run_id>.<result_id>`) says and an event id that follows from those
+    (`event_id_for`); `decode(data, subject)` puts them back. Envelopes that carry them (events
+    written before, or read back without a subject) decode as always."""
+
+    event_id: str = ""
+    event_type: str = ""
+    run_id: str = ""
+    result_id: str = ""
     occurred_at: float
     producer: str
     payload: msgspec.Raw
@@ -275,7 +310,33 @@ def make_envelope(
 
 
 def encode(env: Envelope) -> bytes:
+    """The whole envelope (it decodes without its subject)."""
     return _encoder.encode(env)
+
+
+def _derived_id(env: Envelope) -> str:
+    return event_id_for(env.result_id if env.result_id != RUN_KEY else env.run_id, env.event_type, env.attempt_key)
+
+
+def wire(env: Envelope) -> bytes:
+    """The envelope as published on its subject: without the ids the subject names, and without
+    its event id when that follows from them (see Envelope)."""
+    event_id = "" if env.event_id == _derived_id(env) else env.event_id
+    return _encoder.encode(msgspec.structs.replace(env, event_id=event_id, event_type="", run_id="", result_id=""))
+
+
+def _from_subject(env: Envelope, subject: str | None) -> None:
+    """Fill in what a published envelope left out, from the subject it arrived on."""
+    if subject is None:
+        raise InvalidEvent(f"event {env.event_id[:100] or '?'} names no type, run or result: it is read from its subject")
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != "vb":
+        raise InvalidEvent(f"subject {subject[:200]!r} is not vb.<event-type>.<run>.<result>")
+    env.event_type = env.event_type or f"{parts[1]}.{parts[2]}"
+    env.run_id = env.run_id or parts[3]
+    env.result_id = env.result_id or parts[4]
+    if not env.event_id:
+        env.event_id = _derived_id(env)
 
 
 def decode(data: bytes, subject: str | None = None) -> Envelope:
@@ -284,6 +345,8 @@ def decode(data: bytes, subject: str | None = None) -> Envelope:
     if len(data) > MAX_EVENT_BYTES + 65_536:
         raise InvalidEvent(f"message is {len(data):,} bytes")
     env = _env_decoder.decode(data)
+    if not env.event_type:  # published by `wire`: its subject names it
+        _from_subject(env, subject)
     if env.schema_version != SCHEMA_VERSION:
         raise SchemaVersionError(
             f"event {env.event_id[:100]} has schema_version {env.schema_version}, expected {SCHEMA_VERSION}"

@@ -338,7 +338,7 @@ PUBLISH_RETRY_S = 30.0
 
 
 async def _publish_one(js: JetStreamContext, env: events.Envelope) -> Any:
-    return await js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
+    return await js.publish(env.subject, events.wire(env), stream=events.STREAM, headers=msg_headers(env))
 
 
 async def publish(js: JetStreamContext, env: events.Envelope) -> bool:
@@ -383,7 +383,7 @@ async def last_event(js: JetStreamContext, subject: str) -> events.Envelope | No
         msg = await js.get_last_msg(events.STREAM, subject, direct=True)
     except NotFoundError:
         return None
-    return events.decode(msg.data) if msg.data else None
+    return events.decode(msg.data, subject) if msg.data else None
 
 
 def server_reachable(url: str, timeout: float = 0.3) -> bool:

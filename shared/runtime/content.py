@@ -180,13 +180,15 @@ class ContentStore:
         return payload
 
     def lean_payload(self, payload: Any) -> Any:
-        """A copy of a StageEvent whose job is lean (for publishing); other payloads pass. The
-        job's run and result ids are left out too: the envelope names them (`events.payload_as`
-        puts them back)."""
-        if isinstance(payload, events.StageEvent) and payload.job.refs:
-            job = msgspec.structs.replace(lean(payload.job, self.cache), run_id="", result_id="")
-            return msgspec.structs.replace(payload, job=job)
-        return payload
+        """A copy of a StageEvent whose job is lean (for publishing), with its stage log compact
+        (`events.lean_state`); other payloads pass. The job's run and result ids are left out
+        too: the envelope names them (`events.payload_as` puts them back)."""
+        if not isinstance(payload, events.StageEvent):
+            return payload
+        job = payload.job
+        if job.refs:
+            job = msgspec.structs.replace(lean(job, self.cache), run_id="", result_id="")
+        return msgspec.structs.replace(payload, job=job, state=events.lean_state(payload.state))
 
 
 async def lean_requests(store: ContentStore, requests: list[events.AnswerRequested]) -> list[events.AnswerRequested]:

@@ -31,6 +31,7 @@ from shared.core.events import (
     StageError,
     StageFailed,
     StageRecord,
+    records_from_log,
 )
 from shared.core.models import VerificationResult
 from shared.core.scrub import scrub_bytes, scrub_text
@@ -95,6 +96,8 @@ class _StateProbe(msgspec.Struct):
     stages: list[StageRecord] = []
     usage: dict[str, Any] = {}
     error: StageError | None = None
+    started_at: float = 0.0
+    log: list[tuple[str, str, str, float, float]] = []  # the compact stage log (events.State)
 
 
 class _StageProbe(msgspec.Struct):
@@ -159,11 +162,12 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     state = probe.state
     if state is None:
         return
-    if state.stages:
-        row[_SNAMES] = [s.stage for s in state.stages]
-        row[_SSTATUS] = [s.status for s in state.stages]
-        row[_SSTART] = [s.started_at for s in state.stages]
-        row[_SEND] = [s.ended_at for s in state.stages]
+    stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
+    if stages:
+        row[_SNAMES] = [s.stage for s in stages]
+        row[_SSTATUS] = [s.status for s in stages]
+        row[_SSTART] = [s.started_at for s in stages]
+        row[_SEND] = [s.ended_at for s in stages]
     keys = _EVENT_USAGE_KEYS.get(event_type, ())
     entries = [state.usage[k] for k in keys if isinstance(state.usage.get(k), dict)]
     if entries:
