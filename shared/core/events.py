@@ -165,7 +165,9 @@ def lean_state(state: State) -> State:
     base = state.started_at
     log = [(r.stage, r.status, r.reason, round(r.started_at - base, 6), round(r.ended_at - r.started_at, 6))
            for r in state.stages]
-    return msgspec.structs.replace(state, stages=[], log=log)
+    lean = msgspec.structs.replace(state, stages=[])
+    lean.log = log  # set after: construction (__post_init__) would turn it back into records
+    return lean
 
 
 class StageEvent(msgspec.Struct, omit_defaults=True):

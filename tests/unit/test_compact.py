@@ -75,3 +75,53 @@ def test_wire_payload_is_compact_and_decodes_to_the_full_dump() -> None:
     old_row = project_envelopes([old_env]).results[0]
     assert lean_row["result_json"] == old_row["result_json"] == msgspec.json.encode(dump)
     assert {k: v for k, v in lean_row.items() if k != "version"} == {k: v for k, v in old_row.items() if k != "version"}
+
+
+def _stage_event() -> events.StageEvent:
+    job = events.Job(run_id="20250101T000000-aaaaaaaa", result_id="0123456789abcdef", answer_id="fedcba9876543210",
+                     question_id="q1", question_text="What is 2+2?",
+                     answering=events.ModelSpec(model_name="openai/a"), parsing=events.ModelSpec(model_name="openai/j"),
+                     timestamp="2025-01-01T00:00:00+00:00")
+    state = events.State(started_at=1_750_000_000.123456, stages=[
+        events.StageRecord(stage="generate_answer", status="performed", started_at=1_750_000_000.123456,
+                           ended_at=1_750_000_000.623457),
+        events.StageRecord(stage="abstention_check", status="skipped", reason="abstention_enabled is false",
+                           started_at=1_750_000_000.7, ended_at=1_750_000_000.700001)])
+    return events.StageEvent(job=job, state=state)
+
+
+def test_published_envelope_names_its_ids_by_subject_and_decodes_whole() -> None:
+    ev = _stage_event()
+    env = events.make_envelope(events.ANSWER_GENERATED, ev.job.run_id, ev.job.result_id,
+                               msgspec.structs.replace(ev, state=events.lean_state(ev.state)), "generation/test")
+    data = events.wire(env)
+    assert ev.job.result_id.encode() not in data.split(b'"payload"')[0]  # the subject says it
+    assert len(data) < len(events.encode(env))
+    back = events.decode(data, env.subject)
+    assert (back.event_id, back.event_type, back.run_id, back.result_id) == (
+        env.event_id, env.event_type, env.run_id, env.result_id)
+    with pytest.raises(events.InvalidEvent, match="subject"):
+        events.decode(data)  # a published envelope is read with its subject
+    with pytest.raises(events.InvalidEvent, match="not vb"):
+        events.decode(data, "vb.answer.generated")
+    with pytest.raises(events.InvalidEvent, match="result_id"):
+        events.decode(data, "vb.answer.generated.20250101T000000-aaaaaaaa.bad result")
+    # the stage log comes back as records, to the microsecond
+    st = events.payload_as(back, events.StageEvent).state
+    assert [(r.stage, r.status, r.reason) for r in st.stages] == [(r.stage, r.status, r.reason) for r in ev.state.stages]
+    for got, want in zip(st.stages, ev.state.stages, strict=True):
+        assert abs(got.started_at - want.started_at) < 2e-6 and abs(got.ended_at - want.ended_at) < 2e-6
+    assert st.log == []
+
+
+def test_an_event_id_that_does_not_follow_from_the_ids_is_kept() -> None:
+    env = events.make_envelope(events.DEAD_LETTER, "run1", "res1",
+                               events.DeadLetter(subject="vb.x.y.run1.res1", consumer="c", error="e", deliveries=1), "t")
+    env.event_id = "res1:dead.letter:parsing-abc123"
+    back = events.decode(events.wire(env), env.subject)
+    assert back.event_id == "res1:dead.letter:parsing-abc123"
+
+
+def test_lean_state_encodes_the_compact_log() -> None:
+    wire = msgspec.json.encode(events.lean_state(_stage_event().state))
+    assert b'"stages"' not in wire and b'"log":[["generate_answer","performed","",0.0,0.500001]' in wire
