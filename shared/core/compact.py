@@ -111,6 +111,15 @@ def _expand(data: dict[str, Any], schema: _Schema) -> dict[str, Any]:
     return out
 
 
+def template_nulls() -> frozenset[str]:
+    """The template section's fields whose default is null: a stage state may leave them out
+    when null (the fold builds the section with the model, which puts them back)."""
+    for name, _default, sub in _schema():
+        if name == "template" and sub is not None:
+            return frozenset(n for n, d, _ in sub if d is None)
+    return frozenset()
+
+
 def compact(dump: dict[str, Any]) -> dict[str, Any]:
     """A `VerificationResult.model_dump(mode="json")` without the fields at their defaults."""
     return _compact(dump, _schema())

@@ -46,8 +46,9 @@ def subscription(event_type: str) -> str:
     return f"vb.{event_type}.*.*"
 
 
-class ModelSpec(msgspec.Struct, omit_defaults=True):
-    """A model as the services call it. Holds the *name* of the key's env var, never a key."""
+class ModelSpec(msgspec.Struct, omit_defaults=True, frozen=True):
+    """A model as the services call it. Holds the *name* of the key's env var, never a key.
+    Frozen (change one with `msgspec.structs.replace`), so the empty spec can be a default."""
 
     model_name: str = ""  # empty only in a lean job, whose specs travel by content hash
     id: str = ""
@@ -79,6 +80,9 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
         return f"{self.interface}:{self.model_name}:{','.join(self.tools)}"
 
 
+NO_MODEL = ModelSpec()
+
+
 class Job(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The fixed inputs of one result (question × answering × parsing × replicate).
 
@@ -91,8 +95,8 @@ class Job(msgspec.Struct, omit_defaults=True, kw_only=True):
     answer_id: str
     question_id: str
     question_text: str = ""
-    answering: ModelSpec
-    parsing: ModelSpec
+    answering: ModelSpec = NO_MODEL  # empty in a lean job: carried by content hash
+    parsing: ModelSpec = NO_MODEL
     timestamp: str = ""
     evaluation_mode: str = "template_only"
     run_name: str | None = None
@@ -159,7 +163,15 @@ def records_from_log(log: list[Any], started_at: float) -> list[StageRecord]:
 
 
 def lean_state(state: State) -> State:
-    """The state as published: its stage log compact (see State)."""
+    """The state as published: its stage log compact (see State), and without the template
+    fields that are null by default (`shared.core.compact.template_nulls`; stages read them with
+    `.get`, the fold through the model)."""
+    from shared.core.compact import template_nulls
+
+    nulls = template_nulls()
+    if any(v is None and k in nulls for k, v in state.template.items()):
+        state = msgspec.structs.replace(
+            state, template={k: v for k, v in state.template.items() if v is not None or k not in nulls})
     if not state.stages:
         return state
     base = state.started_at

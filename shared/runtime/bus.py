@@ -338,7 +338,9 @@ PUBLISH_RETRY_S = 30.0
 
 
 async def _publish_one(js: JetStreamContext, env: events.Envelope) -> Any:
-    return await js.publish(env.subject, events.wire(env), stream=events.STREAM, headers=msg_headers(env))
+    # no `stream=`: nats-py would add a Nats-Expected-Stream header, stored with every event (vb.>
+    # belongs to one stream; a subject no stream takes fails the publish all the same)
+    return await js.publish(env.subject, events.wire(env), headers=msg_headers(env))
 
 
 async def publish(js: JetStreamContext, env: events.Envelope) -> bool:

@@ -43,7 +43,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     OPTIONS: ("options", "timestamp"),
     MODELS: ("answering", "parsing"),
 }
-_NO_MODEL = events.ModelSpec()
+_NO_MODEL = events.NO_MODEL
 _EMPTY: dict[str, Any] = {"question_text": "", "template_code": None, "template_id": "no_template", "rubric": None,
                           "keywords": None, "raw_answer": None, "few_shot_examples": [], "options": {},
                           "timestamp": "", "answering": _NO_MODEL, "parsing": _NO_MODEL}
