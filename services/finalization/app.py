@@ -54,9 +54,12 @@ async def _first_valid(subject: str) -> events.StageEvent | None:
             return None
         try:
             env = events.decode(msg.data, subject)
-            return events.payload_as(env, events.StageEvent)
+            ev = events.payload_as(env, events.StageEvent)
         except Exception:  # noqa: BLE001 - a bad copy: look at the next
             seq = (msg.seq or seq) + 1
+            continue
+        ev.job = await service.content.hydrate(ev.job)  # a lean job: its question and models back in
+        return ev
     return None
 
 

@@ -87,13 +87,13 @@ class Job(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The fixed inputs of one result (question × answering × parsing × replicate).
 
     A lean job on the wire (`shared.runtime.content`) leaves out what its `refs` point to and
-    the ids its envelope already names (`run_id`; `result_id` in a stage event): `payload_as`
-    puts the ids back, the content store the rest."""
+    the ids its envelope already names (`run_id`; `result_id` in a stage event, `answer_id` in an
+    answer request): `payload_as` puts the ids back, the content store the rest."""
 
     run_id: str = ""
     result_id: str = ""
-    answer_id: str
-    question_id: str
+    answer_id: str = ""
+    question_id: str = ""  # empty in a lean job: with the question's content
     question_text: str = ""
     answering: ModelSpec = NO_MODEL  # empty in a lean job: carried by content hash
     parsing: ModelSpec = NO_MODEL
@@ -392,6 +392,8 @@ def _ids_from_envelope(env: Envelope, payload: Any) -> None:
         for job in payload.jobs:
             if not job.run_id:
                 job.run_id = env.run_id
+            if not job.answer_id:
+                job.answer_id = env.result_id
 
 
 def check_payload(env: Envelope, payload: Any) -> None:

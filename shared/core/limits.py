@@ -115,8 +115,12 @@ def check_model(spec: Any, role: str) -> None:
 
 def check_job(job: Any, env: Any | None = None) -> None:
     """One job's ids (and that they match the envelope carrying it) and field sizes."""
+    # a lean job carries its question id with the question's content ("q" in refs) until filled in
+    lean_question = "q" in (getattr(job, "refs", None) or {}) and not job.question_id
     for name in ("run_id", "result_id", "answer_id", "question_id"):
         val = getattr(job, name)
+        if name == "question_id" and lean_question:
+            continue
         ok = 0 < len(val) <= 512 if name == "question_id" else valid_id(val)  # question ids are free text
         _need(ok, f"job.{name} {_short(val)} is not a valid id")
     _need(len(job.question_text) <= MAX_QUESTION_CHARS,

@@ -38,13 +38,13 @@ QUESTION = "q"  # question text, template, rubric, keywords, expected answer, fe
 OPTIONS = "o"  # the run's stage options
 MODELS = "m"  # the answering and parsing model specs
 _FIELDS: dict[str, tuple[str, ...]] = {
-    QUESTION: ("question_text", "template_code", "template_id", "rubric", "keywords", "raw_answer",
+    QUESTION: ("question_id", "question_text", "template_code", "template_id", "rubric", "keywords", "raw_answer",
                "few_shot_examples"),
     OPTIONS: ("options", "timestamp"),
     MODELS: ("answering", "parsing"),
 }
 _NO_MODEL = events.NO_MODEL
-_EMPTY: dict[str, Any] = {"question_text": "", "template_code": None, "template_id": "no_template", "rubric": None,
+_EMPTY: dict[str, Any] = {"question_id": "", "question_text": "", "template_code": None, "template_id": "no_template", "rubric": None,
                           "keywords": None, "raw_answer": None, "few_shot_examples": [], "options": {},
                           "timestamp": "", "answering": _NO_MODEL, "parsing": _NO_MODEL}
 _TYPES: dict[str, Any] = {"answering": events.ModelSpec, "parsing": events.ModelSpec}
@@ -61,9 +61,9 @@ def _blob(job: events.Job, kind: str) -> dict[str, Any]:
 
 
 def content_key(data: bytes) -> str:
-    """`c_` + 132 bits of the content's SHA-256, base64url (a KV key; keys of older runs, 40 hex
+    """`c_` + 96 bits of the content's SHA-256, base64url (a KV key; keys of older runs, 40 hex
     digits, are read the same way)."""
-    return "c_" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()[:22]
+    return "c_" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()[:12]).decode()
 
 
 def blobs_of(job: events.Job) -> dict[str, tuple[str, bytes]]:
@@ -205,6 +205,6 @@ async def lean_requests(store: ContentStore, requests: list[events.AnswerRequest
             jobs.append(msgspec.structs.replace(job, refs=refs))
         out.append(events.AnswerRequested(jobs=jobs))
     await store.put_many(items.items())
-    # the envelope names the run (`events.payload_as` puts it back)
-    return [events.AnswerRequested(jobs=[msgspec.structs.replace(lean(j, store.cache), run_id="") for j in r.jobs])
-            for r in out]
+    # the envelope names the run and the answer (`events.payload_as` puts them back)
+    return [events.AnswerRequested(jobs=[msgspec.structs.replace(lean(j, store.cache), run_id="", answer_id="")
+                                         for j in r.jobs]) for r in out]
