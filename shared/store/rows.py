@@ -80,6 +80,7 @@ RUN_COLUMNS = [
 ]
 
 _json = msgspec.json.Encoder()
+_NUMBER = (int, float)  # a tuple: `int | float` would build a union on every call
 
 
 def _us(ts: float) -> int:
@@ -259,7 +260,7 @@ def _opt_bool(v: Any) -> bool | None:
 def _opt_float(v: Any) -> float | None:
     if isinstance(v, bool):
         return 1.0 if v else 0.0
-    if isinstance(v, int | float):
+    if isinstance(v, _NUMBER):
         return float(v)
     return None
 
@@ -292,7 +293,7 @@ def _tokens(entry: Any, key: str) -> int:
     if not isinstance(entry, dict):
         return 0
     v = entry.get(key)
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else 0
+    return int(v) if isinstance(v, _NUMBER) and not isinstance(v, bool) and v > 0 else 0
 
 
 def _iso_to_us(ts: Any) -> int | None:
@@ -348,7 +349,7 @@ def result_to_row(
         u_in.append(_tokens(entry, "input_tokens"))
         u_out.append(_tokens(entry, "output_tokens"))
         c = entry.get("cost_usd")
-        u_cost.append(float(c) if isinstance(c, int | float) else None)
+        u_cost.append(float(c) if isinstance(c, _NUMBER) else None)
     total = usage.get("total")
     if isinstance(total, dict):
         t_in, t_out = _tokens(total, "input_tokens"), _tokens(total, "output_tokens")
@@ -437,7 +438,7 @@ def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> dict[
     calls = int(total.get("model_calls") or sum(int(e.get("model_calls") or 0) for e in entries))
     cached = int(total.get("cached_replies") or sum(int(e.get("cached_replies") or 0) for e in entries))
     c = total.get("cost_usd")
-    if not isinstance(c, int | float):
+    if not isinstance(c, _NUMBER):
         c = sum(x for x in u_cost if x is not None) if u_cost and all(x is not None for x in u_cost) else None
     return {"cost_usd": float(c) if c is not None else None, "model_calls": calls, "cached_replies": cached,
             "usage_cost_usd": u_cost}
