@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -155,11 +156,18 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
             ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0,
             max_ack_pending=-1))
         # one batch at a time: inserting in a thread beside the next batch's projection was slower
-        # (both hold the GIL for most of their work)
+        # (both hold the GIL for most of their work). The cyclic collector is off meanwhile: a batch
+        # keeps ~100,000 objects alive and makes no cycles, and its passes over them cost about a
+        # third of the projection time (measured on 30,000 events: 0.9 s -> 0.7 s at best, 1.7 s ->
+        # 0.9 s typical on the shared machine)
+        gc_was_on = gc.isenabled()
+        gc.disable()
         try:
             async for msgs in _StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
                 projector.insert(projector.project_batch(msgs))
         finally:
+            if gc_was_on:
+                gc.enable()
             try:
                 await js.delete_consumer(events.STREAM, info.name)
             except Exception as exc:  # noqa: BLE001 - it goes when inactive anyway
