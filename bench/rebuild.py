@@ -163,6 +163,8 @@ def measure(n_events: int, runs: int) -> dict[str, Any]:
             return {"events": messages, "stream_bytes": nbytes, "generate_s": round(gen_s, 2),
                     "publish_s": round(fill_s, 2), "rebuild_s": round(rep.elapsed_s, 3),
                     "events_per_s": round(messages / rep.elapsed_s) if rep.elapsed_s else None,
+                    "fold_s": round(rep.fold_s, 3),
+                    "fold_events_per_s": round(messages / rep.fold_s) if rep.fold_s else None,
                     "rows": {k: v[0] for k, v in rep.after.items()}, "mode": rep.mode}
         finally:
             proc.terminate()
@@ -173,9 +175,12 @@ def main(args: argparse.Namespace) -> int:
     row = measure(args.rebuild_events, args.rebuild_runs)
     print(f"\n== projections rebuild: {row['events']} events ({row['stream_bytes']} bytes) in {row['rebuild_s']} s, "
           f"{row['mode']} into a fresh chdb")
+    print(f"  of which folding the stream (read, project, insert): {row['fold_s']} s; the rest opens chdb, "
+          "drops and creates the tables and fingerprints them before and after")
     print(f"  rows after: {row['rows']}")
     print(f"  (generated in {row['generate_s']} s, published in {row['publish_s']} s; not part of the figure)")
     print("\nIssue 12 figures vs targets (on a shared machine figures vary from run to run):")
-    print(f"    rebuild events/s                {row['events_per_s']:>10}   target >= {TARGET_EVENTS_PER_S:,}")
+    print(f"    rebuild events/s, fold          {row['fold_events_per_s']:>10}   target >= {TARGET_EVENTS_PER_S:,}")
+    print(f"    rebuild events/s, whole command {row['events_per_s']:>10}")
     print("\n" + msgspec.json.format(msgspec.json.encode(row)).decode())
     return 0

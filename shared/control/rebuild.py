@@ -55,6 +55,7 @@ class RebuildReport:
     stream_messages: int
     elapsed_s: float
     mode: str  # "stack" (projector restarted) or "in-process"
+    fold_s: float = 0.0  # in-process: the time spent reading, projecting and inserting the stream
 
     @property
     def identical(self) -> bool:
@@ -221,9 +222,11 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
         store.drop_all()
         store.migrate()
         say("folding the stream in this process")
+        t_fold = time.monotonic()
         asyncio.run(_project_in_process(settings, store))
+        fold_s = time.monotonic() - t_fold
         after = fingerprint(store.query)
     finally:
         store.close()
     msgs = asyncio.run(_stream_messages(settings))
-    return RebuildReport(before, after, msgs, time.monotonic() - t0, "in-process")
+    return RebuildReport(before, after, msgs, time.monotonic() - t0, "in-process", fold_s)
