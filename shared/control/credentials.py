@@ -51,6 +51,7 @@ def provider_of(model_name: str) -> str | None:
 def _litellm_missing(model: ModelConfig) -> list[str]:
     """What litellm says the environment lacks for this model ([] when it cannot tell)."""
     try:
+        # local import: shared.runtime.llm would slow the CLI's start-up; only this check asks litellm
         from shared.runtime.llm.transport import _get_litellm
 
         litellm = _get_litellm()

@@ -16,10 +16,17 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
+import nats
+
+from shared.control import stack
 from shared.core.config import Settings
+from shared.runtime.bus import connect_options
 
 FLAG_ENV = "VERIBUS_NATS_URL_FROM_FLAG"  # set by the CLI when --nats-url gave the URL
 CHECK_TIMEOUT_S = 4.0
@@ -67,14 +74,12 @@ class Deployment:
 
 def select(settings: Settings | None = None) -> Deployment:
     """The deployment this process talks to (see the module docstring)."""
-    from shared.control.stack import running_stack
-
     settings = settings or Settings.from_env()
     url = os.environ.get("VERIBUS_NATS_URL")
     if url:
         source = "--nats-url" if os.environ.get(FLAG_ENV) == url else "VERIBUS_NATS_URL"
         return Deployment("configured", settings, source, settings.simulator_url)
-    state = running_stack(settings)
+    state = stack.running_stack(settings)
     if state is not None:
         settings.nats_url = state.nats_url
         settings.simulator_url = settings.simulator_url or state.simulator_url
@@ -99,10 +104,6 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _check(settings: Settings) -> None:
-    import nats
-
-    from shared.runtime.bus import connect_options
-
     opts: dict[str, Any] = connect_options(settings)
     opts.update(name="veribus-cli-check", allow_reconnect=False, max_reconnect_attempts=0,
                 connect_timeout=min(2.0, CHECK_TIMEOUT_S), reconnect_time_wait=0)
@@ -119,9 +120,6 @@ async def _check(settings: Settings) -> None:
 
 def _tcp_reason(url: str) -> str | None:
     """Why nothing accepts TCP connections at a NATS URL (None when something does)."""
-    import socket
-    from urllib.parse import urlparse
-
     for one in url.split(","):
         parsed = urlparse(one.strip())
         host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
@@ -141,8 +139,6 @@ def check_bus(dep: Deployment) -> None:
     """Connect once (no reconnect loop) within a few seconds; raise Unreachable naming the URL,
     where it came from and why. The NATS handshake runs in a daemon thread, so a client that
     does not give up cannot hold the command past the deadline."""
-    import threading
-
     where = f" (from {dep.source})" if dep.source else ""
     url = mask_url(dep.settings.nats_url)
     tcp = _tcp_reason(dep.settings.nats_url)

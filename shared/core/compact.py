@@ -18,6 +18,11 @@ import types
 import typing
 from typing import Any
 
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from shared.core.models import VerificationResult
+
 _MISSING = object()
 _Schema = tuple[tuple[str, Any, "_Schema | None"], ...]
 _SCHEMA: _Schema | None = None
@@ -25,8 +30,6 @@ _SCHEMA: _Schema | None = None
 
 def _default_json(field: Any) -> Any:
     """The JSON value of a field's default, or _MISSING when it has none or it is not a constant."""
-    from pydantic_core import PydanticUndefined
-
     if field.default_factory is not None:
         if field.default_factory is list:
             return []
@@ -45,8 +48,6 @@ def _default_json(field: Any) -> Any:
 
 def _section_of(annotation: Any) -> Any:
     """The section model a field holds (`Model` or `Model | None`), else None."""
-    from pydantic import BaseModel
-
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -67,8 +68,6 @@ def _schema_of(model: Any) -> _Schema:
 def _schema() -> _Schema:
     global _SCHEMA
     if _SCHEMA is None:
-        from shared.core.models import VerificationResult  # pydantic, only when a result is compacted
-
         _SCHEMA = _schema_of(VerificationResult)
     return _SCHEMA
 

@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from shared.core.compact import compact, expand, template_nulls
 from shared.core.ids import event_id_for
 from shared.core.limits import MAX_EVENT_BYTES, InvalidEvent, check_envelope, check_job
 from shared.core.scrub import scrub_bytes
@@ -166,8 +167,6 @@ def lean_state(state: State) -> State:
     """The state as published: its stage log compact (see State), and without the template
     fields that are null by default (`shared.core.compact.template_nulls`; stages read them with
     `.get`, the fold through the model)."""
-    from shared.core.compact import template_nulls
-
     nulls = template_nulls()
     if any(v is None and k in nulls for k, v in state.template.items()):
         state = msgspec.structs.replace(
@@ -254,16 +253,12 @@ class ResultFinalized(msgspec.Struct, omit_defaults=True):
 
     def __post_init__(self) -> None:
         if self.compact and not self.result:
-            from shared.core.compact import expand
-
             self.result = expand(self.compact)
             self.compact = {}
 
     @classmethod
     def wire(cls, dump: dict[str, Any]) -> ResultFinalizedWire:
         """What the finalizer publishes for a result dump: its compact form only."""
-        from shared.core.compact import compact
-
         return ResultFinalizedWire(compact=compact(dump))
 
 

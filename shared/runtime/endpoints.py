@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
+
 # provider prefix -> (standard key variable(s), the provider's own base URL)
 PROVIDERS: dict[str, tuple[tuple[str, ...], str]] = {
     "openai": (("OPENAI_API_KEY",), "https://api.openai.com/v1"),
@@ -140,8 +142,6 @@ def _pairs_from_file(path: Path) -> set[tuple[str, str]]:
     if path.suffix.lower() == ".json":
         data = json.loads(text)
     else:
-        import yaml
-
         data = yaml.safe_load(text)
     entries = data.get("endpoints") if isinstance(data, dict) else data
     if not isinstance(entries, list):

@@ -33,7 +33,7 @@ def _split_args(inner: str) -> list[str]:
 
 def arrow_type(ch_type: str) -> Any:
     """The Arrow type a ClickHouse column reads from (ValueError for one not handled here)."""
-    import pyarrow as pa  # pyarrow: only the store's inserts need it
+    import pyarrow as pa  # local import: pyarrow is heavy and only the store's inserts need it
 
     t = ch_type.strip()
     for wrapper in ("LowCardinality(", "Nullable("):
@@ -60,7 +60,7 @@ def arrow_type(ch_type: str) -> Any:
 
 def to_arrow(types: dict[str, Any], column_names: Sequence[str], columns: Sequence[Sequence[Any]]) -> Any:
     """An Arrow table of `columns` (one sequence of values per column name)."""
-    import pyarrow as pa  # pyarrow: only the store's inserts need it
+    import pyarrow as pa  # local import: pyarrow is heavy and only the store's inserts need it
 
     arrays = [pa.array(values, type=types[name]) for name, values in zip(column_names, columns, strict=True)]
     return pa.Table.from_arrays(arrays, names=list(column_names))

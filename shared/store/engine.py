@@ -25,6 +25,7 @@ from shared.core.events import (
     Envelope,
     RunRequested,
 )
+from shared.store import arrow
 from shared.store.rows import EVENT_COLUMNS, RESULT_COLUMNS, RUN_COLUMNS, Projection, event_row, run_row
 from shared.store.sql_guard import (
     ReadOnlyError,
@@ -68,7 +69,7 @@ def preload_chdb() -> None:
     and may change the working directory, so it must not happen lazily inside a worker thread."""
     with _chdb_lock:
         cwd = os.getcwd()
-        import chdb  # noqa: F401 - heavy (~0.3 s, ~226 MB): only the embedded engine needs it
+        import chdb  # noqa: F401 - local import: heavy (~0.3 s, ~226 MB), only the embedded engine
 
         if os.getcwd() != cwd:
             os.chdir(cwd)
@@ -110,10 +111,8 @@ class Store:
     def _types_of(self, table: str) -> dict[str, Any]:
         types = self._arrow_types.get(table)
         if types is None:
-            from shared.store.arrow import arrow_type
-
             rows = self.client.query(f"DESCRIBE TABLE {self.database}.{table}").result_rows
-            types = self._arrow_types[table] = {r[0]: arrow_type(r[1]) for r in rows}
+            types = self._arrow_types[table] = {r[0]: arrow.arrow_type(r[1]) for r in rows}
         return types
 
     def _insert(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]]) -> None:
@@ -121,9 +120,7 @@ class Store:
         does not take from it goes in by clickhouse-connect's Native insert instead, so a row is
         never lost to the format (inserts are idempotent: the tables replace by key)."""
         try:
-            from shared.store.arrow import to_arrow
-
-            block = to_arrow(self._types_of(table), column_names, columns)
+            block = arrow.to_arrow(self._types_of(table), column_names, columns)
             self.client.insert_arrow(f"{self.database}.{table}", block)
             return
         except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
@@ -245,7 +242,7 @@ class Store:
 
 
 def _chdb_client(path: Path, database: str | None = None) -> Any:
-    import clickhouse_connect  # clickhouse_connect: only a store connection needs it
+    import clickhouse_connect  # local import: ~0.2 s, only a store connection needs it
 
     return clickhouse_connect.get_client(dsn=f"chdb://{path}", database=database)
 
@@ -253,7 +250,7 @@ def _chdb_client(path: Path, database: str | None = None) -> Any:
 def open_store(settings: Settings, migrate: bool = True) -> Store:
     """Open the store `settings` points at: a ClickHouse server when `clickhouse_url` is set, else
     the embedded chdb folder `settings.chdb_path` (one process per folder)."""
-    import clickhouse_connect  # clickhouse_connect: only a store connection needs it
+    import clickhouse_connect  # local import: ~0.2 s, only a store connection needs it
 
     db = check_identifier(settings.clickhouse_database)
     if settings.clickhouse_url:

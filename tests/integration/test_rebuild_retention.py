@@ -72,7 +72,7 @@ def test_rebuild_after_retention_names_what_is_gone(nats_server, tmp_path: Path,
     before = _results(settings)
 
     asyncio.run(_limit_bytes(settings, size_all - size_old))  # exactly the older run's events go
-    monkeypatch.setattr(cli_lifecycle, "_settings", lambda: settings)
+    monkeypatch.setattr(cli_lifecycle, "deployment_settings", lambda: settings)
     assert cli_lifecycle.cmd_projections_rebuild(argparse.Namespace(timeout=120.0)) == 0
     out = capsys.readouterr().out
 
