@@ -123,13 +123,21 @@ class _Filler:
 _FILLER: _Filler | None = None
 
 
-def template_nulls() -> frozenset[str]:
-    """The template section's fields whose default is null: a stage state may leave them out
-    when null (the fold builds the section with the model, which puts them back)."""
-    for name, _default, sub in _schema():
-        if name == "template" and sub is not None:
-            return frozenset(n for n, d, _ in sub if d is None)
-    return frozenset()
+_EMPTY_DEFAULTS: frozenset[str] | None = None
+
+
+def is_empty_template_default(name: str, value: Any) -> bool:
+    """Whether a template-section value is its field's empty default (null, or [] where the
+    default is []): a stage state may leave it out (stages read the section with `.get(...) or`,
+    and the fold builds it with the model, which puts the default back)."""
+    global _EMPTY_DEFAULTS
+    if _EMPTY_DEFAULTS is None:
+        sub = next(s for n, _, s in _schema() if n == "template")
+        _EMPTY_DEFAULTS = frozenset(f"{n}:{'[]' if d == [] else 'null'}" for n, d, _ in sub or ()
+                                    if d is None or (type(d) is list and not d))
+    if value is None:
+        return f"{name}:null" in _EMPTY_DEFAULTS
+    return type(value) is list and not value and f"{name}:[]" in _EMPTY_DEFAULTS
 
 
 def compact(dump: dict[str, Any]) -> dict[str, Any]:

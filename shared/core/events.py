@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from shared.core.compact import compact, expand, template_nulls
+from shared.core.compact import compact, expand, is_empty_template_default
 from shared.core.ids import event_id_for
 from shared.core.limits import MAX_EVENT_BYTES, InvalidEvent, check_envelope, check_job
 from shared.core.scrub import scrub_bytes
@@ -165,12 +165,10 @@ def records_from_log(log: list[Any], started_at: float) -> list[StageRecord]:
 
 def lean_state(state: State) -> State:
     """The state as published: its stage log compact (see State), and without the template
-    fields that are null by default (`shared.core.compact.template_nulls`; stages read them with
-    `.get`, the fold through the model)."""
-    nulls = template_nulls()
-    if any(v is None and k in nulls for k, v in state.template.items()):
+    fields at their empty defaults (`shared.core.compact.is_empty_template_default`)."""
+    if any(is_empty_template_default(k, v) for k, v in state.template.items()):
         state = msgspec.structs.replace(
-            state, template={k: v for k, v in state.template.items() if v is not None or k not in nulls})
+            state, template={k: v for k, v in state.template.items() if not is_empty_template_default(k, v)})
     if not state.stages:
         return state
     base = state.started_at

@@ -125,3 +125,16 @@ def test_an_event_id_that_does_not_follow_from_the_ids_is_kept() -> None:
 def test_lean_state_encodes_the_compact_log() -> None:
     wire = msgspec.json.encode(events.lean_state(_stage_event().state))
     assert b'"stages"' not in wire and b'"log":[["generate_answer","performed","",0.0,0.500001]' in wire
+
+
+def test_lean_state_leaves_out_empty_template_defaults_and_the_fold_restores_them() -> None:
+    from shared.core.fold import fold_result
+
+    ev = _stage_event()
+    ev.state.template = {"raw_llm_response": "4", "trace_messages": [], "answering_mcp_servers": None,
+                         "verify_result": False, "regex_validation_results": {}, "abstention_detected": None}
+    lean = events.lean_state(ev.state)
+    assert lean.template == {"raw_llm_response": "4", "verify_result": False, "regex_validation_results": {}}
+    full = fold_result(ev.job, ev.state, None, 1_750_000_001.0).model_dump(mode="json")
+    thin = fold_result(ev.job, lean, None, 1_750_000_001.0).model_dump(mode="json")
+    assert full == thin
