@@ -1,6 +1,6 @@
 """`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
-the real stack; `--backpressure`, `--analysis`, `--limits`, `--sandbox` and `--rebuild` select the
-other benchmarks.
+the real stack; `--backpressure`, `--analysis`, `--limits`, `--sandbox`, `--scaling` and `--rebuild`
+select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
 module as a child process and passes its exit code through.
@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limits", action="store_true",
                    help="instead: the per-call overhead of the deployment-wide model limiter")
     b.add_argument("--limit-calls", type=int, default=3000, help="calls for --limits")
+    b.add_argument("--scaling", action="store_true",
+                   help="instead: throughput with 1 and then 2 replicas of the bottleneck stages (generation, "
+                        "parsing) at the first non-zero --latency-ms, the model limit set not to cap them")
+    b.add_argument("--scaling-workers", type=int, default=8,
+                   help="handlers per replica of each scaled stage for --scaling (a replica's capacity)")
     b.add_argument("--sandbox", action="store_true",
                    help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
