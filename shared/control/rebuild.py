@@ -19,8 +19,10 @@ from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
+from shared.runtime.content import BUCKET as CONTENT_BUCKET
+from shared.runtime.content import ContentStore
 from shared.store.engine import Store, open_store
-from shared.store.projection import Projector
+from shared.store.projection import Projector, missing_contents
 from shared.store.reads import run_query
 
 log = logging.getLogger("veribus.lifecycle")
@@ -32,6 +34,7 @@ TABLE_FINGERPRINTS = {
     "verification_results": "SELECT count(), groupBitXor(cityHash64(result_id, version, result_json)) "
                             "FROM verification_results FINAL",
     "runs": "SELECT count(), groupBitXor(cityHash64(run_id, version, config_json)) FROM runs FINAL",
+    "contents": "SELECT count(), groupBitXor(cityHash64(key, kind, body)) FROM contents FINAL",
 }
 
 
@@ -56,10 +59,25 @@ class RebuildReport:
     elapsed_s: float
     mode: str  # "stack" (projector restarted) or "in-process"
     fold_s: float = 0.0  # in-process: the time spent reading, projecting and inserting the stream
+    # run_id -> contents its events refer to that the content store no longer had (`contents`
+    # lacks them: that run's question/template/rubric cannot be read from ClickHouse)
+    contents_missing: dict[str, int] | None = None
 
     @property
     def identical(self) -> bool:
         return self.before == self.after
+
+    def contents_lines(self) -> list[str]:
+        """What the rebuild could not copy from the content store, said plainly ([] when all was there)."""
+        if not self.contents_missing:
+            return []
+        runs = sorted(self.contents_missing)
+        total = sum(self.contents_missing.values())
+        shown = ", ".join(f"{r} ({self.contents_missing[r]})" for r in runs[:10])
+        more = f" and {len(runs) - 10} more" if len(runs) > 10 else ""
+        return [f"  {total} job contents referred to by the events are no longer in the content store "
+                f"(KV bucket {CONTENT_BUCKET}), so ClickHouse has no question, template or rubric for them; "
+                f"runs affected: {shown}{more}. Exports of these runs lack their rubric definition."]
 
 
 async def _consumer_caught_up(js: JetStreamContext, durable: str) -> bool:
@@ -149,10 +167,10 @@ class _StreamReader:
 
 async def _project_in_process(settings: Settings, store: Store, batch: int = 10_000) -> None:
     """Fold the whole stream into the tables of `store` from this process (no projector running)."""
-    projector = Projector(settings)
-    projector.store = store
     async with bus.session(settings) as nc:
         js = nc.jetstream()
+        projector = Projector(settings, fetch_content=ContentStore(lambda: js).get_raw)
+        projector.store = store
         info = await js.add_consumer(events.STREAM, ConsumerConfig(
             ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0,
             max_ack_pending=-1))
@@ -165,7 +183,9 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         gc.disable()
         try:
             async for msgs in _StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
-                projector.insert(projector.project_batch(msgs))
+                p = projector.project_batch(msgs)
+                await projector.attach_contents(p)
+                projector.insert(p)
         finally:
             if gc_was_on:
                 gc.enable()
@@ -208,8 +228,9 @@ def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
             stack.restart_proc(state, p.name)
         asyncio.run(_wait_caught_up(settings, PROJECTOR_DURABLE, timeout))
     after = fingerprint(lambda sql: run_query(settings, sql))
+    missing = missing_contents(lambda sql: run_query(settings, sql))
     msgs = asyncio.run(_stream_messages(settings))
-    return RebuildReport(before, after, msgs, time.monotonic() - t0, "stack")
+    return RebuildReport(before, after, msgs, time.monotonic() - t0, "stack", contents_missing=missing)
 
 
 def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: float) -> RebuildReport:
@@ -226,7 +247,8 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
         asyncio.run(_project_in_process(settings, store))
         fold_s = time.monotonic() - t_fold
         after = fingerprint(store.query)
+        missing = missing_contents(store.query)
     finally:
         store.close()
     msgs = asyncio.run(_stream_messages(settings))
-    return RebuildReport(before, after, msgs, time.monotonic() - t0, "in-process", fold_s)
+    return RebuildReport(before, after, msgs, time.monotonic() - t0, "in-process", fold_s, missing)

@@ -161,6 +161,17 @@ class ContentStore:
         self._remember(key, content)
         return content
 
+    async def get_raw(self, key: str) -> bytes | None:
+        """A content's stored bytes, uncached, or None when the bucket does not have it (the
+        projector copies each content into ClickHouse once: `shared.store.projection`)."""
+        kv = await self._bucket()
+        self.reads += 1
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return bytes(entry.value or b"")
+
     async def hydrate(self, job: events.Job) -> events.Job:
         if not job.refs:
             return job

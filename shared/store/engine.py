@@ -26,7 +26,15 @@ from shared.core.events import (
     RunRequested,
 )
 from shared.store import arrow
-from shared.store.rows import EVENT_COLUMNS, RESULT_COLUMNS, RUN_COLUMNS, Projection, event_row, run_row
+from shared.store.rows import (
+    CONTENT_COLUMNS,
+    EVENT_COLUMNS,
+    RESULT_COLUMNS,
+    RUN_COLUMNS,
+    Projection,
+    event_row,
+    run_row,
+)
 from shared.store.sql_guard import (
     ReadOnlyError,
     engine_check,
@@ -147,9 +155,23 @@ class Store:
         if rows:
             self._insert("runs", RUN_COLUMNS, list(zip(*rows, strict=True)))
 
+    def insert_contents(self, rows: Sequence[Sequence[Any]]) -> None:
+        """Insert job contents (CONTENT_COLUMNS order: key, kind, run_id, body)."""
+        if rows:
+            self._insert("contents", CONTENT_COLUMNS, list(zip(*rows, strict=True)))
+
+    def existing_contents(self, keys: Sequence[str]) -> set[str]:
+        """Which of these content keys the `contents` table already has."""
+        if not keys:
+            return set()
+        res = self.query(f"SELECT DISTINCT key FROM {self.database}.contents WHERE key IN {{k:Array(String)}}",
+                         {"k": list(keys)})
+        return {str(r[0]) for r in res.rows}
+
     def insert_projection(self, p: Projection) -> None:
-        """Results and runs first, events last; all idempotent, so a retry after a partial
-        failure converges."""
+        """Contents, results and runs first, events last; all idempotent, so a retry after a
+        partial failure converges."""
+        self.insert_contents(p.contents)
         self.insert_results(p.results)
         self.insert_runs(p.runs)
         self.insert_event_rows(p.events)

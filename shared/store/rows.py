@@ -15,6 +15,7 @@ import msgspec
 
 from shared.core.events import (
     ANSWER_GENERATED,
+    ANSWER_REQUESTED,
     DEAD_LETTER,
     GUARDS_CHECKED,
     RESULT_FINALIZED,
@@ -73,6 +74,8 @@ RESULT_COLUMNS = [
     "deep_judgment_json", "deep_judgment_rubric_json", "usage_json", "result_json",
     "cost_usd", "model_calls", "cached_replies", "usage_cost_usd",
 ]
+
+CONTENT_COLUMNS = ["key", "kind", "run_id", "body"]
 
 RUN_COLUMNS = [
     "run_id", "version", "run_name", "timestamp", "requested_at", "job_count", "answer_count",
@@ -463,13 +466,46 @@ def run_row(run: RunRequested | Mapping[str, Any], requested_at: float | None = 
     ]
 
 
+class _JobRefs(msgspec.Struct):
+    refs: dict[str, str] = {}
+
+
+class _GeneratedRefs(msgspec.Struct):
+    """The content keys of an answer.generated payload's job; the rest is skipped."""
+
+    job: _JobRefs | None = None
+
+
+class _RequestedRefs(msgspec.Struct):
+    jobs: list[_JobRefs] = []
+
+
+_generated_refs = msgspec.json.Decoder(_GeneratedRefs)
+_requested_refs = msgspec.json.Decoder(_RequestedRefs)
+
+
+def content_refs(env: Envelope) -> list[tuple[str, str]]:
+    """(kind, key) of the contents a job event refers to (`Job.refs`): read from the events
+    every job has once, answer.requested and answer.generated; [] for others or fat jobs."""
+    if env.event_type == ANSWER_GENERATED:
+        job = _generated_refs.decode(env.payload).job
+        return list(job.refs.items()) if job is not None else []
+    if env.event_type == ANSWER_REQUESTED:
+        return [item for j in _requested_refs.decode(env.payload).jobs for item in j.refs.items()]
+    return []
+
+
 @dataclass
 class Projection:
-    """Rows for the three tables, from one batch of messages."""
+    """Rows for the tables, from one batch of messages. `refs` (content key -> (kind, run_id)
+    of its first mention) are the contents the batch's events refer to; the projector fetches the
+    ones ClickHouse does not have yet into `contents` (rows in CONTENT_COLUMNS order)."""
 
     events: list[list[Any]] = field(default_factory=list)
     results: list[dict[str, Any]] = field(default_factory=list)
     runs: list[list[Any]] = field(default_factory=list)
+    refs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    contents: list[list[Any]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -492,6 +528,12 @@ def project_envelope(env: Envelope, out: Projection) -> None:
         out.events.append(row)
         return
     out.events.append(event_row(env))
+    try:
+        for kind, key in content_refs(env):
+            if key and key not in out.refs:
+                out.refs[key] = (kind, env.run_id)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass  # the events row already records what is wrong with the payload
 
 
 def project_envelopes(envs: Iterable[Envelope]) -> Projection:
