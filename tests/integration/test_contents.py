@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from shared.analysis.export import export_run, rubric_definition_from_store, trait_split_from_store
-from shared.control import rebuild, runner
+from shared.control import processes, rebuild, runner
 from shared.runtime import bus, content
 from shared.store.reads import ResultFilter, open_source
 from tests.support.stack import (
@@ -108,6 +109,22 @@ def test_rebuild_copies_the_contents_again(cstack: Stack, rubric_run: runner.Run
     assert rep.after["contents"][0] >= N + 2 and rep.contents_missing == {} and rep.contents_lines() == []
     assert _contents(cstack, rubric_run.run_id) == before
     assert rows(cstack, "SELECT count() FROM contents") == rows(cstack, "SELECT count() FROM contents FINAL")
+    _check_exports(cstack, rubric_run.run_id, tmp_path)
+
+
+def test_rebuild_in_process_copies_the_contents(cstack: Stack, rubric_run: runner.RunPlan, tmp_path: Path) -> None:
+    """Without a running projector, the rebuild folds the stream in this process and reads the
+    contents from the bucket itself."""
+    before = _contents(cstack, rubric_run.run_id)
+    processes.stop_proc(cstack.proc("projector"), timeout=30.0)
+    try:
+        rep = rebuild._rebuild_in_process(cstack.settings, lambda _m: None, time.monotonic())
+    finally:
+        cstack.restart("projector")
+    assert rep.mode == "in-process" and rep.identical, (rep.before, rep.after)
+    assert rep.contents_missing == {}
+    wait_projector_idle(cstack)
+    assert _contents(cstack, rubric_run.run_id) == before
     _check_exports(cstack, rubric_run.run_id, tmp_path)
 
 
