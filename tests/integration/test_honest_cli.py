@@ -29,6 +29,7 @@ import httpx
 import pytest
 import yaml
 
+from bench.workload import VERIFY, int_template
 from shared.control import stack
 from shared.control.stack import free_port, nats_server_binary
 from shared.core import events
@@ -37,18 +38,6 @@ from shared.runtime import bus
 from shared.runtime.bus import wait_for_port
 from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
 
-TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
-from pydantic import Field
-
-class Answer(BaseAnswer):
-    value: int = Field(description="The number asked for")
-
-    def model_post_init(self, __context):
-        self.correct = {{"value": {n}}}
-
-    def verify(self) -> bool:
-        {body}
-'''
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "MISTRAL_API_KEY")
 
 
@@ -57,9 +46,9 @@ def write_bench(path: Path, n: int = 3, *, raising: set[int] = frozenset(), fini
     """N int questions; those in `raising` have a verify() that raises ZeroDivisionError."""
     qs = []
     for i in range(n):
-        body = "return 1 / 0 == self.value" if i in raising else 'return self.value == self.correct["value"]'
+        body = "return 1 / 0 == self.value" if i in raising else VERIFY
         qs.append({"id": f"h{i}", "question": f"{prefix} question {i}: what is {i} plus {i}?", "answer": str(2 * i),
-                   "template": TEMPLATE.format(n=2 * i, body=body), "finished": finished})
+                   "template": int_template(2 * i, body), "finished": finished})
     path.write_text(yaml.safe_dump({"name": f"{prefix.lower()}-{n}", "questions": qs}, sort_keys=False))
     return path
 
