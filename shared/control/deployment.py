@@ -17,7 +17,6 @@ import asyncio
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from shared.core.config import Settings
 
@@ -99,22 +98,16 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _check(settings: Settings) -> None:
-    import nats
+    from shared.runtime import bus
 
-    from shared.runtime.bus import connect_options
-
-    opts: dict[str, Any] = connect_options(settings)
-    opts.update(name="veribus-cli-check", allow_reconnect=False, max_reconnect_attempts=0,
-                connect_timeout=min(2.0, CHECK_TIMEOUT_S), reconnect_time_wait=0)
-    nc = await nats.connect(**opts)
-    try:
+    # one try, short: the probe must say at once that nothing answers (reasons in `_reason`)
+    async with bus.session(settings, name="veribus-cli-check", connect_timeout=min(2.0, CHECK_TIMEOUT_S),
+                           **bus.ONE_TRY) as nc:
         try:
             await nc.jetstream().account_info()
         except Exception as exc:  # noqa: BLE001 - one line below
             raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} has no JetStream "
                               f"({type(exc).__name__}: {exc}); start it with -js") from None
-    finally:
-        await nc.close()
 
 
 def _tcp_reason(url: str) -> str | None:

@@ -310,12 +310,22 @@ def _capture(box: list[BaseException], coro_fn: Any) -> None:
         box.append(exc)
 
 
+# connect options of a one-shot probe or request: one try per server, no reconnecting, so an
+# unreachable server fails the call at once (merge into `session(**extra)`)
+ONE_TRY: dict[str, Any] = {"allow_reconnect": False, "max_reconnect_attempts": 0, "reconnect_time_wait": 0}
+
+
 @asynccontextmanager
-async def session(settings: Settings, *, ensure: bool = False, **extra: Any) -> AsyncIterator[NATS]:
+async def session(settings: Settings, *, ensure: bool = False, within: float | None = None,
+                  **extra: Any) -> AsyncIterator[NATS]:
     """One connection for one piece of work, closed however the block ends (the connect /
     `finally: close` every command needs, written once). `ensure`: create or update the stream
-    first, for a command that may be the first to touch a fresh server."""
-    nc = await connect(settings, **extra)
+    first, for a command that may be the first to touch a fresh server. `extra`: connect options
+    (`ONE_TRY` for a probe that must fail fast); `within`: seconds the whole connect may take
+    (TimeoutError after), for callers that must not wait on a server that accepts TCP and says
+    nothing."""
+    connecting = connect(settings, **extra)
+    nc = await (asyncio.wait_for(connecting, timeout=within) if within is not None else connecting)
     try:
         if ensure:
             await ensure_stream(nc.jetstream(), settings)
