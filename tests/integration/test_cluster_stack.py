@@ -40,12 +40,9 @@ def cluster_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[St
 
 
 async def _stream_leader(st: Stack) -> str:
-    nc = await bus.connect(st.settings)
-    try:
+    async with bus.session(st.settings) as nc:
         info = await bus._retry_cluster(lambda: nc.jetstream().stream_info(events.STREAM), "stream info")
         return str(info.cluster.leader)
-    finally:
-        await nc.close()
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +59,8 @@ def test_stream_is_replicated_on_all_three_nodes(cluster_stack, baseline) -> Non
     st, _ = cluster_stack
 
     async def info():  # noqa: ANN202
-        nc = await bus.connect(st.settings)
-        try:
+        async with bus.session(st.settings) as nc:
             return await nc.jetstream().stream_info(events.STREAM)
-        finally:
-            await nc.close()
 
     si = sync(info())
     assert si.config.num_replicas == 3

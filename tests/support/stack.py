@@ -166,11 +166,8 @@ def wait_projector_idle(st: Stack, timeout: float = 60.0) -> None:
     """Until the projector's durable consumer has nothing pending or unacknowledged."""
 
     async def idle() -> bool:
-        nc = await bus.connect(st.settings)
-        try:
+        async with bus.session(st.settings) as nc:
             return await rebuild._consumer_caught_up(nc.jetstream(), streams.PROJECTOR_DURABLE)
-        finally:
-            await nc.close()
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -194,8 +191,7 @@ def table_snapshot(st: Stack, run_id: str) -> dict[str, list[tuple]]:
 
 async def republish_all(settings: Settings, run_id: str) -> tuple[int, int]:
     """Publish every stored message of the run again, byte for byte, with its Nats-Msg-Id."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         envs = await streams.read_events(js, f"vb.*.*.{run_id}.*")
         dup = 0
@@ -204,8 +200,6 @@ async def republish_all(settings: Settings, run_id: str) -> tuple[int, int]:
                                    headers={"Nats-Msg-Id": env.event_id})
             dup += int(ack.duplicate)
         return len(envs), dup
-    finally:
-        await nc.close()
 
 
 # --- a stack with the generated workload, and the crash tests' run (test_crash, test_cluster_stack) ---
