@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from dataclasses import dataclass
 
@@ -69,9 +68,9 @@ def select(settings: Settings | None = None) -> Deployment:
     from shared.control.stack import running_stack
 
     settings = settings or Settings.from_env()
-    url = os.environ.get("VERIBUS_NATS_URL")
-    if url:
-        source = "--nats-url" if os.environ.get(FLAG_ENV) == url else "VERIBUS_NATS_URL"
+    given = Settings.from_env("nats_url", "nats_url_from_flag")  # what the environment says, not the default
+    if "nats_url" in given.model_fields_set:
+        source = "--nats-url" if given.nats_url_from_flag == given.nats_url else "VERIBUS_NATS_URL"
         return Deployment("configured", settings, source, settings.simulator_url)
     state = running_stack(settings)
     if state is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import ssl
 import time
@@ -136,15 +135,9 @@ def cluster_size(nc: NATS) -> int:
 
 
 def replicas_override(settings: Settings | None) -> int | None:
-    """`VERIBUS_STREAM_REPLICAS` (settings first, else the environment), or None."""
-    if settings is not None:
-        return settings.stream_replicas
-    raw = os.environ.get("VERIBUS_STREAM_REPLICAS", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) <= 5:
-        raise ValueError(f"VERIBUS_STREAM_REPLICAS must be an integer from 1 to 5, got {raw!r}")
-    return int(raw)
+    """`Settings.stream_replicas` (`VERIBUS_STREAM_REPLICAS`; the given settings, else the
+    environment's), or None. A bad value is a ValueError naming the variable."""
+    return (settings or Settings.from_env("stream_replicas")).stream_replicas
 
 
 def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
