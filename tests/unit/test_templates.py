@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from shared.templates.calls import (
     validate_template,
 )
 from shared.templates.sandbox import Sandbox
+from tests.support.pools import reaped_pool
 
 CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "karenina" / "checkpoints"
 TIMEOUT_S = 4.0  # generous: a loaded shared machine must not turn a memory or crash case into a timeout
@@ -34,31 +34,17 @@ LOOP_TIMEOUT_S = 1.0  # the pool of the endless-loop cases: any wall limit stops
 MEMORY_MB = 256
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.fixture(scope="module")
 def sb() -> Iterator[Sandbox]:
-    pool = Sandbox(workers=2, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB)
-    yield pool
-    pids = pool.pids
-    pool.terminate()
-    assert all(_gone(p) for p in pids)
+    with reaped_pool(workers=2, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def sb_loop() -> Iterator[Sandbox]:
     """The pool the endless loops run in (wall limit `LOOP_TIMEOUT_S`)."""
-    pool = Sandbox(workers=1, timeout_s=LOOP_TIMEOUT_S, memory_mb=MEMORY_MB)
-    yield pool
-    pids = pool.pids
-    pool.terminate()
-    assert all(_gone(p) for p in pids)
+    with reaped_pool(workers=1, timeout_s=LOOP_TIMEOUT_S, memory_mb=MEMORY_MB) as pool:
+        yield pool
 
 
 def _pool(request: pytest.FixtureRequest, loops: bool) -> Sandbox:
