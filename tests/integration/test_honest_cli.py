@@ -37,6 +37,7 @@ from shared.core.config import Settings
 from shared.runtime import bus
 from shared.runtime.bus import wait_for_port
 from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
+from tests.support.stack import up_and_down
 
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "MISTRAL_API_KEY")
 
@@ -214,17 +215,8 @@ def test_zero_jobs_and_bad_gates_are_refused_before_publishing(nats_server, tmp_
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, stack.StackState]]:
-    home = tmp_path_factory.mktemp("honest") / "home"
-    settings = Settings(home=home)
-    state = stack.up(settings)
-    settings.nats_url = state.nats_url
-    settings.simulator_url = state.simulator_url
-    try:
-        yield settings, state
-    finally:
-        stack.down(settings)
-        for p in state.procs:
-            assert not p.alive(), f"{p.name} (pid {p.pid}) still running after down"
+    with up_and_down(tmp_path_factory.mktemp("honest") / "home") as both:
+        yield both
 
 
 def local_env(settings: Settings, **extra: str) -> dict[str, str]:

@@ -121,6 +121,22 @@ def stop_stack(st: Stack) -> None:
                 pass
 
 
+@contextmanager
+def up_and_down(home: Path, **up_kw: Any) -> Iterator[tuple[Settings, stack.StackState]]:
+    """`up` a stack as the CLI does (`shared.control.stack.up`), yield its settings (pointing at its
+    NATS and simulator) and state; `down` after, and every process it had must be gone."""
+    settings = Settings(home=home)
+    state = stack.up(settings, **up_kw)
+    settings.nats_url = state.nats_url
+    settings.simulator_url = state.simulator_url
+    try:
+        yield settings, state
+    finally:
+        stack.down(settings)
+        for p in state.procs:
+            assert not p.alive(), f"{p.name} (pid {p.pid}) still running after down"
+
+
 def plan_and_submit(st: Stack, bench_path: Path, config: VerificationConfig, *,
                     budget: int | None = None) -> runner.RunPlan:
     plan = runner.plan_run(Benchmark.load(bench_path), config)
