@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,embedding]'
+	$(BIN)/pip install -q -e '.[test,embedding,otel]'
 	touch $@
 
 demo: install

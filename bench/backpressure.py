@@ -23,7 +23,7 @@ import httpx
 import psutil
 
 from bench.workload import generated_benchmark
-from shared.control import lifecycle, runner, stack, streams, wait
+from shared.control import lifecycle, processes, runner, stack, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
@@ -33,7 +33,7 @@ from shared.runtime import bus
 class RssSampler(threading.Thread):
     """RSS (MB) of each stack process (and its children: sandbox workers), every `interval` s."""
 
-    def __init__(self, procs: list[stack.Proc], interval: float = 0.25) -> None:
+    def __init__(self, procs: list[processes.Proc], interval: float = 0.25) -> None:
         super().__init__(daemon=True)
         self.procs = {p.name: psutil.Process(p.pid) for p in procs if p.alive()}
         self.interval = interval

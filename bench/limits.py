@@ -14,10 +14,13 @@ from typing import Any
 
 import nats
 
-from shared.control.stack import free_port, nats_server_binary
+from shared.control.nats_nodes import nats_server_binary
+from shared.control.processes import free_port
 from shared.core.events import ModelSpec
 from shared.runtime.bus import wait_for_port
-from shared.runtime.limits import KVLedgerStore, Limiter, LocalLimiter
+from shared.runtime.call_limits import LocalLimiter
+from shared.runtime.ledger_store import KVLedgerStore
+from shared.runtime.limits import Limiter
 
 
 async def _drive(lims: list[Any], n: int, model: ModelSpec, callers: int, hold_s: float) -> float:

@@ -18,7 +18,7 @@ import httpx
 import psutil
 
 from bench.workload import generated_benchmark
-from shared.control import runner, stack
+from shared.control import processes, runner, stack
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
 
@@ -26,7 +26,7 @@ from shared.core.config import ModelConfig, Settings, VerificationConfig
 class Sampler(threading.Thread):
     """Polls RSS of the stack's processes to find each one's peak."""
 
-    def __init__(self, procs: list[stack.Proc]) -> None:
+    def __init__(self, procs: list[processes.Proc]) -> None:
         super().__init__(daemon=True)
         self.procs = {p.name: psutil.Process(p.pid) for p in procs if p.alive()}
         self.peak: dict[str, float] = dict.fromkeys(self.procs, 0.0)
@@ -42,7 +42,7 @@ class Sampler(threading.Thread):
             time.sleep(0.1)
 
 
-def cpu_seconds(procs: list[stack.Proc]) -> dict[str, float]:
+def cpu_seconds(procs: list[processes.Proc]) -> dict[str, float]:
     """CPU seconds per stack process, and as `<name>:sandbox` that of its sandbox workers (the
     jails and their zygotes, with the call processes they have reaped)."""
     out = {}

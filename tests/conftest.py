@@ -60,7 +60,7 @@ class NatsServer:
 
 
 def _spawn_nats(port: int, store: Path) -> subprocess.Popen[bytes]:
-    from shared.control.stack import nats_server_binary
+    from shared.control.nats_nodes import nats_server_binary
 
     return subprocess.Popen(
         [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
@@ -70,7 +70,7 @@ def _spawn_nats(port: int, store: Path) -> subprocess.Popen[bytes]:
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    from shared.control.stack import free_port
+    from shared.control.processes import free_port
     from shared.runtime.bus import wait_for_port
 
     port = free_port()
@@ -93,12 +93,12 @@ def python() -> str:
 
 @dataclass
 class NatsCluster:
-    """Real nats-server nodes routed into one cluster, configured by `shared.control.stack.nats_config`
+    """Real nats-server nodes routed into one cluster, configured by `shared.control.nats_nodes.nats_config`
     (the same function `veribus up --nats-cluster N` uses). Nodes can be killed (-9) and
     started again on the same ports and stores."""
 
     home: Path
-    nodes: list  # list[shared.control.stack.NatsNode]
+    nodes: list  # list[shared.control.nats_nodes.NatsNode]
     procs: dict[str, subprocess.Popen[bytes]]
     confs: dict[str, Path]
 
@@ -115,7 +115,7 @@ class NatsCluster:
         return next(n for n in self.nodes if n.name == name)
 
     def start(self, name: str) -> None:
-        from shared.control.stack import nats_server_binary
+        from shared.control.nats_nodes import nats_server_binary
 
         log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         self.procs[name] = subprocess.Popen([str(nats_server_binary()), "-c", str(self.confs[name])],
@@ -132,8 +132,9 @@ class NatsCluster:
         return self.procs[name].poll() is None
 
     def healthy(self, name: str) -> bool:
-        """/healthz ok and every member's client URL known (see `stack.nats_healthy`)."""
-        from shared.control.stack import Proc, nats_healthy
+        """/healthz ok and every member's client URL known (see `nats_nodes.nats_healthy`)."""
+        from shared.control.nats_nodes import nats_healthy
+        from shared.control.processes import Proc
 
         n = self.node(name)
         probe = Proc(name=name, pid=self.procs[name].pid, cmd=[], log="", port=n.port, http_port=n.http_port)
@@ -157,7 +158,7 @@ class NatsCluster:
 
 
 def start_nats_cluster(home: Path, size: int = 3) -> NatsCluster:
-    from shared.control.stack import plan_nats_nodes, write_nats_configs
+    from shared.control.nats_nodes import plan_nats_nodes, write_nats_configs
     from shared.core.config import Settings
 
     home.mkdir(parents=True, exist_ok=True)

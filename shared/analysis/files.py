@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shared.core.models import VerificationResult
+from shared.analysis import reference_csv
+from shared.core.models import FAILURE_GROUP_OF, VerificationResult
 
 
 def normalise_result_dict(data: dict[str, Any]) -> dict[str, Any]:
@@ -19,8 +21,6 @@ def normalise_result_dict(data: dict[str, Any]) -> dict[str, Any]:
     (a wrong answer, an auto-fail, an abstention) as failed answers."""
     meta = data.get("metadata")
     if isinstance(meta, dict) and "completed_without_errors" not in meta:
-        from shared.core.models import FAILURE_GROUP_OF
-
         failure = meta.get("failure")
         meta = dict(meta)
         group = (failure.get("group") or FAILURE_GROUP_OF.get(str(failure.get("category")), "system")
@@ -48,10 +48,6 @@ def _result_of(item: Any) -> VerificationResult | None:
 def _iter_csv(p: Path) -> Iterator[VerificationResult]:
     """Our CSV export (its `result_json` column, exact) or the reference's CSV (rebuilt from its
     columns, as far as they go; see shared.analysis.reference_csv)."""
-    import csv
-
-    from shared.analysis import reference_csv
-
     csv.field_size_limit(1 << 30)
     with p.open("r", encoding="utf-8", newline="") as fh:
         reader = csv.DictReader(fh)
@@ -72,6 +68,7 @@ def _iter_csv(p: Path) -> Iterator[VerificationResult]:
 
 def _iter_parquet(p: Path) -> Iterator[VerificationResult]:
     """Our Parquet export: every result is in its `result_json` column (read a row group at a time)."""
+    # local import: pyarrow is heavy; only Parquet files need it
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(str(p))

@@ -21,14 +21,24 @@ stay the CLI's input and run errors). `write_junit` writes one testcase per gate
 
 from __future__ import annotations
 
+import difflib
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from shared.analysis.report import ACCURACY, DEFAULT_PASS, OP_SYMBOLS, OPS, PassCriterion, Sample, samples_of
+from shared.analysis.report import (
+    ACCURACY,
+    DEFAULT_PASS,
+    OP_SYMBOLS,
+    OPS,
+    PassCriterion,
+    Sample,
+    metric_scores,
+    score_of,
+)
 from shared.analysis.stats import model_matches
 from shared.core.models import VerificationResult
 
@@ -130,8 +140,6 @@ def _as_rate(what: str, value: float, raw: Any) -> tuple[float, str | None]:
 def normalize_gate(gate: Gate, raw_value: Any = None, raw_pass: Any = None) -> Gate:
     """Rates (every metric but errors/total/total_attempted) to 0..1 and counts >= 0; raises
     GateError on a threshold out of range."""
-    from dataclasses import replace
-
     base = _base_metric(gate.metric)
     notes = []
     value = gate.value
@@ -163,8 +171,6 @@ def check_gates(gates: Sequence[Gate], metrics: set[str], models: Sequence[tuple
     for g in gates:
         base, model = (g.metric, None) if g.metric in metrics else _split_model(g.metric, metrics)
         if base not in metrics:
-            import difflib
-
             close = difflib.get_close_matches(base, sorted(metrics), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise GateError(f"gate {g.text or g.label()!r}: unknown metric {base!r}{hint} (known: "
@@ -286,54 +292,113 @@ def _split_model(metric: str, known: set[str]) -> tuple[str, str | None]:
     return base, model
 
 
-def _evaluate(gate: Gate, samples: Sequence[Sample]) -> GateOutcome:
-    known = {n for s in samples for n in s.metrics}
-    base, model = _split_model(gate.metric, known)
-    if model is not None:
-        samples = [s for s in samples if model_matches(s.model, s.result.metadata.answering.model_name, model)]
-        if not samples:
-            return GateOutcome(gate, None, False, 0, f"no results for model {model!r}")
-    attempted = [s for s in samples if s.attempted]
-    crit = gate.criterion
-    actual: float | None
-    n = len(attempted)
-    if base == "avg_score":
-        actual = sum(s.score for s in attempted) / n if n else None
-    elif base == "avg_score_total":
-        n = len(samples)
-        actual = sum(s.score for s in attempted) / n if n else None
-    elif base == "pass_rate":
-        c = crit or DEFAULT_PASS
-        actual = sum(1 for s in attempted if c(s.score)) / n if n else None
-    elif base in ("error_rate", "errors", "total", "total_attempted"):
-        total = len(samples)
-        actual = {"error_rate": (total - n) / total if total else None, "errors": float(total - n),
-                  "total": float(total), "total_attempted": float(n)}[base]
-        n = total
-    else:
-        vals = [s.metrics[base] for s in attempted if base in s.metrics]
-        n = len(vals)
-        if not vals:
-            return GateOutcome(gate, None, False, 0, f"no attempted sample has metric {base!r}")
-        if crit is not None or gate.aggregate == "accuracy" or base == ACCURACY:
-            c = crit or DEFAULT_PASS
-            actual = sum(1 for v in vals if c(v)) / n
+class _GateTally:
+    """One reading of a gate (`base` metric, optional `model` filter) counted sample by sample."""
+
+    def __init__(self, gate: Gate, base: str, model: str | None) -> None:
+        self.gate, self.base, self.model = gate, base, model
+        self.total = self.attempted = self.passed = 0
+        self.score_sum = 0.0
+        self.vals_n = self.vals_passed = 0
+        self.vals_sum = 0.0
+
+    def add(self, model: str, model_name: str, attempted: bool, score: float, metrics: Mapping[str, float]) -> None:
+        if self.model is not None and not model_matches(model, model_name, self.model):
+            return
+        self.total += 1
+        if not attempted:
+            return
+        self.attempted += 1
+        self.score_sum += score
+        c = self.gate.criterion or DEFAULT_PASS
+        self.passed += 1 if c(score) else 0
+        if self.base in metrics:
+            v = metrics[self.base]
+            self.vals_n += 1
+            self.vals_sum += v
+            self.vals_passed += 1 if c(v) else 0
+
+    def outcome(self) -> GateOutcome:
+        gate, base = self.gate, self.base
+        if self.model is not None and not self.total:
+            return GateOutcome(gate, None, False, 0, f"no results for model {self.model!r}")
+        n = self.attempted
+        actual: float | None
+        if base == "avg_score":
+            actual = self.score_sum / n if n else None
+        elif base == "avg_score_total":
+            n = self.total
+            actual = self.score_sum / n if n else None
+        elif base == "pass_rate":
+            actual = self.passed / n if n else None
+        elif base in ("error_rate", "errors", "total", "total_attempted"):
+            total = self.total
+            actual = {"error_rate": (total - n) / total if total else None, "errors": float(total - n),
+                      "total": float(total), "total_attempted": float(n)}[base]
+            n = total
         else:
-            actual = sum(vals) / n
-    if actual is None:
-        return GateOutcome(gate, None, False, n, "no samples")
-    return GateOutcome(gate, actual, OPS[gate.op](actual, gate.value), n)
+            n = self.vals_n
+            if not n:
+                return GateOutcome(gate, None, False, 0, f"no attempted sample has metric {base!r}")
+            if gate.criterion is not None or gate.aggregate == "accuracy" or base == ACCURACY:
+                actual = self.vals_passed / n
+            else:
+                actual = self.vals_sum / n
+        if actual is None:
+            return GateOutcome(gate, None, False, n, "no samples")
+        return GateOutcome(gate, actual, OPS[gate.op](actual, gate.value), n)
+
+
+class GateEvaluator:
+    """`evaluate_gates` one result at a time (`add`), for a caller that makes one pass over a
+    streamed run for several purposes; `report()` gives the GateReport."""
+
+    def __init__(self, gates: Sequence[Gate], trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> None:
+        self.trait_ranges = trait_ranges
+        self.tallies: list[tuple[_GateTally, _GateTally | None]] = []
+        for g in gates:
+            split = None
+            if g.metric not in RUN_METRICS and ":" in g.metric:
+                base, model = g.metric.split(":", 1)
+                split = _GateTally(g, base, model)
+            self.tallies.append((_GateTally(g, g.metric, None), split))
+        self.known: set[str] = set()
+
+    def add(self, item: VerificationResult | Sample) -> None:
+        if not self.tallies:
+            return
+        if isinstance(item, Sample):
+            s = item
+        else:
+            sc = score_of(item, self.trait_ranges)
+            s = Sample(item, sc is not None, sc if sc is not None else 0.0,
+                       metric_scores(item, self.trait_ranges) if sc is not None else {})
+        self.known.update(s.metrics)
+        m = s.result.metadata
+        for whole, split in self.tallies:
+            for t in (whole, split):
+                if t is not None:
+                    t.add(m.answering_model, m.answering.model_name, s.attempted, s.score, s.metrics)
+
+    def report(self) -> GateReport:
+        """A gate named `metric:model` is read whole when some sample has a metric of that
+        name, else split into metric and model."""
+        outcomes = [(whole if split is None or whole.gate.metric in self.known else split).outcome()
+                    for whole, split in self.tallies]
+        return GateReport(all(o.passed for o in outcomes), outcomes)
 
 
 def evaluate_gates(
     results: Iterable[VerificationResult] | Sequence[Sample], gates: Sequence[Gate],
     trait_ranges: Mapping[str, tuple[float, float]] | None = None,
 ) -> GateReport:
-    """Evaluate every gate; the report passes when all do (and trivially with no gates)."""
-    items = list(results)
-    samples = items if items and isinstance(items[0], Sample) else samples_of(items, trait_ranges)  # type: ignore[arg-type]
-    outcomes = [_evaluate(g, samples) for g in gates]  # type: ignore[arg-type]
-    return GateReport(all(o.passed for o in outcomes), outcomes)
+    """Evaluate every gate; the report passes when all do (and trivially with no gates). One pass
+    over `results` (which may be streamed from the store), keeping counts only."""
+    ev = GateEvaluator(gates, trait_ranges)
+    if gates:
+        for item in results:
+            ev.add(item)
+    return ev.report()
 
 
 def summary_criterion(gates: Sequence[Gate]) -> tuple[PassCriterion, dict[str, PassCriterion]]:
@@ -367,13 +432,15 @@ def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None =
         tc = ET.SubElement(gs, "testcase", classname=f"{suite}.gates", name=o.gate.label())
         if not o.passed:
             ET.SubElement(tc, "failure", message=o.line, type="GateFailed").text = o.line
-    samples = samples_of(list(results or []), trait_ranges)
-    fails = sum(1 for s in samples if s.attempted and not criterion(s.score))
-    errs = sum(1 for s in samples if not s.attempted)
-    ss = ET.SubElement(root, "testsuite", name=f"{suite}.samples", tests=str(len(samples)),
-                       failures=str(fails), errors=str(errs))
-    for s in samples:
-        m = s.result.metadata
+    ss = ET.SubElement(root, "testsuite", name=f"{suite}.samples")
+    tests = fails = errs = 0
+    for r in results or ():  # one result at a time: a streamed run is never held
+        sc = score_of(r, trait_ranges)
+        s = Sample(r, sc is not None, sc if sc is not None else 0.0)
+        tests += 1
+        fails += 1 if s.attempted and not criterion(s.score) else 0
+        errs += 0 if s.attempted else 1
+        m = r.metadata
         rep = f" r{m.replicate}" if m.replicate is not None else ""
         tc = ET.SubElement(ss, "testcase", classname=f"{suite}.samples.{m.answering_model}",
                            name=f"{m.question_id} [{m.parsing_model}{rep}]", time=f"{m.execution_time or 0.0:.3f}")
@@ -382,6 +449,9 @@ def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None =
         elif not criterion(s.score):
             msg = f"score {s.score:.3g} fails {OP_SYMBOLS[criterion.op]} {criterion.value:g}"
             ET.SubElement(tc, "failure", message=msg, type="SampleFailed").text = msg
+    ss.set("tests", str(tests))
+    ss.set("failures", str(fails))
+    ss.set("errors", str(errs))
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 

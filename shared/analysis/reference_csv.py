@@ -21,7 +21,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from shared.core.models import VerificationResult
+from shared.core.models import ModelIdentity, VerificationResult, VerificationResultMetadata
 
 HEAD = [
     "question_id", "success", "error", "question_text", "raw_llm_response", "parsed_gt_response",
@@ -194,8 +194,6 @@ def is_reference_header(header: Sequence[str]) -> bool:
 
 def result_from_row(rec: Mapping[str, str]) -> VerificationResult:
     """A reference CSV row (a `csv.DictReader` record) -> VerificationResult, as far as the CSV says."""
-    from shared.core.models import ModelIdentity, VerificationResultMetadata
-
     def b(name: str, default: bool = False) -> bool:
         v = parse_bool(rec.get(name))
         return default if v is None else v

@@ -31,7 +31,9 @@ from typing import Any, TextIO
 
 from shared.analysis.export import veribus_version
 from shared.analysis.stats import Proportion, describe
+from shared.analysis.stored import iter_sorted
 from shared.core.models import VerificationResult
+from shared.core.outcome import VERIFY_RAISED, error_kind, error_lines
 from shared.core.usage import run_usage, usage_lines
 
 ACCURACY = "accuracy"
@@ -255,64 +257,130 @@ def metric_summary(samples: Sequence[Sample], name: str, criterion: PassCriterio
     }
 
 
+class _Tally:
+    """Counts of samples: total, attempted, sum of scores, passed (by one criterion)."""
+
+    __slots__ = ("attempted", "passed", "score_sum", "total")
+
+    def __init__(self) -> None:
+        self.total = self.attempted = self.passed = 0
+        self.score_sum = 0.0
+
+    def add(self, attempted: bool, score: float, passed: bool) -> None:
+        self.total += 1
+        if attempted:
+            self.attempted += 1
+            self.score_sum += score
+            self.passed += 1 if passed else 0
+
+
+class SummaryTally:
+    """`summarize` one result at a time: aggregate counts only (per model, per metric, per error
+    kind), so a run streamed from the store is summarised without holding its results."""
+
+    def __init__(self, *, trait_ranges: Mapping[str, tuple[float, float]] | None = None,
+                 criterion: PassCriterion = DEFAULT_PASS, criteria: Mapping[str, PassCriterion] | None = None) -> None:
+        self.trait_ranges, self.criterion, self.criteria = trait_ranges, criterion, dict(criteria or {})
+        self.all = _Tally()
+        self.models: dict[str, _Tally] = defaultdict(_Tally)
+        self.metrics: dict[str, _Tally] = defaultdict(_Tally)  # over samples that have the metric
+        self.groups: dict[tuple[str, str], dict[str, Any]] = {}
+        self.calls = self.cached = 0
+        self.cost = 0.0
+        self.unknown: set[str] = set()
+
+    def add(self, r: VerificationResult) -> None:
+        s = score_of(r, self.trait_ranges)
+        attempted = s is not None
+        score = s if s is not None else 0.0
+        passed = attempted and self.criterion(score)
+        self.all.add(attempted, score, passed)
+        self.models[r.metadata.answering_model].add(attempted, score, passed)
+        if attempted:
+            for name, v in metric_scores(r, self.trait_ranges).items():
+                self.metrics[name].add(True, v, self.criteria.get(name, DEFAULT_PASS)(v))
+        kind = error_kind(r)
+        if kind is not None:
+            stage, etype, message = kind
+            g = self.groups.setdefault((stage, etype), {"stage": stage, "type": etype, "count": 0,
+                                                        "example": message[:300],
+                                                        "example_question": r.metadata.question_id})
+            g["count"] += 1
+        u = run_usage((r,))
+        self.calls += u["model_calls"]
+        self.cached += u["cached_replies"]
+        self.cost += u["cost_usd"]
+        self.unknown.update(u["cost_unknown_models"])
+
+    def summary(self, unfinished_skipped: int = 0) -> dict[str, Any]:
+        a = self.all
+        total, att, passed = a.total, a.attempted, a.passed
+        p = Proportion.of(passed, att)
+        per_model: list[dict[str, Any]] = []
+        for model, t in sorted(self.models.items()):
+            pp = Proportion.of(t.passed, t.attempted)
+            per_model.append({
+                "model_name": model,
+                "total": t.total,
+                "total_attempted": t.attempted,
+                "avg_score_attempted": round(t.score_sum / t.attempted, 4) if t.attempted else 0.0,
+                "avg_score_total": round(t.score_sum / t.total, 4) if t.total else 0.0,
+                "passed_samples": t.passed,
+                "failed_samples": t.attempted - t.passed,
+                "errors": t.total - t.attempted,
+                "pass_rate": _rate(t.passed, t.attempted, pct=True) if t.attempted else None,
+                "pass_rate_ci95": [round(100 * pp.ci_low, 2), round(100 * pp.ci_high, 2)],
+            })
+        by_metric: dict[str, Any] = {}
+        for name in sorted(self.metrics, key=lambda n: (n != ACCURACY, n)):
+            t = self.metrics[name]
+            mp = Proportion.of(t.passed, t.attempted)
+            by_metric[name] = {
+                "samples": t.attempted,
+                "avg_score_attempted": round(t.score_sum / t.attempted, 4) if t.attempted else 0.0,
+                "avg_score_total": round(t.score_sum / total, 4) if total else 0.0,
+                "pass_rate": _rate(t.passed, t.attempted, pct=True),
+                "pass_rate_ci95": [round(100 * mp.ci_low, 2), round(100 * mp.ci_high, 2)],
+                "passed_attempts": t.passed,
+                "failed_attempts": t.attempted - t.passed,
+            }
+        groups = sorted(self.groups.values(), key=lambda g: (-g["count"], g["stage"], g["type"]))
+        raised = sum(g["count"] for g in groups if g["type"].startswith(VERIFY_RAISED))
+        return {
+            "total": total,
+            "total_attempted": att,
+            "avg_score_attempted": round(a.score_sum / att, 4) if att else 0.0,
+            "avg_score_total": round(a.score_sum / total, 4) if total else 0.0,
+            "passed_attempts": passed,
+            "failed_attempts": att - passed,
+            "pass_rate": _rate(passed, att, pct=True),
+            "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
+            "errors": total - att,
+            "verify_raised": raised,
+            "failed_plain": max(0, att - passed - raised),
+            "error_groups": groups,
+            "unfinished_questions_skipped": unfinished_skipped,
+            "by_metric": by_metric,
+            "per_model": per_model,
+            # model calls, cached replies, cost in USD (shared.core.usage.run_usage, summed per result)
+            "usage": {"model_calls": self.calls, "cached_replies": self.cached, "cost_usd": round(self.cost, 6),
+                      "cost_unknown_models": sorted(self.unknown)},
+        }
+
+
 def summarize(
-    results: Sequence[VerificationResult], unfinished_skipped: int = 0, *,
+    results: Iterable[VerificationResult], unfinished_skipped: int = 0, *,
     trait_ranges: Mapping[str, tuple[float, float]] | None = None,
     criterion: PassCriterion = DEFAULT_PASS, criteria: Mapping[str, PassCriterion] | None = None,
 ) -> dict[str, Any]:
     """Run metrics (`spec/004` summary `metrics`): totals, attempted, average scores, passed and
     failed attempts (per-sample `criterion` on the sample score), by_metric, per_model, and the
-    Wilson interval of every pass rate. `criteria` overrides the pass rule per metric."""
-    samples = samples_of(results, trait_ranges)
-    total = len(samples)
-    attempted = [s for s in samples if s.attempted]
-    scores = [s.score for s in attempted]
-    passed = sum(1 for v in scores if criterion(v))
-    p = Proportion.of(passed, len(attempted))
-    names = sorted({n for s in attempted for n in s.metrics}, key=lambda n: (n != ACCURACY, n))
-    crit = dict(criteria or {})
-    per_model: list[dict[str, Any]] = []
-    by_model: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        by_model[s.model].append(s)
-    for model, ss in sorted(by_model.items()):
-        att = [s for s in ss if s.attempted]
-        mp = sum(1 for s in att if criterion(s.score))
-        pp = Proportion.of(mp, len(att))
-        per_model.append({
-            "model_name": model,
-            "total": len(ss),
-            "total_attempted": len(att),
-            "avg_score_attempted": round(sum(s.score for s in att) / len(att), 4) if att else 0.0,
-            "avg_score_total": round(sum(s.score for s in att) / len(ss), 4) if ss else 0.0,
-            "passed_samples": mp,
-            "failed_samples": len(att) - mp,
-            "errors": len(ss) - len(att),
-            "pass_rate": _rate(mp, len(att), pct=True) if att else None,
-            "pass_rate_ci95": [round(100 * pp.ci_low, 2), round(100 * pp.ci_high, 2)],
-        })
-    from shared.core.outcome import VERIFY_RAISED, error_groups
-
-    groups = error_groups(results)
-    raised = sum(g["count"] for g in groups if g["type"].startswith(VERIFY_RAISED))
-    return {
-        "total": total,
-        "total_attempted": len(attempted),
-        "avg_score_attempted": round(sum(scores) / len(scores), 4) if scores else 0.0,
-        "avg_score_total": round(sum(scores) / total, 4) if total else 0.0,
-        "passed_attempts": passed,
-        "failed_attempts": len(attempted) - passed,
-        "pass_rate": _rate(passed, len(attempted), pct=True),
-        "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
-        "errors": total - len(attempted),
-        "verify_raised": raised,
-        "failed_plain": max(0, len(attempted) - passed - raised),
-        "error_groups": groups,
-        "unfinished_questions_skipped": unfinished_skipped,
-        "by_metric": {n: metric_summary(samples, n, crit.get(n, DEFAULT_PASS)) for n in names},
-        "per_model": per_model,
-        "usage": run_usage(results),  # model calls, cached replies, cost in USD (shared.core.usage)
-    }
+    Wilson interval of every pass rate. `criteria` overrides the pass rule per metric. One pass
+    over `results` (which may be streamed from the store), keeping counts only."""
+    tally = SummaryTally(trait_ranges=trait_ranges, criterion=criterion, criteria=criteria)
+    for r in results:
+        tally.add(r)
+    return tally.summary(unfinished_skipped)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +406,6 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
         lines.append(f"  Errors: {s['errors']}")
     groups = s.get("error_groups") or []
     if groups:
-        from shared.core.outcome import error_lines
-
         lines.append("  Errors by stage and type (count x stage / type: example):")
         lines.extend(error_lines(groups))
     if s.get("unfinished_questions_skipped"):
@@ -386,17 +452,15 @@ def print_results(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), *,
 # --------------------------------------------------------------------------------------------
 
 
-def _sorted(results: Iterable[VerificationResult]) -> list[VerificationResult]:
-    return sorted(results, key=lambda r: (r.metadata.question_id, r.metadata.answering_model,
-                                          r.metadata.parsing_model, r.metadata.replicate or 0))
-
-
 def write_outputs(
-    out_dir: Path, suite: str, run_id: str, results: Sequence[VerificationResult], summary: dict[str, Any],
+    out_dir: Path, suite: str, run_id: str, results: Iterable[VerificationResult], summary: dict[str, Any],
     config: dict[str, Any], simulated: bool, *, gates: Sequence[Mapping[str, Any]] | None = None,
     trait_ranges: Mapping[str, tuple[float, float]] | None = None,
 ) -> None:
-    """header.json, summary.json and results.jsonl in `out_dir` (`spec/004`)."""
+    """header.json, summary.json and results.jsonl in `out_dir` (`spec/004`). results.jsonl is in
+    (question, answering model, judge, replicate) order, streamed line by line from the store
+    for a `StoredResults` (`shared.analysis.stored.iter_sorted`)."""
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {"suite_name": suite, "run_id": run_id, "timestamp": datetime.now(UTC).isoformat(),
@@ -408,7 +472,7 @@ def write_outputs(
             "error_groups": summary.get("error_groups") or [], "outcome": summary.get("outcome")}
     (out_dir / "summary.json").write_text(json.dumps(body, indent=2, default=str))
     with (out_dir / "results.jsonl").open("w", encoding="utf-8") as fh:
-        for r in _sorted(results):
+        for r in iter_sorted(results):
             fh.write(json.dumps(result_line(r, trait_ranges), default=str, ensure_ascii=False) + "\n")
 
 

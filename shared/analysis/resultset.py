@@ -13,13 +13,15 @@ plus any registered with `register_aggregator`).
 
 Loading: `VerificationResultSet.from_store(settings, run_id=...)` reads `verification_results
 FINAL` (the `result_json` column, keyset-paged) from the running projector over NATS, from a
-ClickHouse server, or from the embedded chdb folder when no stack runs; `from_file(path)` reads
+ClickHouse server, or from the embedded chdb folder when no stack runs; it is bounded
+(`max_results`, counted in SQL first). `stream(...)` hands out the same selection without
+holding it (`StoredResults`: re-iterable, paged) and `iter_dataframes(...)` its rows in batches; `from_file(path)` reads
 our JSON export, the reference's export (format 2.2), JSONL, or a `results.jsonl` report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,7 @@ from shared.analysis.files import iter_results_from_file
 from shared.analysis.judgment_results import JudgmentResults, RubricJudgmentResults
 from shared.analysis.rubric_results import RubricResults
 from shared.analysis.stats import Proportion, compare_models, pass_at_k_report
+from shared.analysis.stored import StoredResults
 from shared.analysis.template_results import TemplateResults
 from shared.analysis.view import _View
 from shared.core.models import VerificationResult
@@ -39,6 +42,13 @@ if TYPE_CHECKING:
 
     from shared.analysis.stats import PairedComparison, PassAtK
     from shared.core.config import Settings
+
+MAX_RESULTS = 200_000  # from_store's default bound on what one result set holds
+
+
+class ResultSetTooLarge(ValueError):
+    """More results match than `from_store` may hold: stream them instead."""
+
 
 class VerificationResultSet(_View):
     """All results of one or more runs, with the views and loaders (`spec/002` §7)."""
@@ -119,6 +129,7 @@ class VerificationResultSet(_View):
 
     def to_dataframe(self) -> pd.DataFrame:
         """One flat row per result (the CSV export's columns)."""
+        # local import: pandas takes ~2 s to import; only DataFrame output needs it
         import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
 
 
@@ -138,16 +149,64 @@ class VerificationResultSet(_View):
         question_ids: Sequence[str] | None = None, answering_models: Sequence[str] | None = None,
         parsing_models: Sequence[str] | None = None, replicates: Sequence[int] | None = None,
         completed_only: bool = False, limit: int | None = None, page_size: int = 500,
+        max_results: int | None = MAX_RESULTS,
     ) -> VerificationResultSet:
         """Load results from ClickHouse (`verification_results FINAL`), wherever it is: the running
-        projector over NATS, a ClickHouse server, or the embedded chdb folder."""
+        projector over NATS, a ClickHouse server, or the embedded chdb folder.
+
+        A result set lives in memory, so loading is bounded: with no `limit`, a selection of more
+        than `max_results` rows (counted in SQL first) raises `ResultSetTooLarge` instead of
+        filling the memory; pass `limit=N` for the first N, `max_results=None` to accept any size,
+        or read it without holding it: `stream(...)` (re-iterable, paged) or `iter_dataframes(...)`."""
         where = ResultFilter(run_id=run_id, run_name=run_name, question_ids=question_ids,
                              answering_models=answering_models, parsing_models=parsing_models,
                              replicates=replicates, completed_only=completed_only)
         with open_source(settings) as source:
+            if limit is None and max_results is not None:
+                n = len(StoredResults(source, where))
+                if n > max_results:
+                    raise ResultSetTooLarge(
+                        f"{n:,} results match, more than from_store's max_results={max_results:,}: pass limit=N, "
+                        "max_results=None, or stream them (VerificationResultSet.stream / iter_dataframes, "
+                        "`veribus export`)")
             results: list[VerificationResult] = []
             run_ids: set[str] = set()
             for rid, blob in iter_result_json(source, where, page_size=page_size, limit=limit):
                 run_ids.add(rid)
                 results.append(VerificationResult.model_validate_json(blob))
         return cls(results, run_ids=sorted(run_ids))
+
+    @staticmethod
+    def stream(
+        settings: Settings, run_id: str | None = None, run_name: str | None = None, *,
+        question_ids: Sequence[str] | None = None, answering_models: Sequence[str] | None = None,
+        parsing_models: Sequence[str] | None = None, replicates: Sequence[int] | None = None,
+        completed_only: bool = False, page_size: int = 500,
+    ) -> StoredResults:
+        """The matching results without loading them: iterate as often as you like (each pass
+        reads the store page by page); `len()` is a SQL count. Feed it to `report.summarize`,
+        `gates.evaluate_gates`, the HTML report, or your own loop."""
+        where = ResultFilter(run_id=run_id, run_name=run_name, question_ids=question_ids,
+                             answering_models=answering_models, parsing_models=parsing_models,
+                             replicates=replicates, completed_only=completed_only)
+        return StoredResults(lambda: open_source(settings), where, page_size=page_size)
+
+    @staticmethod
+    def iter_dataframes(settings: Settings, run_id: str | None = None, run_name: str | None = None, *,
+                        batch_size: int = 5000, **filters: Any) -> Iterator[pd.DataFrame]:
+        """The flat rows of `to_dataframe`, `batch_size` results per DataFrame, read page by page
+        (a batch's trait columns are those its results carry)."""
+        # local import: pandas takes ~2 s to import; only DataFrame output needs it
+        import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
+
+        batch: list[VerificationResult] = []
+        stream = VerificationResultSet.stream(settings, run_id, run_name, page_size=min(batch_size, 1000), **filters)
+        for r in stream:
+            batch.append(r)
+            if len(batch) >= batch_size:
+                cols = flat_columns_for(batch)
+                yield pd.DataFrame(list(flat_rows_from_results(batch, cols)), columns=cols)
+                batch = []
+        if batch:
+            cols = flat_columns_for(batch)
+            yield pd.DataFrame(list(flat_rows_from_results(batch, cols)), columns=cols)

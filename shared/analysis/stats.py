@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
@@ -230,7 +230,13 @@ def replicate_outcomes(results: Iterable[VerificationResult]) -> dict[tuple[str,
 def pass_at_k_report(results: Iterable[VerificationResult], ks: Sequence[int] | None = None) -> PassAtK:
     """pass@k and pass^k per model (mean over questions that have >= k replicates), and per
     question: n, c, pass rate with its Wilson interval, flaky flag and flakiness."""
-    outcomes = replicate_outcomes(results)
+    return pass_at_k_from_outcomes(replicate_outcomes(results), ks)
+
+
+def pass_at_k_from_outcomes(outcomes: Mapping[tuple[str, str, str], tuple[int, int]],
+                            ks: Sequence[int] | None = None) -> PassAtK:
+    """`pass_at_k_report` from counts already gathered ((model, judge, question) -> (n, c)), so a
+    streamed run needs no second pass over its results."""
     max_n = max((n for n, _ in outcomes.values()), default=0)
     ks = sorted({k for k in (ks or range(1, max_n + 1)) if k >= 1})
     report = PassAtK(ks=list(ks))
@@ -356,10 +362,12 @@ def compare_models(
 ) -> PairedComparison:
     """Compare two answering models on the same jobs, paired by (question, replicate, judge).
 
-    With `results_b`, model B is read from that second result set (two runs)."""
-    ra = list(results_a)
+    With `results_b`, model B is read from that second result set (two runs). A re-iterable input
+    (a list, or a run streamed from the store) is read twice rather than copied; only the
+    verdicts are kept."""
+    ra = results_a if hasattr(results_a, "__len__") else list(results_a)
     va = _verdicts(ra, model_a)
-    vb = _verdicts(ra if results_b is None else list(results_b), model_b)
+    vb = _verdicts(ra if results_b is None else results_b, model_b)
     keys = sorted(set(va) & set(vb), key=repr)
     if not keys:
         raise ValueError(f"no paired verdicts for {model_a!r} and {model_b!r} (same question, replicate and judge)")

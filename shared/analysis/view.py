@@ -53,6 +53,7 @@ def _tail(r: VerificationResult) -> dict[str, Any]:
 
 
 def _frame(rows: list[dict[str, Any]], columns: Sequence[str]) -> pd.DataFrame:
+    # local import: pandas takes ~2 s to import; only DataFrame output needs it
     import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
 
     return pd.DataFrame(rows, columns=list(columns))

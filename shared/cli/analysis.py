@@ -26,23 +26,18 @@ if TYPE_CHECKING:
     from shared.analysis.html_report import RunData
     from shared.core.models import VerificationResult
 
+from shared.cli.common import deployment_settings
+from shared.control.runref import resolve
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
-from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK
+from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, MaxErrors, judge
+from shared.store.reads import ResultFilter, run_query
 
 __all__ = ["EXIT_GATE_FAILED", "EXIT_INPUT", "EXIT_OK", "add_run_options", "apply_gates", "register",
            "validate_run_gates"]
 
 
-def _settings() -> Any:
-    from shared.control.deployment import select
-
-    return select().settings
-
-
 def _resolve(settings: Any, run: str) -> str:
     """A run id or name -> the run id in the store (most recent of a name; ambiguity noted)."""
-    from shared.control.runref import resolve
-
     picked = resolve(settings, run, stream=False)
     if picked.note:
         print(f"note: {picked.note}", file=sys.stderr)
@@ -65,6 +60,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_gates(config_path: str | None) -> list[Gate]:
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import GateError, gates_from_config
 
     if not config_path:
@@ -87,6 +83,7 @@ def _config_gates(config_path: str | None) -> list[Gate]:
 def validate_run_gates(args: argparse.Namespace) -> list[Gate]:
     """Every gate of this run (--gate and the config's `gates:`), parsed; raises
     shared.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import parse_gates
 
     if getattr(args, "num_runs", 1) is not None and getattr(args, "num_runs", 1) < 1:
@@ -100,6 +97,7 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
     passed/failed attempts by the gate's per-sample criterion, `gates_passed`, `gates`,
     `gate_lines`); write --junit. Returns 0 when every gate passes (or there are none), else 1.
     Print the block afterwards with `shared.report.print_results(summary, summary["gate_lines"])`."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
     from shared.analysis.gates import evaluate_gates, summary_criterion, write_junit
 
@@ -129,6 +127,7 @@ def _is_file(run: str) -> bool:
 
 
 def load_run_arg(run: str) -> RunData:
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.files import iter_results_from_file
     from shared.analysis.html_report import RunData, load_run
 
@@ -145,7 +144,7 @@ def load_run_arg(run: str) -> RunData:
             pass
         return RunData(run_id=Path(run).stem, results=results,
                        run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric)
-    settings = _settings()
+    settings = deployment_settings()
     return load_run(settings, _resolve(settings, run))
 
 
@@ -155,14 +154,15 @@ def load_run_arg(run: str) -> RunData:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.export import export_results, export_run
     from shared.analysis.files import iter_results_from_file
-    from shared.store.reads import ResultFilter
 
     fmt = args.format or _format_from_suffix(args.output)
     where = ResultFilter(question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
                          completed_only=args.completed_only)
     if _is_file(args.run):
+        # local import: shared.analysis (15 modules) would slow every command's start-up
         from shared.analysis.resultset import VerificationResultSet
 
         rs = VerificationResultSet(iter_results_from_file(args.run)).filter(
@@ -170,7 +170,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             completed_only=args.completed_only)
         stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
     else:
-        settings = _settings()
+        settings = deployment_settings()
         stats = export_run(settings, _resolve(settings, args.run), fmt, args.output, page_size=args.page_size,
                            where=where)
     print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
@@ -190,6 +190,7 @@ def _format_from_suffix(output: str) -> str:
 def _metrics_of(data: RunData) -> set[str]:
     """Metric names a gate may use on this run: run metrics, the rubric's traits, and every
     metric its results carry."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import known_metrics
     from shared.analysis.report import metric_scores
 
@@ -203,35 +204,57 @@ def _metrics_of(data: RunData) -> set[str]:
 
 def _job_count(run_id: str) -> int | None:
     """The run's planned job count (from its run.requested row), so missing results count."""
-    from shared.store.reads import run_query
-
     try:
-        rows = run_query(_settings(), "SELECT job_count FROM runs FINAL WHERE run_id = {r:String}", {"r": run_id}).rows
+        rows = run_query(deployment_settings(), "SELECT job_count FROM runs FINAL WHERE run_id = {r:String}", {"r": run_id}).rows
     except Exception:  # noqa: BLE001 - a results table without a runs row: judge by the results alone
         return None
     return int(rows[0][0]) if rows and rows[0][0] else None
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from shared.analysis import report
-    from shared.analysis.gates import check_gates, evaluate_gates, parse_gates, summary_criterion, write_junit
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.html_report import write_html
-    from shared.core.outcome import MaxErrors, judge
+
+    data = load_run_arg(args.run)
+    try:
+        return _report(args, data, write_html)
+    finally:
+        data.close()
+
+
+def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
+    """The report of one loaded run. A run from the store is streamed, never held: one paged pass
+    gathers the summary, the gates and the HTML page's aggregates (counts only); the verdict,
+    results.jsonl, the page's appendix and JUnit each read the results again as they write."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
+    from shared.analysis import report
+    from shared.analysis.gates import GateEvaluator, check_gates, parse_gates, summary_criterion, write_junit
+    from shared.analysis.html_digest import RunDigest
 
     gates = parse_gates(args.gate)
     max_errors = MaxErrors.parse(args.max_errors)
-    data = load_run_arg(args.run)
     if not data.results:
         raise ValueError(f"run {args.run!r} has no results")
-    models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
-    check_gates(gates, _metrics_of(data), models)
+    if gates:
+        models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
+        check_gates(gates, _metrics_of(data), models)
     for g in gates:
         if not args.quiet or g.note:
             print(g.understood(), file=sys.stderr)
     ranges = report.trait_ranges_from_rubric(data.rubric_definition)
     overall, per_metric = summary_criterion(gates)
-    summary = report.summarize(data.results, trait_ranges=ranges, criterion=overall, criteria=per_metric)
-    rep = evaluate_gates(data.results, gates, ranges)
+    # one pass for the summary, the gates and the HTML page's aggregates
+    tally = report.SummaryTally(trait_ranges=ranges, criterion=overall, criteria=per_metric)
+    gate_eval = GateEvaluator(gates, ranges)
+    digest, page_tally = (RunDigest.for_results(data.results), report.SummaryTally()) if args.html else (None, None)
+    for r in data.results:
+        tally.add(r)
+        gate_eval.add(r)
+        if digest is not None and page_tally is not None:
+            digest.add(r)
+            page_tally.add(r)
+    summary = tally.summary()
+    rep = gate_eval.report()
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
     expected = None if _is_file(args.run) else _job_count(data.run_id)
@@ -243,7 +266,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         report.write_outputs(Path(args.output), data.benchmark_name or data.run_name or data.run_id, data.run_id,
                              data.results, summary, data.config or {}, bool(data.simulated), trait_ranges=ranges)
     if args.html:
-        path = write_html(args.html, data, rep.lines)
+        path = write_html(args.html, data, rep.lines, digest=digest,
+                          summary=page_tally.summary() if page_tally is not None else None)
         if not args.quiet:
             print(f"wrote {path}")
     if args.junit:
@@ -257,6 +281,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_results(args: argparse.Namespace) -> int:
     """Pass rates with Wilson intervals by a dimension, and pass@k across replicates."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.resultset import VerificationResultSet
 
     data = load_run_arg(args.run)
@@ -292,6 +317,7 @@ def _f(v: float | None) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.stats import compare_models
 
     a = load_run_arg(args.run)

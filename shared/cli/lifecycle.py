@@ -10,17 +10,19 @@ import asyncio
 import sys
 from typing import Any
 
+import msgspec
+
+from shared.cli.common import deployment_settings, err
 from shared.control import lifecycle, rebuild, retention, streams, wait
+from shared.control.credentials import base_reachable, missing_key
+from shared.control.runner import RunInputError
+from shared.control.runref import next_regrade_name, resolve, runs_in_stream
+from shared.core.benchmark.question import BenchmarkError
+from shared.core.config import ModelConfig
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
-from shared.core.outcome import EXIT_OK
+from shared.core.outcome import EXIT_OK, judge
 from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_RUN_ERROR
 from shared.store.reads import run_query
-
-
-def _settings() -> Any:
-    from shared.control.deployment import select
-
-    return select().settings
 
 
 def _resolve_run_arg(settings: Any, args: argparse.Namespace) -> bool:
@@ -28,7 +30,7 @@ def _resolve_run_arg(settings: Any, args: argparse.Namespace) -> bool:
     try:
         args.run = _run_id(settings, args.run)
     except LookupError as exc:  # RunNotFound
-        _err(str(exc).strip("'\""))
+        err(str(exc).strip("'\""))
         return False
     return True
 
@@ -36,22 +38,14 @@ def _resolve_run_arg(settings: Any, args: argparse.Namespace) -> bool:
 def _run_id(settings: Any, ref: str) -> str:
     """A run id or name -> the run id, read from the stream (the most recent run of a name; a
     note on stderr when the name is ambiguous). Raises RunNotFound (exit 2)."""
-    from shared.control.runref import resolve
-
     picked = resolve(settings, ref, stream=True)
     if picked.note:
         print(f"note: {picked.note}", file=sys.stderr)
     return picked.run_id
 
 
-def _err(msg: str) -> None:
-    print(f"veribus: error: {msg}", file=sys.stderr)
-
-
 def cmd_resume(args: argparse.Namespace) -> int:
-    from shared.core.benchmark.question import BenchmarkError
-
-    settings = _settings()
+    settings = deployment_settings()
     if not _resolve_run_arg(settings, args):
         return EXIT_INPUT
     try:
@@ -65,7 +59,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
                                                 force=args.force, budget_tokens=args.max_tokens_budget,
                                                 benchmark=bench))
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
-        _err(str(exc))
+        err(str(exc))
         return EXIT_INPUT
     print(f"run {plan.run_id}: {plan.job_count} jobs, {plan.finalized} with a result (skipped, no model calls), "
           f"{plan.stopped} cancelled/over budget, {plan.jobs} job(s) in {len(plan.requests)} answer request(s) "
@@ -87,11 +81,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _regrade_name(settings: Any, parent_run_id: str, parent_name: str | None) -> str:
-    import asyncio as _asyncio
-
-    from shared.control.runref import next_regrade_name, runs_in_stream
-
-    names = [r.run_name for r in _asyncio.run(runs_in_stream(settings))]
+    names = [r.run_name for r in asyncio.run(runs_in_stream(settings))]
     return next_regrade_name(parent_name or parent_run_id, names)
 
 
@@ -100,11 +90,6 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
     on the simulator goes to the simulator running now (VERIBUS_SIMULATOR_URL or the local
     stack's), never the URL recorded with the old run; `--api-base` replaces a recorded one.
     Returns the problems that make the judges unreachable (empty when they can be called)."""
-    import msgspec
-
-    from shared.control.credentials import base_reachable, missing_key
-    from shared.core.config import ModelConfig
-
     problems: list[str] = []
     checked: dict[str, str | None] = {}
     for i, ev in enumerate(plan.generated):
@@ -140,11 +125,7 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
 
 
 def cmd_regrade(args: argparse.Namespace) -> int:
-    from shared.control.runner import RunInputError
-    from shared.core.benchmark.question import BenchmarkError
-    from shared.core.outcome import judge
-
-    settings = _settings()
+    settings = deployment_settings()
     if not _resolve_run_arg(settings, args):
         return EXIT_INPUT
     try:
@@ -152,22 +133,20 @@ def cmd_regrade(args: argparse.Namespace) -> int:
         plan = asyncio.run(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
                                                   run_name=args.run_name))
     except (streams.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
-        _err(str(exc))
+        err(str(exc))
         return EXIT_INPUT
     if not plan.generated:
-        _err(f"run {args.run} has no stored answers to regrade")
+        err(f"run {args.run} has no stored answers to regrade")
         return EXIT_INPUT
     if args.run_name is None:
         name = _regrade_name(settings, plan.parent_run_id, plan.run_event.run_name)
         plan.run_event.run_name = name
         plan.run_event.config["run_name"] = name
         for i, ev in enumerate(plan.generated):
-            import msgspec
-
             plan.generated[i] = msgspec.structs.replace(ev, job=msgspec.structs.replace(ev.job, run_name=name))
     problems = resolve_judges(plan, settings, simulate=args.simulate, api_base=args.api_base)
     if problems:
-        _err("regrade refused before publishing:\n  " + "\n  ".join(problems))
+        err("regrade refused before publishing:\n  " + "\n  ".join(problems))
         return EXIT_INPUT
     asyncio.run(lifecycle.submit_regrade(settings, plan))
     print(f"run {plan.run_id} ({plan.run_event.run_name}): regrade of {plan.parent_run_id}: {len(plan.generated)} "
@@ -194,19 +173,19 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     verdict = judge(list(new.values()), expected=len(plan.generated), timed_out=timed_out,
                     run_ref=plan.run_event.run_name or plan.run_id)
     if not verdict.ok:
-        _err(verdict.headline)
+        err(verdict.headline)
     return verdict.code
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
 
-    settings = _settings()
+    settings = deployment_settings()
     if not _resolve_run_arg(settings, args):
         return EXIT_INPUT
     try:
         out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
     except streams.LifecycleError as exc:
-        _err(str(exc))
+        err(str(exc))
         return EXIT_INPUT
     print(f"run {out.run_id}: cancelled; {out.finalized}/{out.job_count} results finalized so far. Answers not "
           "yet generated finalize as cancelled results (error 'cancelled').")
@@ -220,12 +199,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_projections_rebuild(args: argparse.Namespace) -> int:
 
-    settings = _settings()
+    settings = deployment_settings()
     before_runs = retention.results_per_run(lambda sql: run_query(settings, sql))
     try:
         rep = rebuild.rebuild_projections(settings, timeout=args.timeout, progress=lambda m: print(f"  {m}"))
     except streams.LifecycleError as exc:
-        _err(str(exc))
+        err(str(exc))
         return EXIT_RUN_ERROR
     print(f"projections rebuilt from {rep.stream_messages} stream messages in {rep.elapsed_s:.1f} s ({rep.mode})")
     for table in rep.after:

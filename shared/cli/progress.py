@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
+from shared.core.outcome import error_kind
+
 if TYPE_CHECKING:
     from shared.core.models import VerificationResult
 
@@ -37,8 +39,8 @@ class RunProgress:
 
     def add(self, result: VerificationResult) -> None:
         """Count one finalized result (once per result id)."""
+        # local import: shared.analysis (15 modules) would slow every command's start-up
         from shared.analysis.report import score_of
-        from shared.core.outcome import error_kind
 
         rid = result.metadata.result_id
         if rid in self.seen:

@@ -8,6 +8,10 @@ import asyncio
 import json
 from typing import Any
 
+from shared.control.stack import stack_settings
+from shared.runtime import bus
+from shared.runtime.costcontrol import pop_cost_budget
+
 
 def add_run_options(run: argparse.ArgumentParser) -> None:
     run.add_argument("--cache", dest="response_cache", action="store_true", default=None,
@@ -23,8 +27,6 @@ def add_run_options(run: argparse.ArgumentParser) -> None:
 def apply_run_options(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """Fold the flags into the run-config mapping (flags win over --config); take the money
     budget out of it (it is a run setting, not a VerificationConfig field)."""
-    from shared.runtime.costcontrol import pop_cost_budget
-
     budget = pop_cost_budget(data)
     if budget is not None and getattr(args, "max_cost_usd", None) is None:
         args.max_cost_usd = budget
@@ -53,19 +55,16 @@ def register(sub: Any) -> None:
 
 
 def _settings() -> Any:
-    from shared.control.stack import stack_settings
-
     return stack_settings()
 
 
 async def _with_js(settings: Any, fn: Any) -> Any:
-    from shared.runtime import bus
-
     async with bus.session(settings, max_reconnect_attempts=1, connect_timeout=3) as nc:
         return await fn(nc.jetstream())
 
 
 def cmd_cache_clear(args: argparse.Namespace) -> int:
+    # local import: shared.runtime.llm (client, caches) would slow every command's start-up
     from shared.runtime import response_cache
 
     removed = asyncio.run(_with_js(_settings(), lambda js: response_cache.clear(
@@ -76,6 +75,7 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
 
 
 def cmd_cache_info(args: argparse.Namespace) -> int:
+    # local import: shared.runtime.llm (client, caches) would slow every command's start-up
     from shared.runtime import response_cache
 
     data = asyncio.run(_with_js(_settings(), response_cache.info))

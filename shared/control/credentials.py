@@ -30,6 +30,7 @@ PROVIDER_KEYS: dict[str, tuple[str, ...]] = {name: keys for name, (keys, _base) 
 def _litellm_missing(model: ModelConfig) -> list[str]:
     """What litellm says the environment lacks for this model ([] when it cannot tell)."""
     try:
+        # local import: shared.runtime.llm would slow the CLI's start-up; only this check asks litellm
         from shared.runtime.llm.transport import _get_litellm
 
         litellm = _get_litellm()

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
+import threading
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
+from shared.control import stack
 from shared.core.config import Settings
+from shared.runtime import bus
 
 FLAG_ENV = "VERIBUS_NATS_URL_FROM_FLAG"  # set by the CLI when --nats-url gave the URL
 CHECK_TIMEOUT_S = 4.0
@@ -65,14 +70,12 @@ class Deployment:
 
 def select(settings: Settings | None = None) -> Deployment:
     """The deployment this process talks to (see the module docstring)."""
-    from shared.control.stack import running_stack
-
     settings = settings or Settings.from_env()
     given = Settings.from_env("nats_url", "nats_url_from_flag")  # what the environment says, not the default
     if "nats_url" in given.model_fields_set:
         source = "--nats-url" if given.nats_url_from_flag == given.nats_url else "VERIBUS_NATS_URL"
         return Deployment("configured", settings, source, settings.simulator_url)
-    state = running_stack(settings)
+    state = stack.running_stack(settings)
     if state is not None:
         settings.nats_url = state.nats_url
         settings.simulator_url = settings.simulator_url or state.simulator_url
@@ -97,8 +100,6 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _check(settings: Settings) -> None:
-    from shared.runtime import bus
-
     # one try, short: the probe must say at once that nothing answers (reasons in `_reason`)
     async with bus.session(settings, name="veribus-cli-check", connect_timeout=min(2.0, CHECK_TIMEOUT_S),
                            **bus.ONE_TRY) as nc:
@@ -111,9 +112,6 @@ async def _check(settings: Settings) -> None:
 
 def _tcp_reason(url: str) -> str | None:
     """Why nothing accepts TCP connections at a NATS URL (None when something does)."""
-    import socket
-    from urllib.parse import urlparse
-
     for one in url.split(","):
         parsed = urlparse(one.strip())
         host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
@@ -133,8 +131,6 @@ def check_bus(dep: Deployment) -> None:
     """Connect once (no reconnect loop) within a few seconds; raise Unreachable naming the URL,
     where it came from and why. The NATS handshake runs in a daemon thread, so a client that
     does not give up cannot hold the command past the deadline."""
-    import threading
-
     where = f" (from {dep.source})" if dep.source else ""
     url = mask_url(dep.settings.nats_url)
     tcp = _tcp_reason(dep.settings.nats_url)

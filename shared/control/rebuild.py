@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from shared.control import stack
+from shared.control import processes, stack
 from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
 from shared.core import events
 from shared.core.config import Settings
@@ -147,7 +147,7 @@ def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
         before = fingerprint(lambda sql: run_query(settings, sql))
         say(f"stopping the projector ({', '.join(str(p.pid) for p in projectors)})")
         for p in projectors:
-            stack.stop_proc(p, timeout=30.0)
+            processes.stop_proc(p, timeout=30.0)
     else:
         before = fingerprint(lambda sql: query_direct(settings, sql))
     say("dropping and recreating the tables")

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from shared.control.streams import STAGE_DURABLES
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import Settings, VerificationConfig
@@ -21,6 +22,7 @@ from shared.core.ids import answer_id_for, compute_result_id, template_id_for
 from shared.core.limits import MAX_EVENT_BYTES, question_problems
 from shared.core.models import VerificationResult
 from shared.runtime import bus
+from shared.runtime.content import ContentStore, lean_requests
 from shared.templates.calls import compile_check
 
 
@@ -163,8 +165,6 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
                                                    plan.run_event, producer))
         requests = plan.requests
         if settings.lean_events:  # contents once, by hash; events carry the hashes
-            from shared.runtime.content import ContentStore, lean_requests
-
             requests = await lean_requests(ContentStore(lambda: js), requests)
         envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, r.jobs[0].answer_id, r, producer)
                 for r in requests]
@@ -174,8 +174,6 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
 async def retrying_now(js: JetStreamContext) -> int:
     """Messages the stage services are retrying right now (redelivered and not yet acknowledged),
     summed over their durable consumers; 0 when that cannot be read."""
-    from shared.control.streams import STAGE_DURABLES
-
     n = 0
     for name in STAGE_DURABLES:
         try:

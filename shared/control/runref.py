@@ -9,11 +9,15 @@ one it took, and how many there are).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shared.core import events
 from shared.core.config import Settings
+from shared.runtime import bus
+from shared.store.reads import run_query
 
 
 class RunNotFound(LookupError, ValueError):
@@ -59,9 +63,6 @@ def next_regrade_name(base: str, names: Sequence[str | None]) -> str:
 
 async def runs_in_stream(settings: Settings) -> list[RunRef]:
     """Every run.requested in the stream (one per run: the newest message per subject)."""
-    from shared.core import events
-    from shared.runtime import bus
-
     async with bus.session(settings, **bus.ONE_TRY) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
@@ -80,16 +81,12 @@ async def runs_in_stream(settings: Settings) -> list[RunRef]:
 
 
 def runs_in_store(settings: Settings) -> list[RunRef]:
-    from shared.store.reads import run_query
-
     res = run_query(settings, "SELECT run_id, run_name, toString(requested_at) FROM runs FINAL")
     return [RunRef(str(r[0]), r[1], str(r[2])) for r in res.rows]
 
 
 def resolve(settings: Settings, ref: str, *, stream: bool) -> Picked:
     """`ref` -> run id, from the stream (`stream=True`) or from ClickHouse."""
-    import asyncio
-
     runs = asyncio.run(runs_in_stream(settings)) if stream else runs_in_store(settings)
     return pick(ref, runs)
 
@@ -123,8 +120,6 @@ def run_state(row: dict[str, Any]) -> str:
 
 
 def list_runs(settings: Settings, limit: int = 50) -> list[dict[str, Any]]:
-    from shared.store.reads import run_query
-
     res = run_query(settings, RUNS_SQL, {"limit": int(limit)})
     rows = [dict(zip(res.columns, r, strict=False)) for r in res.rows]
     for row in rows:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -157,8 +158,6 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 def parse_server_list(value: str) -> list[str]:
     """Split a comma-separated list of NATS URLs; a bad entry is named in the error. A bare
     `host:port` is read as `nats://host:port` (nats-py does the same)."""
-    from urllib.parse import urlparse
-
     out: list[str] = []
     for raw in value.split(","):
         url = raw.strip()
@@ -204,6 +203,8 @@ class Settings(BaseModel):
     litellm_lean: bool = True  # skip litellm's per-call logging hooks (see shared.runtime.llm.transport)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"
+    # OTLP/HTTP collector for OpenTelemetry spans (shared.runtime.tracing); unset: no tracing, nothing imported
+    otel_endpoint: str | None = None
     progress_interval_s: float = Field(default=10.0, ge=0)  # the CLI's progress line while following a run (0: every result)
     debug: bool = False  # the CLI shows the traceback of an unexpected error instead of one line
     # /healthz /readyz /metrics of a service process (VERIBUS_<SERVICE>_METRICS_PORT wins)

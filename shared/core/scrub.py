@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import traceback
 from typing import Any
 
 REDACTED = "[REDACTED]"
@@ -145,8 +146,6 @@ class ScrubFilter(logging.Filter):
         record.msg = scrub_text(msg)
         record.args = None
         if record.exc_info:
-            import traceback
-
             record.exc_text = scrub_text("".join(traceback.format_exception(*record.exc_info)))
             record.exc_info = None
         if record.stack_info:

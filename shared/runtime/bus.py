@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 import ssl
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.core import events
 from shared.core.config import Settings
-from shared.runtime import bus_auth
+from shared.runtime import bus_auth, tracing
 
 log = logging.getLogger("veribus.bus")
 
@@ -286,7 +287,6 @@ def ensure_stream_blocking(settings: Settings, timeout: float = 30.0) -> None:
     except RuntimeError:
         asyncio.run(bounded())
         return
-    import threading
 
     box: list[BaseException] = []
     t = threading.Thread(target=lambda: _capture(box, bounded))
@@ -334,7 +334,11 @@ async def prepare_stream(settings: Settings, **extra: Any) -> None:
 
 
 def msg_headers(env: events.Envelope) -> dict[str, str]:
-    return {"Nats-Msg-Id": env.event_id}
+    """The message id (JetStream deduplication) and, when tracing is on, the W3C trace context
+    of the span being handled (`shared.runtime.tracing`)."""
+    headers = {"Nats-Msg-Id": env.event_id}
+    tracing.inject(headers)
+    return headers
 
 
 PUBLISH_RETRY_S = 30.0

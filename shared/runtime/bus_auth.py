@@ -31,10 +31,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.core import events
+from shared.core.scrub import is_secret_name
 
 STREAM = events.STREAM
 # every KV bucket a stage service uses: run-scoped and shared response caches, run usage and cost
@@ -200,8 +202,6 @@ NO_MODEL_CALLS = frozenset({"projector", "finalization"})
 def service_env(process_name: str, env: dict[str, str]) -> dict[str, str]:
     """The environment of one stack process: its role, and no provider keys for the services
     that never call a model (keys live only where the calls are made); VERIBUS_* settings stay."""
-    from shared.core.scrub import is_secret_name
-
     out = {**env, **role_env(process_name)}
     if out.get("VERIBUS_NATS_ROLE") in NO_MODEL_CALLS:
         out = {k: v for k, v in out.items() if k.startswith("VERIBUS_") or not is_secret_name(k)}
@@ -219,8 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m shared.runtime.bus_auth DIR`: generate role credentials and the server config in DIR/auth
     (for docker-compose or a cluster: mount the config into nats-server, the credentials file
     into each service with VERIBUS_NATS_ROLE set)."""
-    import sys
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m shared.runtime.bus_auth HOME_DIR", file=sys.stderr)

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 from nats.js.api import KeyValueConfig
+from nats.js.errors import KeyNotFoundError
 
 from shared.core import events
 from shared.core.limits import check_job
@@ -144,7 +145,6 @@ class ContentStore:
         if hit is not None:
             self.cache.move_to_end(key)
             return hit
-        from nats.js.errors import KeyNotFoundError
 
         kv = await self._bucket()
         self.reads += 1

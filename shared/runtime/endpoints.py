@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
+
 from shared.core.config import Settings
 
 # provider prefix -> (standard key variable(s), the provider's own base URL)
@@ -146,8 +148,6 @@ def _pairs_from_file(path: Path) -> set[tuple[str, str]]:
     if path.suffix.lower() == ".json":
         data = json.loads(text)
     else:
-        import yaml
-
         data = yaml.safe_load(text)
     entries = data.get("endpoints") if isinstance(data, dict) else data
     if not isinstance(entries, list):

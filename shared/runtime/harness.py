@@ -38,7 +38,7 @@ from shared.core.config import Settings
 from shared.core.limits import safe_token
 from shared.core.scrub import scrub_text
 from shared.core.stage import stage_error
-from shared.runtime import bus, bus_auth, observability
+from shared.runtime import bus, bus_auth, observability, tracing
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
 from shared.runtime.limits import deployment_limiter
@@ -128,6 +128,7 @@ class StageService:
         self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
         self.durables: list[str] = []
         self._observer: Any = None  # the /healthz /readyz /metrics server (shared.runtime.observability)
+        tracing.configure(name, self.settings)  # spans over OTLP when VERIBUS_OTEL_ENDPOINT is set
 
     def llm_client(self) -> LLMClient:
         """The service's model client; its response cache moves to the shared JetStream KV bucket
@@ -244,7 +245,8 @@ class StageService:
                 msg: NatsMessage = self.broker.context.get_local("message")
                 meta = msg.raw_message.metadata
                 OUTCOME.set("")
-                with observability.METRICS.handling(self.name, event_type, meta.num_delivered if meta else 1) as m:
+                with observability.METRICS.handling(self.name, event_type, meta.num_delivered if meta else 1) as m, \
+                        tracing.handling(self.name, event_type, msg.raw_message):
                     await self.deliver(event_type, body, msg)
                     m["outcome"] = OUTCOME.get() or ("failed" if str(msg.committed).lower().endswith("nacked")
                                                      else "handled")

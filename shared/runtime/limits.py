@@ -20,6 +20,8 @@ The ledger arithmetic is pure (`grant`, `give_back`, `decrease`, ... on a `Ledge
 tested; `Limiter` runs one small task per limit key per process that does all ledger writes,
 while `acquire`/`release` touch only local state. `LedgerStore` is where ledgers live:
 `KVLedgerStore` (JetStream KV, the deployment) or `MemoryLedgerStore` (one process, tests).
+The ledger is `shared.runtime.ledger`, its stores `shared.runtime.ledger_store`, and a call's
+limit key, estimate and lease `shared.runtime.call_limits`.
 
 Clocks: lease expiry compares wall clocks of different hosts; keep them NTP-synchronised (skew
 well under `lease_s`).
@@ -28,336 +30,40 @@ well under `lease_s`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
-from nats.js.api import KeyValueConfig
 
 from shared.core.events import ModelSpec
-from shared.runtime.bus import ensure_kv
+from shared.runtime.call_limits import Lease, limit_key
+from shared.runtime.ledger import (
+    Bucket,
+    Holder,
+    Ledger,
+    decode_ledger,
+    decrease,
+    encode_ledger,
+    give_back,
+    grant,
+    held_total,
+    increase,
+    must_shed,
+    new_ledger,
+    prune,
+    refund,
+    set_cap,
+    shed_amount,
+    slots,
+    take,
+    wait_for,
+)
+from shared.runtime.ledger_store import Conflict, KVLedgerStore, LedgerStore
 
 log = logging.getLogger("veribus.limits")
-
-BUCKET = "vb_model_limits"
-DEFAULT_ANSWER_TOKENS = 512  # a call's output estimate for tokens/minute when max_tokens is unset
-
-
-# ---------------------------------------------------------------- the ledger (pure)
-
-
-class Holder(msgspec.Struct, omit_defaults=True):
-    n: int = 0  # slots held
-    want: int = 0  # slots it waits for (tells others to shed down to their fair share)
-    exp: float = 0.0  # lease end (wall clock)
-
-
-class Bucket(msgspec.Struct, omit_defaults=True):
-    level: float
-    ts: float
-
-
-class Ledger(msgspec.Struct, omit_defaults=True):
-    cap: int
-    window: float
-    holders: dict[str, Holder] = {}
-    last_decrease: float = 0.0
-    decreases: int = 0
-    rpm: Bucket | None = None
-    tpm: Bucket | None = None
-
-
-_enc = msgspec.json.Encoder()
-_dec = msgspec.json.Decoder(Ledger)
-
-
-def encode_ledger(ledger: Ledger) -> bytes:
-    return _enc.encode(ledger)
-
-
-def decode_ledger(data: bytes) -> Ledger:
-    return _dec.decode(data)
-
-
-def new_ledger(cap: int) -> Ledger:
-    return Ledger(cap=cap, window=float(cap), holders={})
-
-
-def prune(ledger: Ledger, now: float) -> list[str]:
-    """Drop holders whose lease has expired (dead or stalled processes); returns who was dropped."""
-    dead = [k for k, h in ledger.holders.items() if h.exp < now]
-    for k in dead:
-        del ledger.holders[k]
-    return dead
-
-
-def set_cap(ledger: Ledger, cap: int) -> None:
-    """The configured cap of the newest caller wins; the window never exceeds it."""
-    cap = max(1, int(cap))
-    if cap != ledger.cap:
-        ledger.cap = cap
-    ledger.window = min(max(1.0, ledger.window), float(cap))
-
-
-def slots(ledger: Ledger) -> int:
-    """Whole slots the window allows (at least one, so a model is never starved to zero)."""
-    return max(1, math.floor(ledger.window))
-
-
-def held_total(ledger: Ledger) -> int:
-    return sum(h.n for h in ledger.holders.values())
-
-
-def shares(ledger: Ledger) -> tuple[int, int]:
-    """(floor, ceil) of the window split over the holders that hold or want slots."""
-    active = max(1, sum(1 for h in ledger.holders.values() if h.n > 0 or h.want > 0))
-    return slots(ledger) // active, math.ceil(slots(ledger) / active)
-
-
-def _starving(ledger: Ledger, me: str, floor: int) -> bool:
-    """Another holder waits while holding less than its floor share (at least one slot)."""
-    least = max(1, floor)
-    return any(h.want > 0 and h.n < least for k, h in ledger.holders.items() if k != me)
-
-
-def grant(ledger: Ledger, me: str, want: int, batch: int, now: float, lease_s: float) -> int:
-    """Give `me` up to min(want, batch) free slots, no more than its share while others wait;
-    record what it still wants; renew its lease."""
-    h = ledger.holders.setdefault(me, Holder())
-    h.want = want
-    free = slots(ledger) - held_total(ledger)
-    g = max(0, min(free, want, batch))
-    floor, ceil = shares(ledger)
-    if _starving(ledger, me, floor):
-        g = min(g, max(0, max(1, floor) - h.n))
-    elif any(o.want > 0 for k, o in ledger.holders.items() if k != me):
-        g = min(g, max(0, ceil - h.n))
-    h.n += g
-    h.want = max(0, want - g)
-    h.exp = now + lease_s
-    return g
-
-
-def give_back(ledger: Ledger, me: str, k: int, now: float, lease_s: float) -> int:
-    h = ledger.holders.get(me)
-    if h is None:
-        return 0
-    k = max(0, min(k, h.n))
-    h.n -= k
-    h.exp = now + lease_s
-    if h.n == 0 and h.want == 0:
-        del ledger.holders[me]
-    return k
-
-
-def must_shed(ledger: Ledger, me: str, held: int) -> bool:
-    """True when `me` should give a freed slot back instead of reusing it: the ledger is over the
-    window (it shrank), or another holder waits with less than its share while `me` has more."""
-    if held_total(ledger) > slots(ledger):
-        return True
-    floor, _ = shares(ledger)
-    return held > floor and _starving(ledger, me, floor)
-
-
-def shed_amount(ledger: Ledger, me: str, held: int) -> int:
-    """How many slots `me` should give back now (see `must_shed`)."""
-    total, allowed = held_total(ledger), slots(ledger)
-    floor, _ = shares(ledger)
-    over = held - floor if _starving(ledger, me, floor) else 0
-    if total > allowed:
-        over = max(over, min(total - allowed, max(1, held - floor)))
-    return max(0, over)
-
-
-def decrease(ledger: Ledger, now: float, min_interval_s: float) -> bool:
-    """Multiplicative decrease after a 429 (once per congestion event)."""
-    if now - ledger.last_decrease < min_interval_s:
-        return False
-    ledger.window = max(1.0, ledger.window / 2.0)
-    ledger.last_decrease = now
-    ledger.decreases += 1
-    return True
-
-
-def increase(ledger: Ledger, successes: int) -> None:
-    """Additive increase: one slot per window's worth of successful calls, up to the cap."""
-    if successes > 0:
-        ledger.window = min(float(ledger.cap), ledger.window + successes / max(1.0, ledger.window))
-
-
-def take(bucket: Bucket, per_minute: float, k: float, now: float, *, whole: bool) -> float:
-    """Refill a token bucket (capacity one minute's worth) and take up to `k` from it."""
-    rate = per_minute / 60.0
-    bucket.level = min(per_minute, bucket.level + max(0.0, now - bucket.ts) * rate)
-    bucket.ts = now
-    avail = math.floor(bucket.level) if whole else bucket.level
-    g = max(0.0, min(k, avail))
-    bucket.level -= g
-    return g
-
-
-def refund(bucket: Bucket, per_minute: float, k: float) -> None:
-    bucket.level = min(per_minute, bucket.level + max(0.0, k))
-
-
-def wait_for(bucket: Bucket, per_minute: float, need: float) -> float:
-    """Seconds until the bucket holds `need`."""
-    missing = need - bucket.level
-    return 0.0 if missing <= 0 else missing / (per_minute / 60.0)
-
-
-# ---------------------------------------------------------------- where ledgers live
-
-
-class Conflict(Exception):
-    """Someone else wrote the ledger since we read it."""
-
-
-class LedgerStore(Protocol):
-    async def get(self, key: str) -> tuple[Ledger | None, int]: ...
-
-    async def cas(self, key: str, ledger: Ledger, revision: int) -> int: ...
-
-    async def watch(self, key: str, on_change: Any) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-class MemoryLedgerStore:
-    """Ledgers in this process (tests, single-process use)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, tuple[bytes, int]] = {}
-        self.ops = 0
-        self._watchers: dict[str, list[Any]] = {}
-
-    async def get(self, key: str) -> tuple[Ledger | None, int]:
-        self.ops += 1
-        raw = self.data.get(key)
-        return (decode_ledger(raw[0]), raw[1]) if raw else (None, 0)
-
-    async def cas(self, key: str, ledger: Ledger, revision: int) -> int:
-        self.ops += 1
-        current = self.data.get(key, (b"", 0))[1]
-        if current != revision:
-            raise Conflict(key)
-        data = encode_ledger(ledger)
-        self.data[key] = (data, current + 1)
-        for cb in self._watchers.get(key, []):
-            cb(data)
-        return current + 1
-
-    async def watch(self, key: str, on_change: Any) -> None:
-        self._watchers.setdefault(key, []).append(on_change)
-
-    async def close(self) -> None:
-        self._watchers.clear()
-
-
-class KVLedgerStore:
-    """Ledgers in a JetStream KV bucket; a core subscription on the key's subject wakes waiters."""
-
-    def __init__(self, nc: Any, bucket: str = BUCKET) -> None:
-        self.nc = nc
-        self.js = nc.jetstream()
-        self.bucket = bucket
-        self.ops = 0
-        self._kv: Any = None
-        self._lock = asyncio.Lock()
-        self._subs: list[Any] = []
-
-    async def _bucket(self) -> Any:
-        if self._kv is None:
-            async with self._lock:
-                if self._kv is None:
-                    cfg = KeyValueConfig(bucket=self.bucket, history=1, ttl=24 * 3600,
-                                         description="veribus model limits (leases, rate buckets)")
-                    self._kv = await ensure_kv(self.js, cfg)  # replicated like the stream
-        return self._kv
-
-    async def get(self, key: str) -> tuple[Ledger | None, int]:
-        from nats.js.errors import KeyNotFoundError
-
-        kv = await self._bucket()
-        self.ops += 1
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            return None, 0
-        if not entry.value:
-            return None, entry.revision or 0
-        return decode_ledger(entry.value), entry.revision or 0
-
-    async def cas(self, key: str, ledger: Ledger, revision: int) -> int:
-        from nats.js.errors import KeyWrongLastSequenceError
-
-        kv = await self._bucket()
-        self.ops += 1
-        try:
-            if revision == 0:
-                return int(await kv.create(key, encode_ledger(ledger)))
-            return int(await kv.update(key, encode_ledger(ledger), last=revision))
-        except KeyWrongLastSequenceError as exc:
-            raise Conflict(key) from exc
-
-    async def watch(self, key: str, on_change: Any) -> None:
-        async def cb(msg: Any) -> None:
-            on_change(msg.data)
-
-        await self._bucket()
-        self._subs.append(await self.nc.subscribe(f"$KV.{self.bucket}.{key}", cb=cb))
-
-    async def close(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection already gone
-                pass
-        self._subs.clear()
-
-
-# ---------------------------------------------------------------- identity and estimates
-
-
-def limit_identity(model: ModelSpec) -> str:
-    """What a limit is shared by: the model (+ endpoint) or, for scope 'endpoint', the endpoint."""
-    if getattr(model, "limit_scope", "model") == "endpoint":
-        return f"endpoint|{model.api_base or model.model_name.split('/', 1)[0]}"
-    return f"model|{model.canonical_key}|{model.api_base or ''}"
-
-
-def limit_key(model: ModelSpec) -> str:
-    return "m_" + hashlib.sha256(limit_identity(model).encode()).hexdigest()[:32]
-
-
-def estimate_tokens(model: ModelSpec, messages: list[dict[str, Any]]) -> int:
-    """A call's tokens before it is made (for tokens/minute): ~4 characters a token in, plus
-    `max_tokens` (or a default) out. The difference to the real count is settled afterwards."""
-    chars = 0
-    for m in messages:
-        c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, str):
-            chars += len(c)
-        elif isinstance(c, list):
-            chars += sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict))
-    return chars // 4 + 1 + (model.max_tokens or DEFAULT_ANSWER_TOKENS)
-
-
-# ---------------------------------------------------------------- the limiter
-
-
-@dataclass
-class Lease:
-    """One admitted call; hand it back to `Limiter.release`."""
-
-    key: str
-    estimate: int = 0
-    released: bool = False
 
 
 @dataclass
@@ -705,29 +411,6 @@ class Limiter:
         """This process's view per key: held, in use, waiting, window (for status and tests)."""
         return {k: {"held": s.held, "in_use": s.in_use, "waiting": len(s.waiters),
                     "window": s.view.window if s.view else None} for k, s in self._states.items()}
-
-
-class LocalLimiter:
-    """Per-process concurrency only (no bus): what a client without a deployment uses."""
-
-    def __init__(self) -> None:
-        self._sems: dict[str, asyncio.Semaphore] = {}
-
-    async def acquire(self, model: ModelSpec, estimate: int = 0) -> Lease:
-        key = limit_key(model)
-        sem = self._sems.get(key)
-        if sem is None:
-            sem = self._sems[key] = asyncio.Semaphore(max(1, model.max_concurrency))
-        await sem.acquire()
-        return Lease(key, estimate)
-
-    def release(self, lease: Lease, *, tokens: int | None = None, rate_limited: bool = False) -> None:
-        if not lease.released:
-            lease.released = True
-            self._sems[lease.key].release()
-
-    async def close(self) -> None:
-        return None
 
 
 def deployment_limiter(nc: Any, owner: str, lease_s: float = 10.0) -> Limiter:

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from shared.core.config import Settings
 
 log = logging.getLogger("veribus.mcp")
@@ -96,7 +98,7 @@ def exposed_tool_name(server: str, tool: str) -> str:
 
 def parse_target(target: str) -> Any:
     """A URL string (streamable HTTP) or `StdioServerParameters` (a command line)."""
-    from mcp import StdioServerParameters  # mcp: heavy; only runs with MCP tools need it
+    from mcp import StdioServerParameters  # local import: mcp (~1 s); only MCP tools need it
 
     text = target.strip()
     if text.lower().startswith(("http://", "https://")):
@@ -144,8 +146,6 @@ def _describe(exc: BaseException) -> str:
 
 def _is_connection_failure(exc: BaseException) -> bool:
     """A transport-level failure (the session is unusable), as opposed to a tool/protocol error."""
-    import anyio  # anyio: only the MCP client needs it
-
     leaf = _leaf(exc)
     if type(leaf).__name__ == "MCPError":
         return getattr(leaf, "code", None) == -32000  # CONNECTION_CLOSED
@@ -266,7 +266,7 @@ class MCPConnection:
     async def open(self) -> None:
         """Connect, handshake and list tools, within `connect_timeout`; raises MCPConnectionError."""
         try:
-            from mcp import Client  # mcp: heavy; only runs with MCP tools need it
+            from mcp import Client  # local import: mcp (~1 s); only MCP tools need it
         except ImportError as exc:
             raise self._error(f"the `mcp` Python package is not importable ({exc})") from None
         if self._server_object is not None:
@@ -301,7 +301,7 @@ class MCPConnection:
         raise err
 
     async def _run(self, client_cls: Any, server: Any, errlog: Any) -> None:
-        from mcp.client.stdio import stdio_client  # mcp: heavy; only runs with MCP tools need it
+        from mcp.client.stdio import stdio_client  # local import: mcp (~1 s); only MCP tools need it
 
         if errlog is not None:  # a stdio server whose stderr we keep
             client = client_cls(stdio_client(server, errlog=errlog), read_timeout_seconds=self.call_timeout)

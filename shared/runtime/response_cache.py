@@ -20,6 +20,8 @@ import time
 from contextvars import ContextVar
 from typing import Any
 
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
 from shared.runtime.llm.cache import CACHE_SCOPE, NatsKVCache, ResponseCache
 
 SHARED_SCOPE = "shared"
@@ -91,8 +93,6 @@ def service_cache(js: Any, *, run_scoped: bool, max_age_s: float) -> ScopedCache
 async def clear(js: Any, *, include_run_scoped: bool = False) -> dict[str, int]:
     """Empty the shared cache (and, with `include_run_scoped`, the run-scoped one); returns the
     number of entries removed per bucket. A bucket that does not exist counts as empty."""
-    from nats.js.errors import BucketNotFoundError, NotFoundError
-
     removed: dict[str, int] = {}
     for bucket in (SHARED_BUCKET, RUN_BUCKET) if include_run_scoped else (SHARED_BUCKET,):
         try:
@@ -108,8 +108,6 @@ async def clear(js: Any, *, include_run_scoped: bool = False) -> dict[str, int]:
 
 async def info(js: Any) -> dict[str, dict[str, Any]]:
     """Entries and bytes per cache bucket."""
-    from nats.js.errors import BucketNotFoundError, NotFoundError
-
     out: dict[str, dict[str, Any]] = {}
     for bucket in (SHARED_BUCKET, RUN_BUCKET):
         try:

@@ -88,7 +88,7 @@ class JailPlan:
 def _build_bpf(deny: tuple[str, ...]) -> bytes:
     """Compile a default-allow filter refusing `deny` to BPF (libseccomp, native arch; other
     architectures such as x32 are killed by libseccomp's bad-arch action)."""
-    # imported here, not at module level: pyseccomp raises at import when libseccomp is missing, and
+    # local import: pyseccomp raises at import when libseccomp is missing, and
     # that must become the sandbox's fail-closed message, not an import error of every service
     import pyseccomp as sc
 

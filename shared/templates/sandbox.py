@@ -42,7 +42,7 @@ import msgspec
 from shared.core.config import Settings
 from shared.templates import boundary
 from shared.templates.boundary import bwrap_argv
-from shared.templates.jail import _HDR, BUILTINS, PRELOAD, _label, _signal_name
+from shared.templates.protocol import _HDR, BUILTINS, PRELOAD, _label, _signal_name
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository root, for the worker's sys.path
 _ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR")

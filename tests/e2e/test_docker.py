@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from bench.workload import expected_verdicts
-from shared.control import lifecycle, runner, stack, wait
+from shared.control import lifecycle, processes, runner, stack, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
@@ -113,20 +113,20 @@ def services(deployment: Settings) -> Iterator[tuple[Settings, str]]:
     """The simulator and every service as local processes, pointed at the containers."""
     home = deployment.home.resolve()
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    sport = stack.free_port()
+    sport = processes.free_port()
     env = {**os.environ, "VERIBUS_NATS_URL": deployment.nats_url, "VERIBUS_CLICKHOUSE_URL": deployment.clickhouse_url
-           or "", "VERIBUS_HOME": str(home), "VERIBUS_CONSUMER_ACK_WAIT_S": "10", stack.STACK_MARKER: str(home)}
-    procs = [stack._spawn("simulator", [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port",
+           or "", "VERIBUS_HOME": str(home), "VERIBUS_CONSUMER_ACK_WAIT_S": "10", processes.STACK_MARKER: str(home)}
+    procs = [processes.spawn("simulator", [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port",
                                         str(sport)], env, home / "logs", port=sport)]
     try:
         bus.wait_for_port("127.0.0.1", sport, 30)
         for name in stack.SERVICES:
-            procs.append(stack._spawn(name, [sys.executable, "-m", f"services.{name}"], env, home / "logs"))
+            procs.append(processes.spawn(name, [sys.executable, "-m", f"services.{name}"], env, home / "logs"))
         stack.wait_ready(stack.StackState(home=str(home), nats_url=deployment.nats_url, simulator_url=None,
                                           procs=procs), timeout=120)
         yield deployment, f"http://127.0.0.1:{sport}/v1"
     finally:
-        stack.stop_procs(procs)
+        processes.stop_procs(procs)
 
 
 def test_one_run_end_to_end_on_containers(services: tuple[Settings, str], tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import yaml
 from nats.js.errors import NotFoundError
 
 from shared.analysis.export import export_run
-from shared.control import runner, stack, streams, wait
+from shared.control import processes, runner, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
@@ -442,7 +442,7 @@ def test_dead_letter_of_a_running_job_becomes_its_finalized_error(tstack: Stack,
     tstack.post_script(script)
     plan = runner.plan_run(Benchmark.load(path), tstack.config(mode="template_only"))
     stuck, other = plan.result_ids
-    stack.stop_proc(tstack.proc("parsing"))  # hold the jobs after the guards
+    processes.stop_proc(tstack.proc("parsing"))  # hold the jobs after the guards
     try:
         sync(runner.submit(tstack.settings, plan))
         checked = events.subject(events.GUARDS_CHECKED, plan.run_id, stuck)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.workload import expected_verdicts
-from shared.control import stack
+from shared.control import nats_nodes, processes, stack
 from shared.core import events
 from shared.runtime import bus
 from tests.support.stack import (
@@ -83,7 +83,7 @@ def _kill_and_restart(st: Stack, name: str, *, leader: bool = False) -> None:
     time.sleep(1.0)  # the run goes on with the node gone
     assert stack.status(st.settings)["dead"] == [name]
     new = st.restart(name)
-    assert new.pid != old and stack.nats_healthy(new, cluster=3)
+    assert new.pid != old and nats_nodes.nats_healthy(new, cluster=3)
 
 
 def test_kill_one_nats_node_mid_run(cluster_stack, baseline) -> None:
@@ -101,7 +101,7 @@ def test_kill_the_stream_leader_mid_run(cluster_stack, baseline) -> None:
     st.ensure_all_alive()
     run_id = _start_and_wait_in_flight(st, path)
     leader = sync(_stream_leader(st))
-    assert stack.is_nats(leader)
+    assert processes.is_nats(leader)
     _kill_and_restart(st, leader, leader=True)
     _check_run(st, run_id, baseline)
 

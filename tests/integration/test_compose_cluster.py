@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from shared.control import stack
+from shared.control import nats_nodes, processes
 from shared.core.config import Settings
 from shared.runtime import bus
 from tests.conftest import REPO
@@ -49,9 +49,9 @@ def compose_nodes(tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]
     ports mapped to free loopback ports."""
     nodes = _nats_services(_compose())
     names = sorted(nodes)
-    client = {n: stack.free_port() for n in names}
-    route = {n: stack.free_port() for n in names}
-    http = {n: stack.free_port() for n in names}
+    client = {n: processes.free_port() for n in names}
+    route = {n: processes.free_port() for n in names}
+    http = {n: processes.free_port() for n in names}
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for name in names:
@@ -64,7 +64,7 @@ def compose_nodes(tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]
                 args.append(a)
             assert f"nats://127.0.0.1:{route[name]}" in args and "-js" in args
             log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
-            procs.append(subprocess.Popen([str(stack.nats_server_binary()), *args, "-a", "127.0.0.1",
+            procs.append(subprocess.Popen([str(nats_nodes.nats_server_binary()), *args, "-a", "127.0.0.1",
                                            "-p", str(client[name])], stdout=log, stderr=subprocess.STDOUT))
             log.close()
         yield procs, [client[n] for n in names], [http[n] for n in names]
@@ -76,9 +76,9 @@ def compose_nodes(tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]
 
 async def test_the_compose_nats_commands_form_a_three_replica_cluster(compose_nodes) -> None:
     procs, clients, https = compose_nodes
-    probes = [stack.Proc(name=f"nats-{i + 1}", pid=p.pid, cmd=psutil.Process(p.pid).cmdline(), log="", port=c,
+    probes = [processes.Proc(name=f"nats-{i + 1}", pid=p.pid, cmd=psutil.Process(p.pid).cmdline(), log="", port=c,
                          http_port=h) for i, (p, c, h) in enumerate(zip(procs, clients, https, strict=True))]
-    await asyncio.to_thread(stack.wait_nats_healthy, probes, 60.0, 3)
+    await asyncio.to_thread(nats_nodes.wait_nats_healthy, probes, 60.0, 3)
     settings = Settings(nats_url=",".join(f"nats://127.0.0.1:{c}" for c in clients))
     nc = await bus.connect(settings)
     try:

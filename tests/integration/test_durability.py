@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from bench.workload import expected_verdicts, int_template
-from shared.control import lifecycle, rebuild, runner, stack, streams, wait
+from shared.control import lifecycle, processes, rebuild, runner, stack, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import Settings
@@ -85,7 +85,7 @@ def test_replay_by_resetting_the_projector_consumer(dstack: Stack, finished_run)
     plan, _ = finished_run
     before = table_snapshot(dstack, plan.run_id)
     projector = dstack.proc("projector")
-    stack.stop_proc(projector)
+    processes.stop_proc(projector)
     assert sync(rebuild._delete_consumer(dstack.settings, streams.PROJECTOR_DURABLE))
     dstack.restart("projector")
     wait_projector_idle(dstack)

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from bench.workload import int_template
-from shared.control import stack, status
+from shared.control import processes, status
 from shared.core.models import VerificationResult
 from shared.runtime import runcontrol
 from tests.support.stack import (
@@ -104,7 +104,7 @@ class _Stub:
 
     def __init__(self) -> None:
         self.requests = 0
-        self.port = stack.free_port()
+        self.port = processes.free_port()
         self.loop = asyncio.new_event_loop()
         self.runner: web.AppRunner | None = None
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -140,7 +140,7 @@ def test_429_without_retry_after_and_connection_refused(fstack: Stack, tmp_path:
         path, script = generated_benchmark(tmp_path / "dead.yaml", n, rubric=False, prefix="Unreachable")
         fstack.post_script(script)
         for base, expect in ((f"http://127.0.0.1:{stub.port}/v1", ["rate_limit", "HTTP 429", "after 3 attempt(s)"]),
-                             (f"http://127.0.0.1:{stack.free_port()}/v1", ["connection", "after 3 attempt(s)"])):
+                             (f"http://127.0.0.1:{processes.free_port()}/v1", ["connection", "after 3 attempt(s)"])):
             config = fstack.config("template_only", answer_kw=_models(), judge_kw=_models())
             config.answering_models[0].api_base = base
             plan = plan_and_submit(fstack, path, config)

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from bench.workload import expected_verdicts
-from shared.control import stack
+from shared.control import processes, stack
 from tests.conftest import REPO
 from tests.support.stack import (
     Stack,
@@ -75,7 +75,7 @@ def status_lines(st: Stack) -> dict[str, str]:
     return got
 
 
-def identity(p: stack.Proc) -> tuple[int, float | None]:
+def identity(p: processes.Proc) -> tuple[int, float | None]:
     return p.pid, p.create_time
 
 
@@ -84,7 +84,7 @@ def gone(pid: int, create_time: float | None) -> bool:
     try:
         q = psutil.Process(pid)
         return q.status() == psutil.STATUS_ZOMBIE or (
-            create_time is not None and abs(q.create_time() - create_time) > stack.CREATE_TIME_TOLERANCE_S)
+            create_time is not None and abs(q.create_time() - create_time) > processes.CREATE_TIME_TOLERANCE_S)
     except psutil.NoSuchProcess:
         return True
 
@@ -193,7 +193,7 @@ def test_down_stops_everything_orphans_included(heal_stack, tmp_path: Path) -> N
     pidfile = tmp_path / "child.pid"
     state = stack.StackState.load(home)
     assert state is not None
-    leader = stack._spawn("helper", [sys.executable, "-c", script, str(pidfile)], {**os.environ, **state.env()},
+    leader = processes.spawn("helper", [sys.executable, "-c", script, str(pidfile)], {**os.environ, **state.env()},
                           home / "logs")
     state.procs.append(leader)
     state.save()
@@ -202,8 +202,8 @@ def test_down_stops_everything_orphans_included(heal_stack, tmp_path: Path) -> N
         time.sleep(0.05)
     child = psutil.Process(int(pidfile.read_text()))
     st.extra_pids.append(child.pid)  # type: ignore[attr-defined]
-    assert os.getpgid(child.pid) == leader.pgid and stack.STACK_MARKER not in child.environ()
-    stack.kill_proc(leader)
+    assert os.getpgid(child.pid) == leader.pgid and processes.STACK_MARKER not in child.environ()
+    processes.kill_proc(leader)
 
     st_status = stack.status(st.settings)
     assert sorted(st_status["orphans"]) == sorted(p["pid"] for p in orphaned)
@@ -220,4 +220,4 @@ def test_down_stops_everything_orphans_included(heal_stack, tmp_path: Path) -> N
     assert all(gone(*x) for x in everything), [x for x in everything if not gone(*x)]
     assert not (home / "stack.json").exists()
     assert "not running" in veribus(st, "status").stdout
-    assert list(stack.marked_processes(home)) == []
+    assert list(processes.marked_processes(home)) == []

@@ -31,7 +31,8 @@ import yaml
 
 from bench.workload import VERIFY, int_template
 from shared.control import stack
-from shared.control.stack import free_port, nats_server_binary
+from shared.control.nats_nodes import nats_server_binary
+from shared.control.processes import free_port
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus

@@ -21,7 +21,7 @@ import pytest
 
 from services.generation.stage import generate_answer
 from services.guards.stage import check_guards
-from shared.control.stack import free_port
+from shared.control.processes import free_port
 from shared.core import events
 from shared.runtime.bus import wait_for_port
 from shared.runtime.llm.client import LLMClient

@@ -14,10 +14,11 @@ from aiohttp import web
 
 from infra.simulator.script import SimConfig
 from infra.simulator.server import create_app
-from shared.control.stack import free_port
+from shared.control.processes import free_port
 from shared.core.events import ModelSpec
-from shared.runtime import limits
-from shared.runtime.limits import KVLedgerStore, Limiter
+from shared.runtime import call_limits
+from shared.runtime.ledger_store import KVLedgerStore
+from shared.runtime.limits import Limiter
 from shared.runtime.llm.client import LLMClient
 from tests.support.limits import hammer as _hammer
 
@@ -54,7 +55,7 @@ async def test_a_dead_replicas_lease_expires(nats_server) -> None:  # noqa: ANN0
             assert st.task is not None
             st.task.cancel()
         await dead_nc.close()  # gone: no release, no renewal, no goodbye
-        ledger, _ = await live.store.get(limits.limit_key(model))
+        ledger, _ = await live.store.get(call_limits.limit_key(model))
         assert ledger is not None and ledger.holders["dies"].n == 2
         expires = ledger.holders["dies"].exp
         lease = await asyncio.wait_for(live.acquire(model), 20)
@@ -84,7 +85,7 @@ async def test_429s_shrink_the_shared_window(nats_server) -> None:  # noqa: ANN0
         replies = await asyncio.gather(*(
             client.complete(model, [{"role": "user", "content": f"question {i}"}], stage="test", use_cache=False)
             for i in range(40)))
-        ledger, _ = await lim.store.get(limits.limit_key(model))
+        ledger, _ = await lim.store.get(call_limits.limit_key(model))
     finally:
         await lim.close()
         await nc.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.control.stack import free_port
+from shared.control.processes import free_port
 from tests.conftest import REPO, NatsServer
 
 

@@ -8,7 +8,7 @@ import nats
 from aiohttp import web
 
 from infra.simulator.server import create_app
-from shared.control.stack import free_port
+from shared.control.processes import free_port
 from shared.core.events import ModelSpec
 from shared.runtime import response_cache
 from shared.runtime.llm.cache import CACHE_SCOPE

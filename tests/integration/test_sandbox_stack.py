@@ -72,9 +72,9 @@ builtins.abs = lambda x: 0
 import shared.templates.calls
 shared.templates.calls._as_bool = lambda value: True
 shared.templates.calls.worker_verify = lambda *a, **k: {{'verify_result': True, 'template_verification_performed': True}}
-import shared.templates.jail
-shared.templates.jail._WRITE_FLAGS = 0
-shared.templates.jail._BLOCKED_EVENTS = frozenset()
+import shared.templates.confine
+shared.templates.confine._WRITE_FLAGS = 0
+shared.templates.confine._BLOCKED_EVENTS = frozenset()
 """
 
 VICTIM = 'return abs(self.value - self.correct["value"]) == 0'  # a verify() that uses abs()

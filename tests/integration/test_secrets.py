@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from shared.analysis.export import export_run
-from shared.control import stack
+from shared.control import nats_nodes, processes, stack
 from shared.core import events
 from shared.core.config import ModelConfig, Settings, VerificationConfig
 from shared.runtime import bus
@@ -42,7 +42,7 @@ from tests.support.stack import (
 SECRET = "sk-veribus-FAKE-" + os.urandom(12).hex()  # never a real key
 PARAM_SECRET = "sk-veribus-PARAM-" + os.urandom(12).hex()
 KEY_VAR = "VB_TEST_FAKE_API_KEY"
-DEAD_PORT = stack.free_port()  # nothing listens there; the operator allows the key to be sent to it
+DEAD_PORT = processes.free_port()  # nothing listens there; the operator allows the key to be sent to it
 DEAD_BASE = f"http://127.0.0.1:{DEAD_PORT}/v1"
 
 ENV_DUMP_VERIFY = '''from karenina.schemas.entities import BaseAnswer
@@ -242,9 +242,9 @@ def test_query_endpoint_refuses_writes(sstack: Stack, secret_runs: dict[str, Any
 # ------------------------------------------------------------------------ NATS authentication
 
 
-def _spawn_nats(port: int, store: Path, log_dir: Path, *auth: str) -> stack.Proc:
-    cmd = [str(stack.nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store), *auth]
-    return stack._spawn("nats", cmd, dict(os.environ), log_dir)
+def _spawn_nats(port: int, store: Path, log_dir: Path, *auth: str) -> processes.Proc:
+    cmd = [str(nats_nodes.nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store), *auth]
+    return processes.spawn("nats", cmd, dict(os.environ), log_dir)
 
 
 @pytest.fixture
@@ -253,7 +253,7 @@ def auth_stack(tmp_path: Path) -> Iterator[tuple[Settings, stack.StackState]]:
     credentials in VERIBUS_NATS_USER / VERIBUS_NATS_PASSWORD (stopped by PID in teardown)."""
     home = tmp_path / "home"
     (home / "logs").mkdir(parents=True)
-    port = stack.free_port()
+    port = processes.free_port()
     user, password = "veribus", "pw-" + os.urandom(8).hex()
     procs = [_spawn_nats(port, home / "nats", home / "logs", "--user", user, "--pass", password)]
     state = stack.StackState(home=str(home), nats_url=f"nats://127.0.0.1:{port}", simulator_url=None, procs=procs,
@@ -262,14 +262,14 @@ def auth_stack(tmp_path: Path) -> Iterator[tuple[Settings, stack.StackState]]:
     settings = Settings(home=home, nats_url=state.nats_url, nats_user=user, nats_password=password)
     try:
         bus.wait_for_port("127.0.0.1", port)
-        sport = stack.free_port()
-        procs.append(stack._spawn("simulator", [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1",
+        sport = processes.free_port()
+        procs.append(processes.spawn("simulator", [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1",
                                                 "--port", str(sport)], dict(os.environ), home / "logs"))
         state.simulator_url = f"http://127.0.0.1:{sport}/v1"
         bus.wait_for_port("127.0.0.1", sport, 20)
         env = {**os.environ, **state.env(), "VERIBUS_NATS_USER": user, "VERIBUS_NATS_PASSWORD": password}
         for name in stack.SERVICES:
-            procs.append(stack._spawn(name, [sys.executable, "-m", f"services.{name}"], env, home / "logs"))
+            procs.append(processes.spawn(name, [sys.executable, "-m", f"services.{name}"], env, home / "logs"))
         state.save()
         stack.wait_ready(state)
         yield settings, state
@@ -306,7 +306,7 @@ def test_stack_against_nats_with_user_and_password(auth_stack, tmp_path: Path) -
 
 
 def test_token_auth(tmp_path: Path) -> None:
-    port = stack.free_port()
+    port = processes.free_port()
     token = "tok-" + os.urandom(8).hex()
     (tmp_path / "logs").mkdir()
     proc = _spawn_nats(port, tmp_path / "nats", tmp_path / "logs", "--auth", token)
@@ -340,16 +340,16 @@ def test_token_auth(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["user", "token"])
 def test_nats_auth_args_make_the_local_server_require_the_credentials(tmp_path: Path, kind: str) -> None:
-    """`stack.nats_auth_args`: what `up` needs so that a configured user/password or token is
+    """`nats_nodes.nats_auth_args`: what `up` needs so that a configured user/password or token is
     actually enforced by the local server (without it the server accepts anyone)."""
     secret = "s-" + os.urandom(8).hex()
     settings = (Settings(nats_user="veribus", nats_password=secret) if kind == "user"
                 else Settings(nats_token=secret))
-    args = stack.nats_auth_args(settings, tmp_path)
+    args = nats_nodes.nats_auth_args(settings, tmp_path)
     conf = tmp_path / "nats-auth.conf"
     assert args == ["-c", str(conf)] and oct(conf.stat().st_mode & 0o777) == "0o600"
     assert secret not in " ".join(args)
-    port = stack.free_port()
+    port = processes.free_port()
     (tmp_path / "logs").mkdir()
     proc = _spawn_nats(port, tmp_path / "nats", tmp_path / "logs", *args)
     try:
@@ -367,4 +367,4 @@ def test_nats_auth_args_make_the_local_server_require_the_credentials(tmp_path: 
     finally:
         os.kill(proc.pid, 9)
         psutil.Process(proc.pid).wait(10)
-    assert stack.nats_auth_args(Settings(), tmp_path / "none") == []
+    assert nats_nodes.nats_auth_args(Settings(), tmp_path / "none") == []

@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from bench import workload
-from shared.control import lifecycle, rebuild, runner, stack, streams, wait
+from shared.control import lifecycle, processes, rebuild, runner, stack, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
@@ -64,16 +64,16 @@ class Stack:
         self.state = stack.StackState.load(Path(self.state.home)) or self.state
         return self.state
 
-    def proc(self, name: str) -> stack.Proc:
+    def proc(self, name: str) -> processes.Proc:
         return stack.proc_named(self.reload(), name)
 
     def kill(self, name: str) -> int:
         p = self.proc(name)
-        stack.kill_proc(p)
+        processes.kill_proc(p)
         assert not p.alive()
         return p.pid
 
-    def restart(self, name: str) -> stack.Proc:
+    def restart(self, name: str) -> processes.Proc:
         return stack.restart_proc(self.reload(), name, extra_env=self.extra_env)
 
     def ensure_all_alive(self) -> None:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
-from shared.control import stack
+from shared.control import nats_nodes, processes, stack
 from shared.core.config import Settings
 from shared.runtime import bus
 
@@ -81,11 +81,11 @@ def test_transient_cluster_errors_are_retried_and_others_are_not() -> None:
 
 
 def test_cluster_node_configs(tmp_path: Path) -> None:
-    nodes = stack.plan_nats_nodes(tmp_path, 3)
+    nodes = nats_nodes.plan_nats_nodes(tmp_path, 3)
     assert [n.name for n in nodes] == ["nats-1", "nats-2", "nats-3"]
     ports = [p for n in nodes for p in (n.port, n.http_port, n.cluster_port)]
     assert len(set(ports)) == 9, "every node gets its own client, monitoring and route port"
-    confs = stack.write_nats_configs(Settings(nats_token="tok-secret"), tmp_path, nodes)
+    confs = nats_nodes.write_nats_configs(Settings(nats_token="tok-secret"), tmp_path, nodes)
     for n in nodes:
         text = confs[n.name].read_text()
         assert oct(confs[n.name].stat().st_mode & 0o777) == "0o600"
@@ -99,12 +99,12 @@ def test_cluster_node_configs(tmp_path: Path) -> None:
 
 
 def test_single_node_config_has_no_cluster(tmp_path: Path) -> None:
-    [node] = stack.plan_nats_nodes(tmp_path, 1)
+    [node] = nats_nodes.plan_nats_nodes(tmp_path, 1)
     assert node.name == "nats" and node.cluster_port is None and node.store == tmp_path / "nats"
-    text = stack.nats_config(Settings(), node, [node])
+    text = nats_nodes.nats_config(Settings(), node, [node])
     assert "cluster" not in text and "authorization" not in text
     with pytest.raises(ValueError, match="at least 1"):
-        stack.plan_nats_nodes(tmp_path, 0)
+        nats_nodes.plan_nats_nodes(tmp_path, 0)
 
 
 def test_a_reused_pid_is_not_ours(tmp_path: Path) -> None:
@@ -113,16 +113,16 @@ def test_a_reused_pid_is_not_ours(tmp_path: Path) -> None:
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         me = psutil.Process(other.pid)
-        ours = stack.Proc(name="x", pid=other.pid, cmd=me.cmdline(), log=str(tmp_path / "x.log"),
+        ours = processes.Proc(name="x", pid=other.pid, cmd=me.cmdline(), log=str(tmp_path / "x.log"),
                           create_time=me.create_time(), pgid=other.pid)
         assert ours.alive()
-        impostor = stack.Proc(name="parsing", pid=other.pid, cmd=[sys.executable, "-m", "services.parsing"],
+        impostor = processes.Proc(name="parsing", pid=other.pid, cmd=[sys.executable, "-m", "services.parsing"],
                               log=str(tmp_path / "p.log"), create_time=me.create_time() - 5.0, pgid=other.pid)
         assert not impostor.alive()
-        stack.stop_proc(impostor, timeout=1)
-        stack.kill_proc(impostor, timeout=1)
+        processes.stop_proc(impostor, timeout=1)
+        processes.kill_proc(impostor, timeout=1)
         assert other.poll() is None, "a process that merely reuses the PID is left alone"
-        legacy = stack.Proc(name="parsing", pid=other.pid, cmd=[sys.executable, "-m", "services.parsing"],
+        legacy = processes.Proc(name="parsing", pid=other.pid, cmd=[sys.executable, "-m", "services.parsing"],
                             log=str(tmp_path / "p.log"))
         assert not legacy.alive(), "without a create time, the command line must match"
     finally:
@@ -143,15 +143,15 @@ def test_old_stack_json_still_loads(tmp_path: Path) -> None:
 
 
 def test_is_nats() -> None:
-    assert stack.is_nats("nats") and stack.is_nats("nats-2")
-    assert not stack.is_nats("nats-x") and not stack.is_nats("generation") and not stack.is_nats("natsy")
+    assert processes.is_nats("nats") and processes.is_nats("nats-2")
+    assert not processes.is_nats("nats-x") and not processes.is_nats("generation") and not processes.is_nats("natsy")
 
 
 def test_env_marks_stack_processes(tmp_path: Path) -> None:
     state = stack.StackState(home=str(tmp_path), nats_url="nats://127.0.0.1:1,nats://127.0.0.1:2",
                              simulator_url=None)
     env = state.env()
-    assert env[stack.STACK_MARKER] == str(tmp_path)
+    assert env[processes.STACK_MARKER] == str(tmp_path)
     assert Settings(nats_url=env["VERIBUS_NATS_URL"]).nats_servers == ["nats://127.0.0.1:1", "nats://127.0.0.1:2"]
 
 
@@ -161,20 +161,20 @@ def test_orphans_are_found_by_the_stack_marker_and_only_ours(tmp_path: Path) -> 
     home = tmp_path / "home"
     home.mkdir()
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-    ours = subprocess.Popen(sleeper, env={**os.environ, stack.STACK_MARKER: str(home)})
-    other_home = subprocess.Popen(sleeper, env={**os.environ, stack.STACK_MARKER: str(tmp_path / "elsewhere")})
-    unmarked = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k != stack.STACK_MARKER})
+    ours = subprocess.Popen(sleeper, env={**os.environ, processes.STACK_MARKER: str(home)})
+    other_home = subprocess.Popen(sleeper, env={**os.environ, processes.STACK_MARKER: str(tmp_path / "elsewhere")})
+    unmarked = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k != processes.STACK_MARKER})
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and ours.pid not in {q.pid for q in stack.marked_processes(home)}:
+        while time.monotonic() < deadline and ours.pid not in {q.pid for q in processes.marked_processes(home)}:
             time.sleep(0.05)  # until the child has exec'd with its environment
-        assert [q.pid for q in stack.marked_processes(home)] == [ours.pid]
+        assert [q.pid for q in processes.marked_processes(home)] == [ours.pid]
         assert stack.status(Settings(home=home))["orphans"] == [ours.pid]
-        stopped = stack.stop_orphans(home, timeout=5)
+        stopped = processes.stop_orphans(home, timeout=5)
         assert len(stopped) == 1 and str(ours.pid) in stopped[0]
         assert ours.wait(10) is not None
         assert other_home.poll() is None and unmarked.poll() is None
-        assert list(stack.marked_processes(home)) == []
+        assert list(processes.marked_processes(home)) == []
     finally:
         for p in (ours, other_home, unmarked):
             p.kill()

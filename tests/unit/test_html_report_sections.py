@@ -61,3 +61,35 @@ def test_appendix_holds_every_response_collapsed_and_escaped() -> None:
     assert "&lt;script&gt;alert(1)&lt;/script&gt; the answer" in appendix and "<script>" not in appendix
     assert "ground truth: <code>BCL2</code>" in appendix
     assert "generate_answer: TimeoutError" in appendix
+
+
+def test_cost_is_shown_in_total_per_model_and_per_stage() -> None:
+    rs = grid_results()
+    for i, r in enumerate(rs):
+        assert r.template is not None
+        r.template.usage_metadata = {
+            "answer_generation": {"input_tokens": 100, "output_tokens": 50, "model": r.metadata.answering.model_name,
+                                  "model_calls": 1, "cached_replies": 0, "cost_usd": 0.001},
+            "parsing": {"input_tokens": 80, "output_tokens": 20, "model": r.metadata.parsing.model_name,
+                        "model_calls": 1, "cached_replies": 0, "cost_usd": 0.0005 if i % 2 else 0.0015},
+        }
+    page = render_html(RunData(run_id="r", results=rs))
+    cost = page.split("id='cost'", 1)[1].split("<h2>", 1)[0]
+    # 36 x 0.001 + 18 x 0.0005 + 18 x 0.0015 = 0.072
+    assert "Total cost: <b>$0.072000</b>" in cost
+    rows = dict(re.findall(r"<tr><td>([^<]+)</td><td>(0\.\d{6})</td></tr>", cost))
+    assert rows["model-a"] == "0.018000" and rows["model-b"] == "0.018000"
+    assert abs(float(rows["judge-1"]) + float(rows["judge-2"]) - 0.036) < 1e-9
+    assert "<td>model-a</td><td>answer_generation</td><td>18</td><td>0</td><td>0.018000</td>" in cost
+
+
+def test_cost_without_a_price_is_named_and_no_usage_says_so() -> None:
+    page = render_html(RunData(run_id="r", results=grid_results()))  # token usage, no price recorded
+    cost = page.split("id='cost'", 1)[1].split("<h2>", 1)[0]
+    assert "Total cost: <b>$0.000000</b>" in cost and "unknown for m, parsing: no price" in cost
+    rs = grid_results()
+    for r in rs:
+        assert r.template is not None
+        r.template.usage_metadata = {}
+    page = render_html(RunData(run_id="r", results=rs))
+    assert "No model calls recorded: no cost to show." in page.split("id='cost'", 1)[1]

@@ -2,12 +2,17 @@
 
 Every import statement (top level or inside a function) of every module under `shared/` and
 `services/` is checked against the layer order; a new import that runs back up, or a module
-that grows into a circle, fails here with the file, the line and the module it names.
+that grows into a circle, fails here with the file, the line and the module it names. A
+function-local import must say why (`# local import: <why>`): a heavy optional dependency or
+the CLI's start-up time.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import textwrap
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -140,3 +145,114 @@ def test_stage_modules_import_nothing_from_the_harness_or_another_service(path: 
              if name.startswith(("shared.runtime.harness", "faststream", "nats"))
              or (name.startswith("services.") and name.split(".")[1] != own)]
     assert not wrong, f"{path.relative_to(ROOT)} is not a pure stage module:\n" + "\n".join(wrong)
+
+
+# ---- function-local imports: only where a heavy optional dependency (or the CLI's start-up
+# time) justifies one, and each says why in a `# local import: <why>` comment, trailing on the
+# import or in the comment lines just above it (one comment may head a run of adjacent imports)
+
+LOCAL_IMPORT_MARK = "local import:"
+
+
+def _comment_lines(source: str) -> dict[int, str]:
+    """Line number -> the comment on that line (tokenize: a `#` inside a string is no comment)."""
+    out: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            out[tok.start[0]] = tok.string
+    return out
+
+
+def unexplained_local_imports(source: str) -> list[tuple[int, str]]:
+    """(line, import) for every import inside a function body that has no `# local import: why`
+    comment: trailing on one of its lines, or in the comment lines just above it or above the run
+    of adjacent imports it belongs to."""
+    comments = _comment_lines(source)
+    text = source.splitlines()
+
+    def marked(line: int) -> bool:
+        return LOCAL_IMPORT_MARK in comments.get(line, "")
+
+    def marked_above(line: int) -> bool:
+        """The comment block (comment-only lines) right above `line` says why."""
+        n = line - 1
+        while n >= 1 and n in comments and text[n - 1].lstrip().startswith("#"):
+            if marked(n):
+                return True
+            n -= 1
+        return False
+
+    bad: list[tuple[int, str]] = []
+
+    def check_block(stmts: list[ast.stmt]) -> None:
+        run_marked = False  # the run of adjacent imports this one continues is headed by a comment
+        prev: ast.stmt | None = None
+        for st in stmts:
+            if isinstance(st, ast.Import | ast.ImportFrom):
+                adjacent = isinstance(prev, ast.Import | ast.ImportFrom) and st.lineno == prev.end_lineno + 1
+                run_marked = (adjacent and run_marked) or marked_above(st.lineno)
+                trailing = any(marked(n) for n in range(st.lineno, (st.end_lineno or st.lineno) + 1))
+                if not (run_marked or trailing):
+                    bad.append((st.lineno, ast.unparse(st)))
+            prev = st
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        inside = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        if inside:
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                    check_block(block)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(ast.parse(source), False)
+    return sorted(set(bad))
+
+
+def test_the_local_import_check_catches_an_unexplained_one() -> None:
+    source = textwrap.dedent('''
+        import os
+
+        def explained():
+            import pandas as pd  # local import: pandas is heavy and optional
+            return pd
+
+        def headed():
+            # local import: pyarrow is heavy and optional,
+            # and this comment goes on
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            return pa, pq
+
+        def bare():
+            x = "# local import: a string is not a comment"
+            import json
+            return json, x
+
+        class K:
+            async def method(self):
+                if os.environ:
+                    from shared.core import ids
+                    return ids
+
+        def after_a_gap():
+            # local import: the comment heads only the imports right under it
+            import csv
+
+            import difflib
+            return csv, difflib
+    ''')
+    assert unexplained_local_imports(source) == [
+        (17, "import json"),
+        (23, "from shared.core import ids"),
+        (30, "import difflib"),
+    ]
+
+
+@pytest.mark.parametrize("path", _files("shared") + _files("services"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_function_local_imports_say_why(path: Path) -> None:
+    bad = unexplained_local_imports(path.read_text(encoding="utf-8"))
+    assert not bad, (f"{path.relative_to(ROOT)}: function-local imports without a `# {LOCAL_IMPORT_MARK} "
+                     "<why>` comment (import at the top unless a heavy optional dependency or the CLI's "
+                     "start-up time justifies it):\n" + "\n".join(f"line {n}: {s}" for n, s in bad))

@@ -8,70 +8,73 @@ import asyncio
 import pytest
 
 from shared.core.events import ModelSpec
-from shared.runtime import limits
-from shared.runtime.limits import Holder, Lease, Limiter, MemoryLedgerStore, new_ledger
+from shared.runtime import call_limits, ledger
+from shared.runtime.call_limits import Lease
+from shared.runtime.ledger import Holder, new_ledger
+from shared.runtime.ledger_store import MemoryLedgerStore
+from shared.runtime.limits import Limiter
 from tests.support.limits import hammer as _hammer
 
 
 def test_grant_never_exceeds_the_window() -> None:
     led = new_ledger(5)
-    assert limits.grant(led, "a", 4, 4, now=0, lease_s=10) == 4
-    assert limits.grant(led, "b", 4, 4, now=0, lease_s=10) == 1
+    assert ledger.grant(led, "a", 4, 4, now=0, lease_s=10) == 4
+    assert ledger.grant(led, "b", 4, 4, now=0, lease_s=10) == 1
     assert led.holders["b"].want == 3
-    assert limits.held_total(led) == 5
-    assert limits.grant(led, "c", 1, 1, now=0, lease_s=10) == 0
+    assert ledger.held_total(led) == 5
+    assert ledger.grant(led, "c", 1, 1, now=0, lease_s=10) == 0
 
 
 def test_expired_holders_are_pruned_and_their_slots_reused() -> None:
     led = new_ledger(2)
-    limits.grant(led, "dead", 2, 2, now=0, lease_s=10)
-    assert limits.grant(led, "live", 1, 1, now=5, lease_s=10) == 0  # the lease still holds
-    assert limits.prune(led, now=10.5) == ["dead"]
-    assert limits.grant(led, "live", 1, 1, now=10.5, lease_s=10) == 1
+    ledger.grant(led, "dead", 2, 2, now=0, lease_s=10)
+    assert ledger.grant(led, "live", 1, 1, now=5, lease_s=10) == 0  # the lease still holds
+    assert ledger.prune(led, now=10.5) == ["dead"]
+    assert ledger.grant(led, "live", 1, 1, now=10.5, lease_s=10) == 1
 
 
 def test_aimd_halves_once_per_event_and_grows_back_to_the_cap() -> None:
     led = new_ledger(16)
-    assert limits.decrease(led, now=100.0, min_interval_s=1.0)
-    assert not limits.decrease(led, now=100.5, min_interval_s=1.0)  # same burst of 429s
+    assert ledger.decrease(led, now=100.0, min_interval_s=1.0)
+    assert not ledger.decrease(led, now=100.5, min_interval_s=1.0)  # same burst of 429s
     assert led.window == 8.0
-    assert limits.decrease(led, now=101.5, min_interval_s=1.0)
+    assert ledger.decrease(led, now=101.5, min_interval_s=1.0)
     assert led.window == 4.0
     for _ in range(200):
-        limits.increase(led, 1)
+        ledger.increase(led, 1)
     assert led.window == 16.0  # capped
     for _ in range(10):
-        limits.decrease(led, now=200.0 + _ * 2, min_interval_s=1.0)
-    assert led.window == 1.0 and limits.slots(led) == 1  # never below one slot
+        ledger.decrease(led, now=200.0 + _ * 2, min_interval_s=1.0)
+    assert led.window == 1.0 and ledger.slots(led) == 1  # never below one slot
 
 
 def test_must_shed_over_window_and_over_fair_share() -> None:
     led = new_ledger(8)
     led.holders = {"a": Holder(n=8, exp=1e12)}
-    assert not limits.must_shed(led, "a", 8)
+    assert not ledger.must_shed(led, "a", 8)
     led.holders["b"] = Holder(n=0, want=2, exp=1e12)
-    assert limits.must_shed(led, "a", 8)  # b waits; a holds more than 8/2
-    assert not limits.must_shed(led, "a", 4)
+    assert ledger.must_shed(led, "a", 8)  # b waits; a holds more than 8/2
+    assert not ledger.must_shed(led, "a", 4)
     led.holders["b"].want = 0
     led.window = 4.0
-    assert limits.must_shed(led, "a", 8)  # the window shrank below what is held
+    assert ledger.must_shed(led, "a", 8)  # the window shrank below what is held
 
 
 def test_token_bucket_refills_at_the_rate() -> None:
-    b = limits.Bucket(level=60.0, ts=0.0)
-    assert limits.take(b, 60, 100, now=0.0, whole=True) == 60
-    assert limits.take(b, 60, 1, now=0.5, whole=True) == 0  # half a token
-    assert limits.take(b, 60, 5, now=2.0, whole=True) == 2
-    assert limits.wait_for(b, 60, 1.0) == pytest.approx(1.0)
+    b = ledger.Bucket(level=60.0, ts=0.0)
+    assert ledger.take(b, 60, 100, now=0.0, whole=True) == 60
+    assert ledger.take(b, 60, 1, now=0.5, whole=True) == 0  # half a token
+    assert ledger.take(b, 60, 5, now=2.0, whole=True) == 2
+    assert ledger.wait_for(b, 60, 1.0) == pytest.approx(1.0)
 
 
 def test_limit_identity_by_model_or_endpoint() -> None:
     a = ModelSpec(model_name="openai/a", api_base="http://x/v1")
     b = ModelSpec(model_name="openai/b", api_base="http://x/v1")
-    assert limits.limit_key(a) != limits.limit_key(b)
+    assert call_limits.limit_key(a) != call_limits.limit_key(b)
     ea = ModelSpec(model_name="openai/a", api_base="http://x/v1", limit_scope="endpoint")
     eb = ModelSpec(model_name="openai/b", api_base="http://x/v1", limit_scope="endpoint")
-    assert limits.limit_key(ea) == limits.limit_key(eb)
+    assert call_limits.limit_key(ea) == call_limits.limit_key(eb)
 
 
 async def test_three_limiters_share_one_cap() -> None:
@@ -100,7 +103,7 @@ async def test_a_dead_holders_slots_come_back_after_its_lease() -> None:
         st.task.cancel()
     live = Limiter(store, "live", lease_s=0.6, poll_s=0.05)
     try:
-        ledger, _ = await store.get(limits.limit_key(model))
+        ledger, _ = await store.get(call_limits.limit_key(model))
         assert ledger is not None
         expires = ledger.holders["dead"].exp
         lease = await asyncio.wait_for(live.acquire(model), 10)
@@ -116,7 +119,7 @@ async def test_429_shrinks_the_window_and_successes_grow_it_back() -> None:
     store = MemoryLedgerStore()
     model = ModelSpec(model_name="openai/m", max_concurrency=8)
     lim = Limiter(store, "p", decrease_interval_s=0.0, linger_s=0.05, poll_s=0.05)
-    key = limits.limit_key(model)
+    key = call_limits.limit_key(model)
     try:
         lease = await lim.acquire(model)
         lim.release(lease, rate_limited=True)

@@ -291,7 +291,7 @@ def test_piped_progress_is_periodic_plain_lines() -> None:
 
 async def test_a_refused_model_call_warns_once_per_cause(caplog: pytest.LogCaptureFixture) -> None:
     """A real call to a port where nothing listens: retried, but one WARNING naming the cause."""
-    from shared.control.stack import free_port
+    from shared.control.processes import free_port
     from shared.core.events import ModelSpec
     from shared.runtime.llm.client import LLMClient
     from shared.runtime.llm.reply import LLMError
@@ -351,7 +351,7 @@ def test_regrade_never_calls_the_dead_simulator_url_of_the_old_run() -> None:
     import socket
 
     from shared.cli.lifecycle import resolve_judges
-    from shared.control.stack import free_port
+    from shared.control.processes import free_port
     from shared.core import events
     from shared.core.config import Settings
 
@@ -372,7 +372,7 @@ def test_regrade_never_calls_the_dead_simulator_url_of_the_old_run() -> None:
 
 def test_regrade_refuses_a_judge_that_cannot_be_reached_or_has_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
     from shared.cli.lifecycle import resolve_judges
-    from shared.control.stack import free_port
+    from shared.control.processes import free_port
     from shared.core import events
     from shared.core.config import Settings
 
@@ -392,7 +392,8 @@ def test_regrade_refuses_a_judge_that_cannot_be_reached_or_has_no_key(monkeypatc
 def test_the_simulator_answers_only_when_asked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     import yaml
 
-    from shared.cli.commands import _is_simulated, _load_config, build_parser
+    from shared.cli.commands import build_parser
+    from shared.cli.run import _is_simulated, _load_config
 
     for var in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
         monkeypatch.delenv(var, raising=False)

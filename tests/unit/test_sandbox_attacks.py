@@ -257,7 +257,7 @@ async def test_processes_cannot_be_signalled(pool: Sandbox) -> None:
     bystander = subprocess.Popen(["sleep", "300"], user=uid, group=uid)
     try:
         body = "r = {}\n" + TRY + f"""
-import shared.templates.jail as sbx
+import shared.templates.confine as sbx
 sbx._WRITE_FLAGS = 0
 sbx._BLOCKED_EVENTS = frozenset()
 t('kill_ppid', lambda: os.kill(os.getppid(), 9))
@@ -559,7 +559,7 @@ def test_seccomp_layer_holds_on_its_own() -> None:
     """The call filter alone (no namespaces, no uid change: loaded in a plain forked child of
     this process) refuses exec, fork, clone, sockets and signals with EPERM."""
     from shared.templates import boundary
-    from shared.templates.jail import _load_seccomp
+    from shared.templates.confine import _load_seccomp
 
     bpf = boundary.plan().seccomp_call
     assert bpf, "no seccomp program was built"

@@ -242,7 +242,7 @@ def test_plan_refuses_events_over_the_bus_limit() -> None:
 def test_answering_models_not_a_model_is_a_clear_error(tmp_path: Path) -> None:
     import argparse
 
-    from shared.cli.commands import _load_config
+    from shared.cli.run import _load_config
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("answering_models: [42]\nparsing_models: [j]\n")

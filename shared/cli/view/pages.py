@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from shared.analysis.html_report import PALETTE, _color, svg_grouped_bars, svg_rate_bars
+from shared.analysis.html_svg import PALETTE, _color, svg_grouped_bars, svg_rate_bars
 from shared.analysis.stats import Proportion
 from shared.cli.view.filters import STATUSES, Filters
 from shared.cli.view.queries import fmt_p
@@ -333,6 +333,22 @@ def _latency_section(lat: Sequence[Mapping[str, Any]], tokens: Sequence[Mapping[
     return "".join(parts)
 
 
+def _cost_section(cost: Mapping[str, Any] | None) -> str:
+    """Total cost, then per model and per model and stage (when any result carries a price)."""
+    if not cost or not (cost["priced_results"] or cost["calls"]):
+        return "<p class='muted' id='no-cost'>No cost recorded for these results (no model calls, or no prices).</p>"
+    unpriced = (f" <span class='muted'>({cost['unpriced_results']:,} results without a price)</span>"
+                if cost["unpriced_results"] else "")
+    head = (f"<p id='cost-total'>Total cost: <b>${cost['total_usd']:,.6f}</b> · {cost['calls']:,} model calls · "
+            f"{cost['cached']:,} cached replies{unpriced}</p>")
+    by_model = _table(["model", "cost USD"], [(m["model"], f"{m['cost_usd']:.6f}") for m in cost["by_model"]],
+                      "cost", "cost-by-model")
+    by_stage = _table(["model", "stage", "entries", "cost USD", "entries without price", "tokens"],
+                      [(r["model"], r["stage"], r["entries"], f"{r['cost_usd']:.6f}", r["unpriced"], r["tokens"])
+                       for r in cost["by_stage"]], "cost", "cost-by-stage")
+    return "<div class='cols'><section>" + head + by_model + "</section><section>" + by_stage + "</section></div>"
+
+
 def _samples_section(s: Mapping[str, Any], run_id: str, f: Filters, page_no: int) -> str:
     rows = [(_a(sample_url(run_id, r["result_id"], f), _short(r["question_text"] or r["question_id"], 70), "sample-link"),
              r["answering_model"], r["parsing_model"], r["replicate"],
@@ -355,7 +371,8 @@ def _samples_section(s: Mapping[str, Any], run_id: str, f: Filters, page_no: int
 def run_page(h: Mapping[str, Any], f: Filters, *, models: Sequence[Mapping[str, Any]],
              judges: Sequence[Mapping[str, Any]], heat: Mapping[str, Any], err: Mapping[str, Any],
              traits: Sequence[Mapping[str, Any]], lat: Sequence[Mapping[str, Any]],
-             tokens: Sequence[Mapping[str, Any]], samples: Mapping[str, Any], page_no: int, hpage: int) -> str:
+             tokens: Sequence[Mapping[str, Any]], samples: Mapping[str, Any], page_no: int, hpage: int,
+             cost: Mapping[str, Any] | None = None) -> str:
     run_id = h["run_id"]
     title = h["run_name"] or run_id
     sim = (" " + _badge("SIMULATED", "sim")) if h["simulated"] else ""
@@ -380,6 +397,7 @@ def run_page(h: Mapping[str, Any], f: Filters, *, models: Sequence[Mapping[str, 
         "<h2 id='errs'>Errors by stage and type</h2>", _errors_section(err, run_id, f),
         "<h2 id='rubric'>Rubric traits</h2>", _traits_section(traits),
         "<h2 id='perf'>Latency and tokens per stage</h2>", _latency_section(lat, tokens),
+        "<h2 id='cost'>Cost per model and stage</h2>", _cost_section(cost),
         "<h2 id='samples'>Results</h2>", _samples_section(samples, run_id, f, page_no),
         "</div>",
     ]

@@ -290,6 +290,32 @@ async def tokens_by_stage(src: AsyncSource, run_id: str, f: Filters) -> list[dic
             for r in res.rows]
 
 
+async def cost(src: AsyncSource, run_id: str, f: Filters) -> dict[str, Any]:
+    """Money and calls (the columns of infra/clickhouse/006_cost.sql): the run's total, and per
+    model and stage from the usage arrays (indexed, so rows projected before the cost columns
+    existed read a NULL cost instead of breaking the join)."""
+    cond, params = f.sql()
+    p = {"r": run_id, **params}
+    tot = await src.query(
+        "SELECT sum(ifNull(cost_usd, 0)), sum(model_calls), sum(cached_replies), "
+        "countIf(cost_usd IS NULL AND model_calls > 0), countIf(cost_usd IS NOT NULL) "
+        f"FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond}", p)
+    usd, calls, cached, unpriced, priced = tot.rows[0] if tot.rows else (0.0, 0, 0, 0, 0)
+    res = await src.query(
+        "SELECT usage_model[i] AS model, usage_stage[i] AS stage, count(), sum(ifNull(usage_cost_usd[i], 0)), "
+        "countIf(usage_cost_usd[i] IS NULL), sum(usage_input_tokens[i] + usage_output_tokens[i]) "
+        "FROM verification_results FINAL ARRAY JOIN arrayEnumerate(usage_stage) AS i "
+        f"WHERE run_id = {{r:String}} AND {cond} GROUP BY model, stage ORDER BY model, stage LIMIT 500", p)
+    rows = [{"model": r[0], "stage": r[1], "entries": int(r[2]), "cost_usd": float(r[3] or 0.0),
+             "unpriced": int(r[4]), "tokens": int(r[5] or 0)} for r in res.rows]
+    per_model: dict[str, float] = {}
+    for r in rows:
+        per_model[r["model"]] = per_model.get(r["model"], 0.0) + r["cost_usd"]
+    return {"total_usd": float(usd or 0.0), "calls": int(calls or 0), "cached": int(cached or 0),
+            "unpriced_results": int(unpriced or 0), "priced_results": int(priced or 0), "by_stage": rows,
+            "by_model": [{"model": m, "cost_usd": c} for m, c in sorted(per_model.items())]}
+
+
 SAMPLE_COLUMNS = ("result_id, question_id, question_text, answering_model, parsing_model, replicate, verify_result, "
                   "completed_without_errors, substring(ifNull(error, ''), 1, 200) AS error, execution_time, "
                   "total_tokens, substring(raw_llm_response, 1, 160) AS response")

@@ -109,8 +109,9 @@ async def run_handler(request: web.Request) -> web.Response:
     lat = await queries.stage_latency(src, run_id)
     tokens = await queries.tokens_by_stage(src, run_id, f)
     samples = await queries.samples(src, run_id, f, page_no)
+    cost = await queries.cost(src, run_id, f)
     return _html(pages.run_page(h, f, models=models, judges=judges, heat=heat, err=err, traits=traits, lat=lat,
-                                tokens=tokens, samples=samples, page_no=page_no, hpage=hpage))
+                                tokens=tokens, samples=samples, page_no=page_no, hpage=hpage, cost=cost))
 
 
 async def sample_handler(request: web.Request) -> web.Response:

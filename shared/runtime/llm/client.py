@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.core.events import ModelSpec
+from shared.runtime.call_limits import LocalLimiter, estimate_tokens
 from shared.runtime.endpoints import EndpointRefused
 from shared.runtime.endpoints import check_model as check_endpoint
-from shared.runtime.limits import LocalLimiter, estimate_tokens
 from shared.runtime.llm import transport
 from shared.runtime.llm.cache import ResponseCache, cache_key
 from shared.runtime.llm.pricing import call_cost

@@ -14,6 +14,7 @@ import time
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+import aiohttp
 import msgspec
 
 from shared.core.config import Settings
@@ -34,7 +35,7 @@ def _get_litellm() -> Any:
         os.environ.setdefault("LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS", "True")
         os.environ.setdefault("LITELLM_LOCAL_BLOG_POSTS", "True")
         os.environ.setdefault("LITELLM_MODE", "PRODUCTION")  # "DEV" (default) loads ./.env
-        import litellm  # litellm: takes seconds to import; only the litellm transport needs it
+        import litellm  # local import: litellm takes seconds to import; only its transport needs it
 
         litellm.suppress_debug_info = True
         litellm.turn_off_message_logging = True
@@ -52,7 +53,7 @@ def _install_lean_hooks(litellm: Any) -> None:
     and price nothing here; with any litellm callback configured the originals run unchanged.
     """
     try:
-        # part of litellm, loaded with it (lazily: it takes seconds)
+        # local import: part of litellm, loaded with it (lazily: it takes seconds)
         from litellm.litellm_core_utils import litellm_logging as ll
     except ImportError:  # pragma: no cover - other litellm layout
         return
@@ -227,8 +228,6 @@ class DirectTransport:
                 del self._sessions[key]
 
     def _session(self) -> Any:
-        import aiohttp  # aiohttp: only the direct transport needs it
-
         loop = asyncio.get_running_loop()
         entry = self._sessions.get(id(loop))
         if entry is None or entry[0] is not loop or entry[1].closed:
@@ -240,8 +239,6 @@ class DirectTransport:
 
     async def complete(self, model: ModelSpec, messages: list[dict[str, Any]], kwargs: dict[str, Any],
                        api_key: str | None) -> Any:
-        import aiohttp  # aiohttp: only the direct transport needs it
-
         body: dict[str, Any] = {"model": model.model_name.split("/", 1)[1], "messages": messages}
         for k, v in kwargs.items():
             if k in ("model", "api_base", "api_key", "timeout", "max_retries", "num_retries", "_skip_mcp_handler"):

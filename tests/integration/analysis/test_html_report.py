@@ -98,3 +98,24 @@ def test_chromium_renders_the_report(store: Store, tmp_path: Path) -> None:  # n
     width, height, distinct = _png_info(png)
     assert (width, height) == (1200, 2000)
     assert distinct > 100  # text, bars and colours, not a blank page
+
+
+def test_a_stored_runs_aggregates_match_the_same_results_in_memory(store: Store) -> None:  # noqa: F811 - fixture
+    """The report of a stored run (end-to-end quantiles in SQL, everything else from one paged
+    pass) draws the same numbers as the report of the same results held in a list."""
+    from shared.analysis.html_digest import RunDigest
+    from shared.store.rows import result_to_row
+
+    rs = grid_results()
+    for i, r in enumerate(rs):
+        r.metadata.execution_time = round((i * 7919 % 101) / 10, 2)  # spread, so the quantiles differ
+        r.metadata.run_name = "grid-times"
+    store.insert_results([result_to_row(r, "20260101T000000-times001", version=1) for r in rs])
+    data = load_run_data(StoreSource(store), "grid-times", page_size=5)
+    stored, held = RunDigest.of(data.results), RunDigest.of(list(data.results))
+    assert not stored.e2e and stored.e2e_rows is not None  # nothing per result kept
+    assert len({q[2] for q in held.e2e_table()} | {q[3] for q in held.e2e_table()}) > 2
+    for (m1, n1, *q1), (m2, n2, *q2) in zip(stored.e2e_table(), held.e2e_table(), strict=True):
+        assert (m1, n1) == (m2, n2) and q1 == pytest.approx(q2)
+    assert stored.per_model == held.per_model and stored.cells == held.cells and stored.tokens == held.tokens
+    assert stored.error_groups() == held.error_groups() and stored.replicates == held.replicates

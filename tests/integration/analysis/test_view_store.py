@@ -283,3 +283,34 @@ async def test_previous_and_next_walk_the_filtered_results_in_order(client: Test
     assert walked == listed
     last = await _get(client, f"/run/{RUN_A}/sample/{listed[-1]}?model=model-a&status=passed")
     assert 'class="next"' not in last and f'/sample/{listed[-2]}?model=model-a&amp;status=passed" class="prev"' in last
+
+
+async def test_run_page_shows_cost_total_per_model_and_per_stage(client: TestClient, seeded: Store) -> None:
+    run = "20260101T000000-cost0001"
+    rs = grid_results()
+    for i, r in enumerate(rs):
+        r.template.usage_metadata = {
+            "answer_generation": {"input_tokens": 100, "output_tokens": 50, "model": r.metadata.answering.model_name,
+                                  "model_calls": 1, "cached_replies": 0, "cost_usd": 0.002},
+            "parsing": {"input_tokens": 80, "output_tokens": 20, "model": r.metadata.parsing.model_name,
+                        "model_calls": 0 if i % 4 == 0 else 1, "cached_replies": 1 if i % 4 == 0 else 0,
+                        "cost_usd": 0.0 if i % 4 == 0 else 0.001},
+        }
+    seeded.insert_results([result_to_row(r, run, version=1) for r in rs])
+    page = await _get(client, f"/run/{run}")
+    section = page.split("<h2 id='cost'>", 1)[1].split("<h2", 1)[0]
+    # 36 x 0.002 + 27 x 0.001 = 0.099; 36 + 27 calls, 9 cached
+    assert "Total cost: <b>$0.099000</b> · 63 model calls · 9 cached replies" in section
+    by_model = dict(re.findall(r"<tr><td>([^<]+)</td><td>(\d\.\d{6})</td></tr>",
+                               section.split('id="cost-by-model"', 1)[1].split("</table>", 1)[0]))
+    assert by_model["model-a"] == by_model["model-b"] == "0.036000"
+    assert abs(float(by_model["judge-1"]) + float(by_model["judge-2"]) - 0.027) < 1e-9
+    stages = section.split('id="cost-by-stage"', 1)[1].split("</table>", 1)[0]
+    assert "<td>model-a</td><td>answer_generation</td><td>18</td><td>0.036000</td>" in stages
+    # a filter narrows the cost too
+    page = await _get(client, f"/run/{run}?model=model-a")
+    mine = sum(e["cost_usd"] for r in rs if r.metadata.answering.model_name == "model-a"
+               for e in r.template.usage_metadata.values())
+    assert f"Total cost: <b>${mine:,.6f}</b>" in page.split("<h2 id='cost'>", 1)[1] and mine < 0.099
+    # a run without prices says so
+    assert "id='no-cost'" in await _get(client, f"/run/{RUN_A}")

@@ -1,0 +1,393 @@
+"""`veribus run`: the run's config from --config and the flags, every check before anything is
+published, then plan, publish, follow and grade (one run or several)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from infra.simulator.from_benchmark import simulator_script_for
+from shared.cli import analysis as cli_analysis
+from shared.cli import scale as cli_scale
+from shared.cli.common import err, say
+from shared.cli.progress import ProgressPrinter, RunProgress
+from shared.cli.stack import simulator_args
+from shared.control import deployment, runner, stack
+from shared.control.credentials import config_problems
+from shared.core.benchmark.model import Benchmark
+from shared.core.benchmark.question import BenchmarkError
+from shared.core.config import Settings, VerificationConfig
+from shared.core.limits import check_config_size
+from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
+from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErrors, judge
+from shared.runtime.costcontrol import set_cost_budget
+from shared.runtime.runcontrol import pop_budget, set_budget
+from shared.store.reads import run_query
+
+
+def _read_config_file(args: argparse.Namespace) -> dict[str, Any]:
+    """The --config file's mapping ({} without one); raises ValueError naming the file."""
+    if not args.config:
+        return {}
+    path = Path(args.config)
+    if not path.exists():
+        raise ValueError(f"run config {path} does not exist")
+    check_config_size(path.stat().st_size, f"run config {path}")  # InputTooLarge is a ValueError
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"run config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"run config {path} must be a mapping of VerificationConfig fields")
+    return data
+
+
+def _config_uses_simulator(data: dict[str, Any]) -> bool:
+    """True when the config names the `simulator` interface for a model (the only way, besides
+    --simulate, that the simulator answers)."""
+    return any(isinstance(m, dict) and m.get("interface") == "simulator"
+               for key in ("answering_models", "parsing_models") for m in data.get(key) or [])
+
+
+def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa: ANN202
+    """The run's VerificationConfig from --config and the flags. With --simulate every model
+    goes to the simulator at `simulated_base`; otherwise models keep their api_base as given
+    (`--api-base` fills it only where a model has none), and `simulator`-interface models of a
+    config without an api_base get `simulated_base`."""
+    data = _read_config_file(args)
+    data.pop("gates", None)
+    if args.config:
+        budget = pop_budget(data)
+        if budget is not None and getattr(args, "max_tokens_budget", None) is None:
+            args.max_tokens_budget = budget
+
+    cli_scale.apply_run_options(args, data)  # --cache, --cache-ttl, --max-cost-usd (and budget_cost_usd)
+    if args.model:
+        data["answering_models"] = [{"model_name": m} for m in args.model]
+    if args.judge:
+        data["parsing_models"] = [{"model_name": m} for m in args.judge]
+    if args.simulate:
+        data.setdefault("answering_models", [{"model_name": "sim-answerer"}])
+        data.setdefault("parsing_models", [{"model_name": "sim-judge"}])
+    for key in ("answering_models", "parsing_models"):
+        models = []
+        entries = data.get(key, [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{key}: expected a list of models, got {type(entries).__name__} {str(entries)[:40]!r}")
+        for i, m in enumerate(entries):
+            if not isinstance(m, str | dict):
+                raise ValueError(f"{key}[{i}]: expected a model name or a mapping of ModelConfig fields, "
+                                 f"got {type(m).__name__} {str(m)[:40]!r}")
+            m = {"model_name": m} if isinstance(m, str) else dict(m)
+            if args.api_base and not args.simulate and m.get("interface") != "simulator":
+                m.setdefault("api_base", args.api_base)
+            if args.simulate:
+                name = str(m["model_name"]).split("/", 1)[-1]
+                # interface "simulator": results are labelled as simulated in every row and export
+                m.update(model_name=f"openai/{name}", api_base=simulated_base, id=name, interface="simulator")
+            elif m.get("interface") == "simulator" and not m.get("api_base"):
+                m["api_base"] = simulated_base
+            models.append(m)
+        data[key] = models
+    for flag, field in (("replicates", "replicate_count"), ("mode", "evaluation_mode"), ("run_name", "run_name"),
+                        ("strategy", "rubric_evaluation_strategy")):
+        val = getattr(args, flag, None)
+        if val is not None:
+            data[field] = val
+    for flag in ("abstention_enabled", "sufficiency_enabled", "embedding_check_enabled", "deep_judgment_enabled"):
+        if getattr(args, flag, False):
+            data[flag] = True
+    return VerificationConfig.model_validate(data)
+
+
+def _is_simulated(args: argparse.Namespace) -> bool:
+    """Only when asked: --simulate, or a `simulator` interface in the config. Never because a
+    provider key is missing (that is refused instead)."""
+    if args.simulate:
+        return True
+    try:
+        return _config_uses_simulator(_read_config_file(args))
+    except ValueError:
+        return False
+
+
+def _models_of(config: Any) -> list[tuple[str, str]]:
+    return [(f"{m.interface}:{m.model_name}", m.model_name) for m in config.answering_models]
+
+
+def _trait_names(benchmark: Any) -> set[str]:
+    names: set[str] = set()
+    rubrics = [benchmark.global_rubric] + [q.rubric for q in benchmark.questions]
+    for rub in rubrics:
+        if rub is None:
+            continue
+        data = rub.model_dump(mode="json")
+        for key, traits in data.items():
+            if key.endswith("traits") and isinstance(traits, list):
+                names.update(str(t["name"]) for t in traits if isinstance(t, dict) and t.get("name"))
+    return names
+
+
+def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  # noqa: ANN202
+    """Every check that needs no bus, before anything starts or is published: config, plan (0 jobs
+    is refused with a hint), provider keys, gates (metric, operator, range), --max-errors.
+    Returns (config, gates, max_errors); raises ValueError with the message to print."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
+    from shared.analysis.gates import check_gates, known_metrics
+
+    config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
+    plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
+    set_budget(plan.run_event, args.max_tokens_budget)
+    set_cost_budget(plan.run_event, getattr(args, "max_cost_usd", None))
+    if plan.job_count == 0:
+        raise ValueError(f"{benchmark.name!r}: {NO_JOBS_HINT}")
+    problems = config_problems(config)
+    if problems:
+        raise ValueError("refused before publishing:\n  " + "\n  ".join(problems))
+    gates = cli_analysis.validate_run_gates(args)
+    check_gates(gates, known_metrics(_trait_names(benchmark)), _models_of(config))
+    return config, gates, MaxErrors.parse(getattr(args, "max_errors", None))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # local import: shared.analysis (15 modules) would slow every command's start-up
+    from shared.analysis import report
+
+    dep = deployment.select()
+    settings = dep.settings
+    bench_path = Path(args.benchmark)
+    try:
+        benchmark = Benchmark.load(bench_path)
+    except BenchmarkError as exc:
+        err(str(exc))
+        return EXIT_INPUT
+    simulated = _is_simulated(args)
+    try:
+        config, gates, max_errors = _validate_run(args, benchmark, simulated)
+    except (ValidationError, ValueError) as exc:
+        err(str(exc))
+        return EXIT_INPUT
+    for g in gates:
+        if not args.quiet or g.note:
+            say(g.understood())
+    if simulated and dep.kind == "configured" and not settings.simulator_url:
+        err("--simulate (or a `simulator` model) on a configured deployment needs the simulator's URL as the "
+             "services reach it: set VERIBUS_SIMULATOR_URL")
+        return EXIT_INPUT
+    temporary = dep.kind == "none"
+    if temporary:
+        say("deployment: none configured (--nats-url / VERIBUS_NATS_URL) and no local stack running")
+        say("step 1/2: starting a temporary local stack (nats-server, " + ("simulator, " if simulated else "")
+             + "7 services); it stops when the run ends ...")
+        t0 = time.monotonic()
+        state = stack.up(settings, simulator=simulated, simulator_args=simulator_args(args))
+        settings.nats_url = state.nats_url
+        settings.simulator_url = state.simulator_url
+        say(f"  temporary stack ready in {time.monotonic() - t0:.1f} s (NATS {state.nats_url}, home {state.home})")
+        say("step 2/2: running")
+    else:
+        deployment.check_bus(dep)
+        say(dep.describe())
+    current: dict[str, Any] = {}
+    try:
+        if simulated:
+            if not settings.simulator_url:
+                err("the running stack has no LLM simulator (started with --no-simulator); restart it with "
+                     "`veribus down && veribus up`, or set VERIBUS_SIMULATOR_URL")
+                return EXIT_INPUT
+            config = _load_config(args, settings.simulator_url)
+            script = simulator_script_for(benchmark)
+            extra = bench_path.with_name(bench_path.stem + ".simulator.yaml")
+            if extra.exists():
+                script = _merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
+            for base in sorted({m.api_base for m in config.answering_models + config.parsing_models
+                                if m.interface == "simulator" and m.api_base}):
+                _post_script(base, script)
+        trait_ranges = report.trait_ranges_from_benchmark(benchmark)
+        runs: list[tuple[list[Any], dict[str, Any]]] = []
+        run_ids: list[str] = []
+        exit_code = EXIT_OK
+        for i in range(args.num_runs):
+            if args.num_runs > 1:
+                print(f"\n=== run {i + 1} of {args.num_runs} ===")
+            results, summary, code, plan = _one_run(settings, benchmark, config, args, simulated, trait_ranges,
+                                                    max_errors, current)
+            runs.append((results, summary))
+            run_ids.append(plan.run_id)
+            exit_code = max(exit_code, code)
+            if args.output and args.num_runs == 1:
+                report.write_outputs(Path(args.output), benchmark.name, plan.run_id, results, summary,
+                                     plan.run_event.config, simulated, trait_ranges=trait_ranges)
+        if args.output and args.num_runs > 1:
+            report.write_multi_run(Path(args.output), runs, suite=benchmark.name, run_ids=run_ids,
+                                   config=runner.public_config(config), simulated=simulated,
+                                   trait_ranges=trait_ranges)
+            if not args.quiet:
+                print(f"\naggregate over {args.num_runs} runs written to {args.output}/aggregate_stats.json")
+        return exit_code
+    except KeyboardInterrupt:
+        rid = current.get("run_id")
+        if rid is None:
+            err("interrupted before the run was published; nothing was submitted")
+        elif not current.get("submitted"):
+            err(f"interrupted while publishing run {rid}: some of its jobs may be queued. `veribus cancel {rid}` "
+                 f"stops them; `veribus resume {rid}` publishes the rest"
+                 + (" (after `veribus up`: the temporary stack is stopping now)" if temporary else ""))
+        elif temporary:
+            err(f"interrupted: run {rid} was submitted; the temporary stack is stopping now, and its unfinished "
+                 f"jobs stay queued in {settings.home}/nats. `veribus up` picks them up again (then "
+                 f"`veribus status {rid}`); `veribus up && veribus cancel {rid}` drops them.")
+        else:
+            err(f"interrupted: run {rid} keeps running on NATS {deployment.mask_url(settings.nats_url)} (the "
+                 f"services finish its jobs). Follow it: `veribus status {rid}`; results so far: "
+                 f"`veribus results {rid}`; stop it: `veribus cancel {rid}`; re-run missing jobs later: "
+                 f"`veribus resume {rid}`.")
+        return EXIT_INTERRUPTED
+    finally:
+        if temporary:
+            stack.down(settings)
+
+
+def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespace, simulated: bool,
+             trait_ranges: dict[str, tuple[float, float]], max_errors: MaxErrors | None = None,
+             current: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any], int, Any]:
+    """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan)."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
+    from shared.analysis import report
+
+    plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
+    set_budget(plan.run_event, args.max_tokens_budget)
+    set_cost_budget(plan.run_event, getattr(args, "max_cost_usd", None))
+    label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
+    if not args.quiet:
+        print(f"run {plan.run_id}: {plan.job_count} jobs ({len(plan.requests)} answers to generate) "
+              f"from {benchmark.name!r}{label}" + (f", name {plan.run_name!r}" if plan.run_name else ""), flush=True)
+        if plan.unfinished:
+            print(f"  {len(plan.unfinished)} unfinished question(s) skipped: {', '.join(plan.unfinished)}")
+    if current is not None:
+        current.update(run_id=plan.run_id, submitted=False)
+    asyncio.run(runner.submit(settings, plan))
+    if current is not None:
+        current["submitted"] = True
+    if not args.quiet:
+        print(f"submitted run {plan.run_id}; following its results (Ctrl-C stops following, not the run)",
+              flush=True)
+    outcome = asyncio.run(_follow(settings, plan, args.timeout, quiet=args.quiet))
+    results = list(outcome.results.values())
+    summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
+                               "dead_lettered": len(outcome.dead_letters)}
+    cli_analysis.apply_gates(args, results, summary, trait_ranges)
+    failed_gates = [g["label"] for g in summary.get("gates") or [] if not g["passed"]]
+    verdict = judge(results, expected=plan.job_count, timed_out=outcome.timed_out, failed_gates=failed_gates,
+                    max_errors=max_errors, run_ref=plan.run_name or plan.run_id)
+    # dead letters are reported, never counted as results or errors: only result.finalized ends a
+    # job (a service turns a dead letter of a job that cannot finish into its error result), so a
+    # forged bad message can neither complete nor fail someone else's run
+    summary["outcome"] = verdict.as_dict()
+    if outcome.timed_out:
+        missing = len(plan.result_ids) - len(results)  # only result.finalized ends a job
+        dead = f" ({len(outcome.dead_letters)} dead letter(s))" if outcome.dead_letters else ""
+        err(f"timed out after {args.timeout}s with {missing} job(s) unfinished{dead}; "
+             f"results so far are stored; `veribus status {plan.run_id}` shows progress")
+    _await_projection(settings, plan.run_id, len(results))
+    if args.quiet:
+        print(verdict.headline)
+    else:
+        report.print_results(summary, summary.get("gate_lines") or [], simulated=simulated, run_id=plan.run_id)
+    return results, summary, verdict.code, plan
+
+
+def _merge_scripts(base: dict, extra: dict) -> dict:
+    by_match = {q["match"]: q for q in base.get("questions", [])}
+    for q in extra.get("questions", []):
+        by_match[q["match"]] = {**by_match.get(q["match"], {}), **q}
+    return {**base, **{k: v for k, v in extra.items() if k != "questions"}, "questions": list(by_match.values())}
+
+
+def _post_script(simulator_url: str, script: dict) -> None:
+    import httpx  # local import: httpx loads click, rich, pygments (~0.4 s); only --simulate posts
+
+    base = simulator_url.removesuffix("/v1")
+    try:
+        resp = httpx.post(f"{base}/simulator/script", json=script, timeout=10)
+        resp.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"cannot load the benchmark's script into the simulator at {simulator_url}: {exc}") from exc
+
+
+async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: ANN001, ANN202
+    """Collect the run's results, showing progress on stderr (redrawn on a terminal, a plain line
+    every VERIBUS_PROGRESS_INTERVAL_S seconds, default 10, when piped)."""
+    expected = set(plan.result_ids)
+    if quiet:
+        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout))
+    prog = RunProgress(total=len(expected), started=time.monotonic())
+    printer = ProgressPrinter(prog, interval_s=Settings.from_env().progress_interval_s)
+
+    def on_result(result: Any) -> None:
+        prog.add(result)
+        printer.update()
+
+    def on_tick(retrying: int) -> None:
+        prog.retrying = retrying
+        printer.update()
+
+    try:
+        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
+                                                   on_result=on_result, on_tick=on_tick))
+    finally:
+        printer.finish()
+
+
+async def _interruptible(coro: Any) -> Any:
+    """Await `coro`; Ctrl-C cancels it and raises KeyboardInterrupt, whatever the libraries
+    underneath do with the cancellation (so the caller can say what keeps running)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    interrupted = False
+
+    def on_sigint() -> None:
+        nonlocal interrupted
+        interrupted = True
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        pass
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        try:
+            loop.remove_signal_handler(signal.SIGINT)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
+
+
+def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Wait until the projector has written this run's rows, so queries right after see them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            res = run_query(settings, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}",
+                            {"r": run_id})
+            if int(res.rows[0][0]) >= expected:
+                return
+        except Exception:  # noqa: BLE001 - projector still starting
+            pass
+        time.sleep(0.2)
+    err(f"the projector has not written all {expected} rows of run {run_id} to ClickHouse yet")

@@ -1,0 +1,126 @@
+"""`veribus up`, `down`, `status`, `runs`, `query` and `view`: the local stack and what runs
+on the deployment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from shared.cli.common import deployment_settings, say
+from shared.control import stack
+from shared.control.deployment import select
+from shared.control.runref import RunNotFound, format_runs, list_runs, resolve
+from shared.control.status import format_run_problems, run_problems
+from shared.core.outcome import EXIT_OK
+from shared.store.reads import format_json, format_table, run_query
+
+
+def _parse_replicas(items: list[str] | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items or []:
+        name, _, n = item.partition("=")
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--replicas expects SERVICE=N with N >= 1, got {item!r}")
+        out[name] = int(n)
+    return out
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    settings = deployment_settings()
+    sim_args = simulator_args(args)
+    state = stack.up(settings, replicas=_parse_replicas(args.replicas), simulator=not args.no_simulator,
+                     simulator_args=sim_args, nats_cluster=args.nats_cluster,
+                     extra_env={"VERIBUS_LOG_FORMAT": args.log_format} if args.log_format else None)
+    print(f"stack up: nats {state.nats_url}" + (f", simulator {state.simulator_url}" if state.simulator_url else ""))
+    restarted = set(state.restarted)
+    if args.nats_cluster != state.nats_cluster and len(restarted) < len(state.procs):
+        print(f"  note: the running stack has {state.nats_cluster} NATS node(s), not {args.nats_cluster}; "
+              "`veribus down` first to change that")
+    if len(restarted) < len(state.procs):
+        print("  already running; " + (f"restarted: {', '.join(state.restarted)}" if restarted else "nothing to restart"))
+    for p in state.procs:
+        print(f"  {p.name:<16} pid {p.pid}" + ("  (started)" if p.name in restarted else ""))
+    return EXIT_OK
+
+
+def simulator_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    if getattr(args, "sim_latency_ms", None):
+        out += ["--latency-ms", str(args.sim_latency_ms)]
+    if getattr(args, "sim_error_rate", None):
+        out += ["--error-rate", str(args.sim_error_rate)]
+    return out
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stopped = stack.down(deployment_settings())
+    print("stack down: " + (", ".join(stopped) if stopped else "nothing was running"))
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = deployment_settings()
+    st = stack.status(settings)
+    if os.environ.get("VERIBUS_NATS_URL"):
+        print(select().describe())
+    elif not st["procs"]:
+        print("stack: not running")
+    else:
+        print(f"stack: {st['state']} (nats {st['nats_url']}, home {st['home']})")
+        for p in st["procs"]:
+            extra = f" rss {p.get('rss_mb')} MB cpu {p.get('cpu_s')} s" if p["alive"] else ""
+            if p.get("metrics_port"):
+                extra += f" metrics http://127.0.0.1:{p['metrics_port']}/metrics"
+            print(f"  {p['name']:<16} pid {p['pid']:<8} {'up' if p['alive'] else 'DEAD'}{extra}")
+        if st["dead"]:
+            print(f"  dead: {', '.join(st['dead'])}; `veribus up` restarts them")
+    if st["orphans"]:
+        print(f"  orphans (not in stack.json): pids {', '.join(map(str, st['orphans']))}; `veribus down` stops them")
+    if args.run:
+        try:
+            run_id = resolve_run_arg(settings, args.run, stream=False)
+        except RunNotFound:
+            run_id = args.run  # events without a run row yet (or a foreign run id): show what there is
+        res = run_query(settings, "SELECT count() AS results, countIf(ifNull(verify_result, false)) AS passed, "
+                                  "countIf(NOT completed_without_errors) AS errors FROM verification_results FINAL "
+                                  "WHERE run_id = {run:String}", {"run": run_id})
+        row = next((r for r in list_runs(settings, limit=100000) if r["run_id"] == run_id), None)
+        state = f"; {row['jobs']} jobs, {row['state']}, name {row['run_name'] or '-'}" if row else ""
+        print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in zip(res.columns, res.rows[0], strict=False))
+              + state)
+        print(format_run_problems(run_problems(settings, run_id)))
+    return EXIT_OK
+
+
+def resolve_run_arg(settings: Any, ref: str, *, stream: bool) -> str:
+    """A run id or name -> the run id (the most recent run of a name; said when it is ambiguous)."""
+    picked = resolve(settings, ref, stream=stream)
+    if picked.note:
+        say(f"note: {picked.note}")
+    return picked.run_id
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    rows = list_runs(deployment_settings(), limit=args.limit)
+    if args.format == "json":
+        print(json.dumps(rows, indent=2, default=str))
+    elif not rows:
+        print("no runs yet")
+    else:
+        print(format_runs(rows))
+    return EXIT_OK
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    res = run_query(deployment_settings(), args.sql)
+    print(format_json(res) if args.format == "json" else format_table(res))
+    return EXIT_OK
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from shared.cli.view import serve  # local import: aiohttp.web; only `veribus view` serves HTTP
+
+    return serve(deployment_settings(), host=args.host, port=args.port, open_browser=args.open)
+

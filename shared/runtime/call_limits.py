@@ -1,0 +1,70 @@
+"""What one model call is limited by: its limit key (the model, or its endpoint), its token
+estimate before it is made, the `Lease` it holds while it runs, and `LocalLimiter`, the
+per-process limiter of a client without a deployment."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from shared.core.events import ModelSpec
+
+DEFAULT_ANSWER_TOKENS = 512  # a call's output estimate for tokens/minute when max_tokens is unset
+
+
+def limit_identity(model: ModelSpec) -> str:
+    """What a limit is shared by: the model (+ endpoint) or, for scope 'endpoint', the endpoint."""
+    if getattr(model, "limit_scope", "model") == "endpoint":
+        return f"endpoint|{model.api_base or model.model_name.split('/', 1)[0]}"
+    return f"model|{model.canonical_key}|{model.api_base or ''}"
+
+
+def limit_key(model: ModelSpec) -> str:
+    return "m_" + hashlib.sha256(limit_identity(model).encode()).hexdigest()[:32]
+
+
+def estimate_tokens(model: ModelSpec, messages: list[dict[str, Any]]) -> int:
+    """A call's tokens before it is made (for tokens/minute): ~4 characters a token in, plus
+    `max_tokens` (or a default) out. The difference to the real count is settled afterwards."""
+    chars = 0
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            chars += len(c)
+        elif isinstance(c, list):
+            chars += sum(len(str(p.get("text", ""))) for p in c if isinstance(p, dict))
+    return chars // 4 + 1 + (model.max_tokens or DEFAULT_ANSWER_TOKENS)
+
+
+@dataclass
+class Lease:
+    """One admitted call; hand it back to `Limiter.release`."""
+
+    key: str
+    estimate: int = 0
+    released: bool = False
+
+
+class LocalLimiter:
+    """Per-process concurrency only (no bus): what a client without a deployment uses."""
+
+    def __init__(self) -> None:
+        self._sems: dict[str, asyncio.Semaphore] = {}
+
+    async def acquire(self, model: ModelSpec, estimate: int = 0) -> Lease:
+        key = limit_key(model)
+        sem = self._sems.get(key)
+        if sem is None:
+            sem = self._sems[key] = asyncio.Semaphore(max(1, model.max_concurrency))
+        await sem.acquire()
+        return Lease(key, estimate)
+
+    def release(self, lease: Lease, *, tokens: int | None = None, rate_limited: bool = False) -> None:
+        if not lease.released:
+            lease.released = True
+            self._sems[lease.key].release()
+
+    async def close(self) -> None:
+        return None
