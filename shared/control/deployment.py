@@ -71,8 +71,8 @@ class Deployment:
 def select(settings: Settings | None = None) -> Deployment:
     """The deployment this process talks to (see the module docstring)."""
     settings = settings or Settings.from_env()
-    given = Settings.from_env("nats_url", "nats_url_from_flag")  # what the environment says, not the default
-    if "nats_url" in given.model_fields_set:
+    if Settings.given("nats_url"):  # the environment names a bus (not the default)
+        given = Settings.from_env("nats_url", "nats_url_from_flag")
         source = "--nats-url" if given.nats_url_from_flag == given.nats_url else "VERIBUS_NATS_URL"
         return Deployment("configured", settings, source, settings.simulator_url)
     state = stack.running_stack(settings)

@@ -273,6 +273,12 @@ class Settings(BaseModel):
         return self.home / "chdb"
 
     @classmethod
+    def given(cls, name: str) -> bool:
+        """Whether the environment sets this field (`VERIBUS_<NAME>`, non-empty): a configured
+        value rather than the default, e.g. a NATS URL that wins over the local stack's."""
+        return name in cls.from_env(name).model_fields_set
+
+    @classmethod
     def from_env(cls, *only: str, environ: Mapping[str, str] | None = None) -> Settings:
         """Settings from the `VERIBUS_<FIELD>` variables (of `environ`, default this process's); a
         bad value is refused naming the variable. `only`: read just these fields (the others keep
