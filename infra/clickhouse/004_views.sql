@@ -202,22 +202,8 @@ SELECT
 FROM {db}.events FINAL
 GROUP BY run_id, event_type;
 
-CREATE OR REPLACE VIEW {db}.v_usage_by_model AS
-SELECT
-    run_id,
-    model,
-    stage,
-    count()                                       AS results,
-    sum(inp)                                      AS input_tokens,
-    sum(outp)                                     AS output_tokens,
-    sum(inp + outp)                               AS total_tokens
-FROM {db}.verification_results FINAL
-ARRAY JOIN
-    usage_stage          AS stage,
-    usage_model          AS model,
-    usage_input_tokens   AS inp,
-    usage_output_tokens  AS outp
-GROUP BY run_id, model, stage;
+-- v_usage_by_model (tokens per run x model x stage) is in 006_cost.sql, over v_cost_by_model:
+-- the per-call usage entries are read once, with their cost, after 006 adds that column.
 
 -- The first generation's names, over the views above (same columns as before).
 CREATE OR REPLACE VIEW {db}.v_pass_rate_by_model AS
