@@ -1,5 +1,6 @@
 """`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
-the real stack; `--backpressure`, `--analysis` and `--sandbox` select the other benchmarks.
+the real stack; `--backpressure`, `--analysis`, `--limits`, `--sandbox`, `--scaling` and `--rebuild`
+select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
 module as a child process and passes its exit code through.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import analysis, backpressure, limits, run, sandbox
+from bench import analysis, backpressure, limits, rebuild, run, sandbox
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,10 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limits", action="store_true",
                    help="instead: the per-call overhead of the deployment-wide model limiter")
     b.add_argument("--limit-calls", type=int, default=3000, help="calls for --limits")
+    b.add_argument("--scaling", action="store_true",
+                   help="instead: throughput with 1 and then 2 replicas of the bottleneck stages (generation, "
+                        "parsing) at the first non-zero --latency-ms, the model limit set not to cap them")
+    b.add_argument("--scaling-workers", type=int, default=8,
+                   help="handlers per replica of each scaled stage for --scaling (a replica's capacity)")
     b.add_argument("--sandbox", action="store_true",
                    help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
     sandbox.add_arguments(b)
+    rebuild.add_arguments(b)
     return b
 
 
@@ -48,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return limits.main(args)
     if args.sandbox:
         return sandbox.main(args)
+    if args.rebuild:
+        return rebuild.main(args)
     return run.main(args)
 
 

@@ -134,10 +134,10 @@ ARRAY JOIN arrayConcat(
 ) AS trait
 GROUP BY run_id, answering_model, parsing_model, trait_type, trait_name;
 
--- One row per stage record. Stage records are cumulative in the stage events of one result
--- (each event carries the state so far), so each record (result_id, stage, started_at) is
--- counted once and attributed to the first event that carried it (the event its service
--- published).
+-- One row per stage record. A stage event carries the records of its own stage; events written
+-- before the log went lean carry every earlier record too, so each record (result_id, stage,
+-- started_at) is counted once and attributed to the first event that carried it (the event its
+-- service published).
 CREATE OR REPLACE VIEW {db}.v_stage_records AS
 SELECT
     run_id,

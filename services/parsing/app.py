@@ -13,11 +13,16 @@ templates = TemplateInfoCache()
 
 
 
-@service.handles(events.GUARDS_CHECKED, events.StageEvent, give_up=service.fail_forward(events.TEMPLATE_PARSED, STAGE))
+def _no_template(ev: events.StageEvent) -> bool:
+    return ev.job.evaluation_mode == "rubric_only"
+
+
+@service.handles(events.GUARDS_CHECKED, events.StageEvent, give_up=service.fail_forward(events.TEMPLATE_PARSED, STAGE),
+                 skip=_no_template)
 async def on_guards_checked(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
     job = ev.job
-    if job.evaluation_mode == "rubric_only":
-        return []  # no template branch in this mode: the finalizer does not wait for one
+    if _no_template(ev):
+        return []  # no template branch in this mode: the finalizer does not wait for one (see `skip`)
     info = None
     if job.template_code and not ev.state.error:
         info = await templates.get(job.template_id, job.template_code, job.question_id, scope=job.run_id)

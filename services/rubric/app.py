@@ -17,9 +17,13 @@ def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) ->
     return [service.emit(events.RUBRIC_EVALUATED, ev.job, events.StageEvent(ev.job, ev.state, "failed", str(exc)))]
 
 
-@service.handles(events.GUARDS_CHECKED, events.StageEvent, give_up=_give_up)
+def _no_rubric(ev: events.StageEvent) -> bool:
+    return ev.job.evaluation_mode == "template_only"
+
+
+@service.handles(events.GUARDS_CHECKED, events.StageEvent, give_up=_give_up, skip=_no_rubric)
 async def on_guards_checked(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
-    if ev.job.evaluation_mode == "template_only":
-        return []  # no rubric branch in this mode
+    if _no_rubric(ev):
+        return []  # no rubric branch in this mode (the harness acks these before hydrating: `skip`)
     state = await evaluate_rubric(ev.job, ev.state, llm)
     return [service.emit(events.RUBRIC_EVALUATED, ev.job, events.StageEvent(ev.job, state))]

@@ -55,7 +55,7 @@ async def stream_retention(settings: Settings) -> StreamRetention:
         if st.messages:
             try:
                 msg = await js.get_msg(events.STREAM, seq=first_seq)
-                ts = datetime.fromtimestamp(events.decode(msg.data).occurred_at, UTC)
+                ts = datetime.fromtimestamp(events.decode(msg.data, msg.subject).occurred_at, UTC)
             except Exception:  # noqa: BLE001 - an undecodable first message: time unknown
                 ts = None
     removed = max(0, first_seq - 1) + int(st.num_deleted or 0)

@@ -74,7 +74,7 @@ class Projector:
         bad = 0
         for m in msgs:
             try:
-                env = decode(m.data)
+                env = decode(m.data, m.subject)
             except Exception as exc:  # noqa: BLE001 - any undecodable message is recorded
                 out.events.append(undecodable_row(m.subject, m.data, exc))
                 bad += 1

@@ -93,7 +93,7 @@ class FakeJS:
 
     async def publish(self, subject: str, data: bytes, stream: str | None = None,
                       headers: dict[str, str] | None = None) -> _Ack:
-        env = events.decode(data)
+        env = events.decode(data, subject)  # published envelopes name their ids by subject
         assert headers == {"Nats-Msg-Id": env.event_id}
         self.published.append(env)
         self.last[subject] = data
@@ -351,6 +351,33 @@ async def test_harness_propagates_attempt_key_and_accounts_tokens() -> None:
     await svc.control.close()
     other_process = runcontrol.RunControl(lambda: js, usage_ttl_s=0.0)
     assert await other_process.usage("run1") == 100, "flushed to the shared counter on close"
+
+
+async def test_harness_skip_acks_without_reading_contents_or_handling() -> None:
+    """A job the stage has no branch for (the rubric service and a template-only job) is acked
+    before its contents are read: its lean job points at content the store does not have, which
+    hydrating would fail on, and the handler is never called. Other jobs are handled."""
+    js = FakeJS()
+    svc = _service(js, "rubric")
+    handled: list[str] = []
+
+    @svc.handles(events.GUARDS_CHECKED, events.StageEvent,
+                 skip=lambda ev: ev.job.evaluation_mode == "template_only")
+    async def handler(env: events.Envelope, ev: events.StageEvent) -> list[events.Envelope]:
+        handled.append(ev.job.result_id)
+        return []
+
+    lean = msgspec.structs.replace(_job("r1", evaluation_mode="template_only"), refs={"q": "c_missing"})
+    env = events.make_envelope(events.GUARDS_CHECKED, "run1", "r1", events.StageEvent(lean, events.State()), "guards")
+    msg = FakeMessage(env.subject)
+    await svc.deliver(events.GUARDS_CHECKED, events.encode(env), msg)  # type: ignore[arg-type]
+    assert msg.acked and msg.nacked is None and handled == [] and js.published == []
+
+    both = _job("r2", evaluation_mode="template_and_rubric")
+    env = events.make_envelope(events.GUARDS_CHECKED, "run1", "r2", events.StageEvent(both, events.State()), "guards")
+    msg = FakeMessage(env.subject)
+    await svc.deliver(events.GUARDS_CHECKED, events.encode(env), msg)  # type: ignore[arg-type]
+    assert msg.acked and handled == ["r2"]
 
 
 async def test_harness_retries_then_records_the_give_up() -> None:

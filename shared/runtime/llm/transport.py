@@ -169,13 +169,30 @@ def _mentions_response_format(exc: BaseException) -> bool:
 
 TRANSPORTS = ("auto", "litellm", "direct")
 
+_choices: dict[str | None, str] = {}
+
+
+def _transport_choice(raw: str | None) -> str:
+    """`VERIBUS_LLM_TRANSPORT` checked once per distinct value, not on every call: building the
+    whole Settings per model call was 5% of a model-calling service's CPU (profiled, issue 12)."""
+    choice = _choices.get(raw)
+    if choice is None:
+        if not raw:
+            choice = str(Settings.model_fields["llm_transport"].default)
+        elif raw in TRANSPORTS:
+            choice = raw
+        else:
+            raise ValueError(f"VERIBUS_LLM_TRANSPORT={raw!r}: must be one of {', '.join(TRANSPORTS)}")
+        _choices[raw] = choice
+    return choice
+
 
 def transport_for(model: ModelSpec) -> str:
     """Which HTTP path a call takes. `auto` (the default, `VERIBUS_LLM_TRANSPORT`): an
     `openai/<name>` model at an explicit `api_base` is an OpenAI-compatible server (vLLM, Ollama,
     the simulator), where litellm has nothing to translate and costs ~6 ms CPU per call, so the
     request goes straight to `<api_base>/chat/completions`; every other model goes through litellm."""
-    choice = Settings.from_env().llm_transport  # refused with the variable's name when not one of TRANSPORTS
+    choice = _transport_choice(os.environ.get("VERIBUS_LLM_TRANSPORT"))
     if choice == "litellm":
         return "litellm"
     direct_ok = bool(model.api_base) and model.model_name.startswith("openai/")

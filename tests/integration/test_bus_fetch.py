@@ -1,0 +1,122 @@
+"""The consuming side of the bus against a real nats-server: nats-py's `next_msg` fast path
+(`shared.runtime.bus`) and the harness's pipelined pull loop (`shared.runtime.harness._Pump`):
+every message handled and acked once, never more handlers at once than the service's workers,
+redelivery of what a handler failed, and a stop that lets handlers in flight finish."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats
+import pytest
+from nats import errors as nats_errors
+
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.runtime.harness import StageService
+
+pytestmark = pytest.mark.integration
+
+
+async def test_next_msg_returns_queued_messages_in_order_then_times_out(nats_server: Any) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        sub = await nc.subscribe("t.fast")
+        for i in range(50):
+            await nc.publish("t.fast", str(i).encode())
+        await nc.flush()
+        await asyncio.sleep(0.1)  # all 50 are in the subscription's queue now
+        got = [int((await sub.next_msg(timeout=1)).data) for _ in range(50)]
+        assert got == list(range(50))
+        assert sub.pending_bytes == 0 and sub.pending_msgs == 0
+        with pytest.raises(nats_errors.TimeoutError):
+            await sub.next_msg(timeout=0.05)
+        await nc.publish("t.fast", b"late")  # an empty queue still waits for the next one
+        assert (await sub.next_msg(timeout=2)).data == b"late"
+    finally:
+        await nc.close()
+
+
+def _request(i: int) -> events.Envelope:
+    job = events.Job(run_id="run1", result_id=f"r{i}", answer_id=f"r{i}", question_id=f"q{i}", question_text="2+2?",
+                     answering=events.ModelSpec(model_name="openai/a"), parsing=events.ModelSpec(model_name="openai/j"),
+                     timestamp="2026-01-01T00:00:00+00:00")
+    return events.make_envelope(events.ANSWER_REQUESTED, "run1", f"r{i}", events.AnswerRequested(jobs=[job]), "cli")
+
+
+async def test_pump_handles_each_message_once_within_its_workers(nats_server: Any, tmp_path: Any) -> None:
+    settings = Settings(home=tmp_path, nats_url=nats_server.url, consumer_max_deliver=3)
+    nc = await bus.connect(settings)
+    js = nc.jetstream()
+    await bus.ensure_stream(js, settings)
+    svc = StageService("generation", settings)
+    svc.bind(js)
+    running, peak, handled = 0, 0, []
+    failed_once: set[str] = set()
+
+    @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested, max_workers=4, durable="pump-test")
+    async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        try:
+            await asyncio.sleep(0.01)
+            if env.result_id == "r7" and "r7" not in failed_once:
+                failed_once.add("r7")
+                raise RuntimeError("transient")  # nacked, redelivered, handled the second time
+            handled.append(env.result_id)
+            return []
+        finally:
+            running -= 1
+
+    try:
+        await bus.publish_many(js, [_request(i) for i in range(60)])
+        await svc._start_pumps()
+        for _ in range(300):
+            if len(handled) >= 60:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.3)  # acks reach the server
+        info = await js.consumer_info(events.STREAM, "pump-test")
+    finally:
+        await svc._stop_pumps()
+        await svc.control.close()
+        await svc.cost_control.close()
+        await nc.close()
+    assert sorted(handled) == sorted(f"r{i}" for i in range(60)), "each message handled once, r7 after its retry"
+    assert peak <= 4, f"{peak} handlers ran at once with 4 workers"
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+    assert info.delivered.consumer_seq == 61, "60 deliveries and one redelivery: only the failed message came back"
+
+
+async def test_pump_stop_lets_handlers_in_flight_finish(nats_server: Any, tmp_path: Any) -> None:
+    settings = Settings(home=tmp_path, nats_url=nats_server.url)
+    nc = await bus.connect(settings)
+    js = nc.jetstream()
+    await bus.ensure_stream(js, settings)
+    svc = StageService("generation", settings)
+    svc.bind(js)
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested, max_workers=2, durable="pump-stop")
+    async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+        started.set()
+        await asyncio.sleep(0.5)
+        finished.append(env.result_id)
+        return []
+
+    try:
+        await bus.publish(js, _request(1))
+        await svc._start_pumps()
+        await asyncio.wait_for(started.wait(), 10)
+        await svc._stop_pumps()  # while the handler sleeps
+        await asyncio.sleep(0.3)
+        info = await js.consumer_info(events.STREAM, "pump-stop")
+    finally:
+        await svc.control.close()
+        await svc.cost_control.close()
+        await nc.close()
+    assert finished == ["r1"] and info.num_ack_pending == 0, "finished and acked before the pump let go"

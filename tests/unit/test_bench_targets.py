@@ -1,0 +1,50 @@
+"""`veribus bench`'s summary of issue 12's figures: every figure beside its target, and the
+replica-scaling figure from `--scaling` (no stack is started here)."""
+
+from __future__ import annotations
+
+from bench.__main__ import build_parser
+from bench.run import SCALED, steady_rate, targets_block
+
+
+def _row(lat: float, rate: float, cpu: float, frac: float | None) -> dict:
+    return {"latency_ms": lat, "results_per_s": rate, "cpu_ms_per_result_services_total": cpu,
+            "fraction_of_bound": frac, "stream_bytes_per_result": 5000}
+
+
+def test_targets_block_points_at_the_scaling_mode_when_it_was_not_run() -> None:
+    text = targets_block([_row(0.0, 130.0, 9.5, None), _row(300.0, 99.0, 9.0, 0.93)])
+    assert "130.0   target >= 120" in text and "9.5   target <= 10" in text
+    assert "fraction of C/(2L), whole run         0.93   target >= 0.90" in text
+    assert "fraction of C/(2L), steady" not in text, "no steady figure measured, none shown"
+    assert "replica scaling (>= 1.8x: `veribus bench --scaling`)" in text
+    assert "rebuild events/s (>= 50,000: `veribus bench --rebuild`)" in text
+
+
+def test_targets_block_shows_the_scaling_ratio_beside_its_target() -> None:
+    result = {"latency_ms": 300.0, "model_limit": 32, "stages": list(SCALED), "ratio": 1.87, "ratio_whole_run": 1.75,
+              "one": {"results_per_s": 23.4, "steady_results_per_s": 25.0},
+              "two": {"results_per_s": 41.0, "steady_results_per_s": 46.8}}
+    text = targets_block([], scaling=result)
+    assert "2 replicas / 1 replica, steady        1.87   target >= 1.8   (46.8 vs 25.0 results/s" in text
+    assert "2 replicas / 1 replica, whole         1.75" in text and "(41.0 vs 23.4 results/s" in text
+    assert "generation and parsing" in text and "model limit 32" in text
+    assert "replica scaling (>= 1.8x" not in text, "measured, so not listed as unmeasured"
+    assert "rebuild events/s (>= 50,000: `veribus bench --rebuild`)" in text
+
+
+def test_rebuild_mode_is_selected_by_its_flag() -> None:
+    args = build_parser().parse_args(["--rebuild", "--rebuild-events", "6000", "--rebuild-runs", "2"])
+    assert args.rebuild and (args.rebuild_events, args.rebuild_runs) == (6000, 2)
+
+
+def test_scaling_mode_is_selected_by_its_flag() -> None:
+    args = build_parser().parse_args(["--scaling", "--scaling-workers", "4", "--latency-ms", "0", "250"])
+    assert args.scaling and args.scaling_workers == 4 and args.latency_ms == [0.0, 250.0]
+
+
+def test_steady_rate_leaves_out_the_fill_and_the_drain() -> None:
+    # 100 results: the first 10 trickle in over 5 s (fill), then one every 0.1 s
+    arrivals = [0.5 * i for i in range(10)] + [5.0 + 0.1 * i for i in range(90)]
+    assert steady_rate(arrivals) == 10.0
+    assert steady_rate(arrivals[:5]) is None, "too few results for percentiles"
