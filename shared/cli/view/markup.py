@@ -4,33 +4,18 @@ links are built with `urllib.parse.quote`, never by pasting raw values."""
 
 from __future__ import annotations
 
-import html
-import math
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from shared.analysis.html_svg import _esc, _fmt
 from shared.analysis.stats import Proportion
 from shared.cli.view.filters import Filters
 
-
-def _e(v: Any) -> str:
-    return html.escape("" if v is None else str(v), quote=True)
-
-
-def _n(v: Any) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "–"
-        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+# escaping and number formatting are the static report's, so the two tell numbers the same way
+_e = _esc
+_n = _fmt
 
 
 def _pct(v: float | None) -> str:
