@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from infra.clickhouse import TABLES, VIEWS, check_identifier, statements
+from shared.core.config import Settings
 from shared.core.events import (
     Envelope,
     RunRequested,
@@ -46,7 +47,6 @@ from shared.store.sql_guard import (
 if TYPE_CHECKING:
     import pandas as pd
 
-    from shared.core.config import Settings
 
 log = logging.getLogger("veribus.store")
 
@@ -92,7 +92,7 @@ class Store:
         self.backend = backend
         self._reader = reader
         self._reader_factory: Any = None
-        self.reader_pool_size = int(os.environ.get("VERIBUS_QUERY_CONCURRENCY", "4"))
+        self.reader_pool_size = Settings.from_env("query_concurrency").query_concurrency
         self._pool_lock = threading.Lock()
         self._idle: queue.Queue[Any] = queue.Queue()
         self._made = 0
