@@ -29,9 +29,10 @@ test-deps:
 test: install test-deps
 	$(BIN)/pytest -q -p no:cacheprovider
 
-# the fast tier: the unit tests and one small full-stack run (marker `smoke`)
+# the fast tier: the unit tests and one small full-stack run (marker `smoke`), in two processes
+# (pytest-xdist; a test file stays in one process, so its module fixtures are made once)
 test-fast: install
-	$(BIN)/pytest -q -p no:cacheprovider -m "unit or smoke"
+	$(BIN)/pytest -q -p no:cacheprovider -m "unit or smoke" -n 2 --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .

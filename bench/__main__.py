@@ -1,5 +1,6 @@
 """`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
-the real stack; `--backpressure`, `--analysis` and `--sandbox` select the other benchmarks.
+the real stack; `--backpressure`, `--analysis`, `--limits`, `--sandbox`, `--scaling` and `--rebuild`
+select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
 module as a child process and passes its exit code through.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import analysis, backpressure, limits, run, sandbox
+from bench import analysis, backpressure, limits, rebuild, run, sandbox
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
     sandbox.add_arguments(b)
+    rebuild.add_arguments(b)
     return b
 
 
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return limits.main(args)
     if args.sandbox:
         return sandbox.main(args)
+    if args.rebuild:
+        return rebuild.main(args)
     return run.main(args)
 
 

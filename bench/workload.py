@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ class Answer(BaseAnswer):
         self.correct = {{"value": {n}}}
 
     def verify(self) -> bool:
-        return self.value == self.correct["value"]
+{verify}
 '''
+VERIFY = 'return self.value == self.correct["value"]'
 
 RUBRIC = {
     "llm_traits": [{"name": "Clarity", "kind": "boolean", "description": "The answer is clear."}],
@@ -28,9 +30,10 @@ RUBRIC = {
 }
 
 
-def int_template(n: int) -> str:
-    """Template code whose verify() passes exactly when the parsed `value` is `n`."""
-    return INT_TEMPLATE.format(n=n)
+def int_template(n: int, verify: str = VERIFY) -> str:
+    """Template code whose verify() passes exactly when the parsed `value` is `n`; tests give
+    another `verify` body (unindented source) to attack the sandbox from the same template."""
+    return INT_TEMPLATE.format(n=n, verify=textwrap.indent(verify, " " * 8).rstrip("\n"))
 
 
 def generated_benchmark(path: Path, n: int, *, rubric: bool = False, wrong_every: int = 10, prefix: str = "Bench",

@@ -20,8 +20,8 @@ CREATE TABLE IF NOT EXISTS {db}.events
     duration_ms     Nullable(Float64),
     input_tokens    Nullable(UInt64),
     output_tokens   Nullable(UInt64),
-    -- the stage records carried by a stage event's state (cumulative per result; the latency
-    -- view deduplicates them by (result_id, stage, started_at))
+    -- the stage records carried by a stage event's state (its own stage's; older events carry the
+    -- earlier ones too, and the latency view deduplicates by (result_id, stage, started_at))
     stage_names     Array(LowCardinality(String)),
     stage_statuses  Array(LowCardinality(String)),
     stage_started   Array(Float64),

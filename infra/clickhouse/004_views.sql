@@ -7,11 +7,19 @@
 -- The first generation's names (v_pass_rate_by_model, v_pass_rate_by_question, v_run_summary,
 -- v_trait_scores), documented in the README, are kept at the end as views over these.
 
--- One row per run: totals, attempted (completed without errors), verdicts, pass rate + interval.
-CREATE OR REPLACE VIEW {db}.v_run_results AS
+-- The verdict counts, the pass rate and its Wilson interval, written once, at three grains:
+-- 'run', 'model' (run x answering model x judge) and 'question' (run x question). Each row is
+-- counted once per grain (ARRAY JOIN); the key columns a grain does not group by are ''.
+-- v_run_results, v_model_pass_rate and v_question_pass_rate are its three grains.
+CREATE OR REPLACE VIEW {db}.v_pass_rates AS
 SELECT
+    grain,
     run_id,
+    if(grain = 'model', answering_model, '')      AS grain_answering_model,
+    if(grain = 'model', parsing_model, '')        AS grain_parsing_model,
+    if(grain = 'question', question_id, '')       AS grain_question_id,
     any(run_name)                                 AS run_name,
+    any(question_text)                            AS question_text,
     count()                                       AS results,
     countIf(completed_without_errors)             AS attempted,
     countIf(NOT completed_without_errors)         AS errors,
@@ -36,58 +44,40 @@ SELECT
     sum(output_tokens)                            AS output_tokens,
     max(ingested_at)                              AS last_ingested_at
 FROM {db}.verification_results FINAL
-GROUP BY run_id;
+ARRAY JOIN ['run', 'model', 'question'] AS grain
+GROUP BY grain, run_id, grain_answering_model, grain_parsing_model, grain_question_id;
+
+-- One row per run: totals, attempted (completed without errors), verdicts, pass rate + interval.
+CREATE OR REPLACE VIEW {db}.v_run_results AS
+SELECT
+    run_id, run_name, results, attempted, errors, verified, passed, failed, no_verdict,
+    pass_rate, wilson_low, wilson_high, questions, answering_models, parsing_models, replicates,
+    avg_execution_time, p95_execution_time, input_tokens, output_tokens, last_ingested_at
+FROM {db}.v_pass_rates
+WHERE grain = 'run';
 
 -- One row per run x answering model x judge, with Wilson bounds.
 CREATE OR REPLACE VIEW {db}.v_model_pass_rate AS
 SELECT
     run_id,
-    answering_model,
-    parsing_model,
-    count()                                       AS results,
-    countIf(completed_without_errors)             AS attempted,
-    countIf(NOT completed_without_errors)         AS errors,
-    countIf(verify_result IS NOT NULL)            AS verified,
-    countIf(verify_result = true)                 AS passed,
-    countIf(verify_result = false)                AS failed,
-    countIf(verify_result IS NULL)                AS no_verdict,
-    passed / nullIf(verified, 0)                  AS pass_rate,
-    (pass_rate + 1.9207294 / verified
-        - 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
-        / (1 + 3.8414588 / verified)              AS wilson_low,
-    (pass_rate + 1.9207294 / verified
-        + 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
-        / (1 + 3.8414588 / verified)              AS wilson_high,
-    avg(execution_time)                           AS avg_execution_time,
-    sum(input_tokens)                             AS input_tokens,
-    sum(output_tokens)                            AS output_tokens
-FROM {db}.verification_results FINAL
-GROUP BY run_id, answering_model, parsing_model;
+    grain_answering_model                         AS answering_model,
+    grain_parsing_model                           AS parsing_model,
+    results, attempted, errors, verified, passed, failed, no_verdict,
+    pass_rate, wilson_low, wilson_high, avg_execution_time, input_tokens, output_tokens
+FROM {db}.v_pass_rates
+WHERE grain = 'model';
 
 -- One row per run x question: pass rate over every model, judge and replicate, with Wilson
 -- bounds; `flaky` when some verdicts pass and some fail.
 CREATE OR REPLACE VIEW {db}.v_question_pass_rate AS
 SELECT
     run_id,
-    question_id,
-    any(question_text)                            AS question_text,
-    count()                                       AS results,
-    countIf(NOT completed_without_errors)         AS errors,
-    countIf(verify_result IS NOT NULL)            AS verified,
-    countIf(verify_result = true)                 AS passed,
-    countIf(verify_result = false)                AS failed,
-    countIf(verify_result IS NULL)                AS no_verdict,
-    passed / nullIf(verified, 0)                  AS pass_rate,
-    (pass_rate + 1.9207294 / verified
-        - 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
-        / (1 + 3.8414588 / verified)              AS wilson_low,
-    (pass_rate + 1.9207294 / verified
-        + 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
-        / (1 + 3.8414588 / verified)              AS wilson_high,
-    uniqExact(answering_model)                    AS answering_models,
+    grain_question_id                             AS question_id,
+    question_text, results, errors, verified, passed, failed, no_verdict,
+    pass_rate, wilson_low, wilson_high, answering_models,
     passed > 0 AND passed < verified              AS flaky
-FROM {db}.verification_results FINAL
-GROUP BY run_id, question_id;
+FROM {db}.v_pass_rates
+WHERE grain = 'question';
 
 -- One row per run x answering model x judge x question: the replicates' verdicts (n, passed),
 -- the input of pass@k = 1 - C(n - passed, k) / C(n, k).
@@ -144,10 +134,10 @@ ARRAY JOIN arrayConcat(
 ) AS trait
 GROUP BY run_id, answering_model, parsing_model, trait_type, trait_name;
 
--- One row per stage record. Stage records are cumulative in the stage events of one result
--- (each event carries the state so far), so each record (result_id, stage, started_at) is
--- counted once and attributed to the first event that carried it (the event its service
--- published).
+-- One row per stage record. A stage event carries the records of its own stage; events written
+-- before the log went lean carry every earlier record too, so each record (result_id, stage,
+-- started_at) is counted once and attributed to the first event that carried it (the event its
+-- service published).
 CREATE OR REPLACE VIEW {db}.v_stage_records AS
 SELECT
     run_id,
@@ -212,22 +202,8 @@ SELECT
 FROM {db}.events FINAL
 GROUP BY run_id, event_type;
 
-CREATE OR REPLACE VIEW {db}.v_usage_by_model AS
-SELECT
-    run_id,
-    model,
-    stage,
-    count()                                       AS results,
-    sum(inp)                                      AS input_tokens,
-    sum(outp)                                     AS output_tokens,
-    sum(inp + outp)                               AS total_tokens
-FROM {db}.verification_results FINAL
-ARRAY JOIN
-    usage_stage          AS stage,
-    usage_model          AS model,
-    usage_input_tokens   AS inp,
-    usage_output_tokens  AS outp
-GROUP BY run_id, model, stage;
+-- v_usage_by_model (tokens per run x model x stage) is in 006_cost.sql, over v_cost_by_model:
+-- the per-call usage entries are read once, with their cost, after 006 adds that column.
 
 -- The first generation's names, over the views above (same columns as before).
 CREATE OR REPLACE VIEW {db}.v_pass_rate_by_model AS

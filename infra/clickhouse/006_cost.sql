@@ -7,7 +7,8 @@ ALTER TABLE {db}.verification_results ADD COLUMN IF NOT EXISTS cached_replies UI
 ALTER TABLE {db}.verification_results ADD COLUMN IF NOT EXISTS usage_cost_usd Array(Nullable(Float64));
 ALTER TABLE {db}.events ADD COLUMN IF NOT EXISTS cost_usd Nullable(Float64);
 
--- money and calls per run, answering/judge model and stage
+-- money, tokens and calls per run, answering/judge model and stage: the one read of the per-call
+-- usage entries (v_usage_by_model below is its token columns)
 CREATE OR REPLACE VIEW {db}.v_cost_by_model AS
 SELECT
     run_id,
@@ -16,7 +17,9 @@ SELECT
     count()                                       AS results,
     sum(inp + outp)                               AS total_tokens,
     sum(ifNull(c, 0))                             AS cost_usd,
-    countIf(c IS NULL)                            AS entries_without_price
+    countIf(c IS NULL)                            AS entries_without_price,
+    sum(inp)                                      AS input_tokens,
+    sum(outp)                                     AS output_tokens
 FROM {db}.verification_results FINAL
 ARRAY JOIN
     usage_stage          AS stage,
@@ -25,6 +28,11 @@ ARRAY JOIN
     usage_output_tokens  AS outp,
     usage_cost_usd       AS c
 GROUP BY run_id, model, stage;
+
+-- tokens per run x model x stage (the analyst view the README documents since the first set)
+CREATE OR REPLACE VIEW {db}.v_usage_by_model AS
+SELECT run_id, model, stage, results, input_tokens, output_tokens, total_tokens
+FROM {db}.v_cost_by_model;
 
 -- one line per run: results, calls made, replies served from the cache, tokens and cost
 CREATE OR REPLACE VIEW {db}.v_run_cost AS

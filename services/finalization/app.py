@@ -20,7 +20,7 @@ async def _lookup(subject: str) -> events.StageEvent | None:
 
 
 def _finalized(ev: events.StageEvent, result_dump: dict) -> events.Envelope:
-    return service.emit(events.RESULT_FINALIZED, ev.job, events.ResultFinalized(result=result_dump))
+    return service.emit(events.RESULT_FINALIZED, ev.job, events.ResultFinalized.wire(result_dump))
 
 
 def _give_up(env: events.Envelope, ev: events.StageEvent, exc: BaseException) -> list[events.Envelope]:
@@ -54,9 +54,12 @@ async def _first_valid(subject: str) -> events.StageEvent | None:
             return None
         try:
             env = events.decode(msg.data, subject)
-            return events.payload_as(env, events.StageEvent)
+            ev = events.payload_as(env, events.StageEvent)
         except Exception:  # noqa: BLE001 - a bad copy: look at the next
             seq = (msg.seq or seq) + 1
+            continue
+        ev.job = await service.content.hydrate(ev.job)  # a lean job: its question and models back in
+        return ev
     return None
 
 
@@ -72,4 +75,4 @@ async def on_dead_letter(env: events.Envelope, dl: events.DeadLetter) -> list[ev
     if result is None:
         return []
     return [events.make_envelope(events.RESULT_FINALIZED, env.run_id, env.result_id,
-                                 events.ResultFinalized(result=result.model_dump(mode="json")), service.producer)]
+                                 events.ResultFinalized.wire(result.model_dump(mode="json")), service.producer)]

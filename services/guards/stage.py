@@ -11,7 +11,7 @@ from typing import Any
 
 from shared.core import prompts
 from shared.core.events import Job, State
-from shared.core.stage import evaluation_text, record
+from shared.core.stage import evaluation_text, record, require_fields
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
 
@@ -103,7 +103,7 @@ async def check_guards(job: Job, state: State, llm: LLMClient, template_schema: 
             reply = await llm.complete(
                 job.parsing, prompts.abstention_messages(job.question_text, text, opts),
                 stage="abstention_check", response_schema=prompts.ABSTENTION_SCHEMA,
-                schema_name="abstention", validate=_require("abstention_detected"),
+                schema_name="abstention", validate=require_fields(["abstention_detected"]),
             )
             detected = bool(reply.parsed["abstention_detected"])
             tmpl["abstention_check_performed"] = True
@@ -163,13 +163,3 @@ def _sufficiency_verdict(obj: Any) -> Any:
     raise ValueError(f"missing boolean field: one of {', '.join(_SUFFICIENCY_KEYS)}")
 
 
-def _require(*keys: str):  # noqa: ANN202 - small validator factory
-    def check(obj: Any) -> Any:
-        if not isinstance(obj, dict):
-            raise ValueError("expected a JSON object")
-        missing = [k for k in keys if k not in obj]
-        if missing:
-            raise ValueError(f"missing field(s): {', '.join(missing)}")
-        return obj
-
-    return check

@@ -17,7 +17,7 @@ from typing import Any
 from services.parsing.deep_judgment import base_section, deep_judgment_parse
 from shared.core import prompts
 from shared.core.events import Job, State
-from shared.core.stage import evaluation_text, record, stage_error
+from shared.core.stage import evaluation_text, record, require_fields, stage_error
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
 from shared.runtime.search import SearchTool
@@ -45,16 +45,8 @@ def schema_validator(schema: dict[str, Any]):  # noqa: ANN201
     """Cheap in-process check of the judge's JSON (required fields present); the template's own
     pydantic validation runs in the sandbox at verification."""
     required = list(schema.get("required") or schema.get("properties", {}).keys())
-
-    def check(obj: Any) -> Any:
-        if not isinstance(obj, dict):
-            raise ValueError("expected a JSON object with the template's fields")
-        missing = [k for k in required if k not in obj]
-        if missing:
-            raise ValueError(f"missing required field(s): {', '.join(missing)}")
-        return obj
-
-    return check
+    return require_fields(required, expected="a JSON object with the template's fields",
+                          missing="required field(s)")
 
 
 async def parse_template(job: Job, state: State, llm: LLMClient, info: TemplateInfo | None,

@@ -25,6 +25,7 @@ from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT, STREAM
 from shared.runtime import observability
 from shared.runtime.bus import connect_options, prepare_stream
+from shared.runtime.content import ContentStore
 from shared.runtime.harness import broker_auth_kwargs
 from shared.runtime.observability import METRICS
 from shared.store.engine import preload_chdb
@@ -52,6 +53,9 @@ def create_app(
         **broker_auth_kwargs(settings),
         name="veribus-projector", serializer=None, log_level=log_level, graceful_timeout=10.0,
     )
+
+    # the contents lean events refer to, read from the bucket once each into ClickHouse
+    projector.fetch_content = ContentStore(lambda: broker._connection.jetstream()).get_raw
 
     @broker.subscriber(
         "vb.>",

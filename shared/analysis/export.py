@@ -403,6 +403,37 @@ def _store_run_info(source: RowSource, run_id: str, where: ResultFilter) -> tupl
     return summary, config
 
 
+# The rubric each job of a run carried: inline on its answer.generated event (jobs before lean
+# events, and a job whose rubric was changed on the way), else in the `contents` row its
+# question ref (payload.job.refs.q) names; the projector copies contents into ClickHouse.
+_RUN_RUBRICS_SQL = (
+    "SELECT DISTINCT if(e.inline IN ('', 'null'), c.rubric, e.inline) FROM ("
+    "SELECT DISTINCT JSONExtractRaw(payload, 'job', 'rubric') AS inline, "
+    "JSONExtractString(payload, 'job', 'refs', 'q') AS ref FROM events "
+    "WHERE run_id = {r:String} AND event_type = 'answer.generated') AS e "
+    "LEFT JOIN (SELECT key, JSONExtractRaw(body, 'rubric') AS rubric FROM contents FINAL WHERE key IN ("
+    "SELECT JSONExtractString(payload, 'job', 'refs', 'q') FROM events "
+    "WHERE run_id = {r:String} AND event_type = 'answer.generated')) AS c ON c.key = e.ref "
+    "LIMIT 10000"
+)
+
+
+def run_rubrics_from_store(source: RowSource, run_id: str) -> list[dict[str, Any]]:
+    """The distinct rubric wires (`traits`, `provenance`) the jobs of a run carried."""
+    out = []
+    for (raw,) in source.query(_RUN_RUBRICS_SQL, {"r": run_id}).rows:
+        raw = raw.decode() if isinstance(raw, bytes | bytearray) else raw
+        if not raw or raw == "null":
+            continue
+        try:
+            wire = json.loads(raw)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(wire, dict):
+            out.append(wire)
+    return out
+
+
 def trait_split_from_store(source: RowSource, run_id: str, where: ResultFilter) -> tuple[list[str], list[str]]:
     """(global, question-specific) trait names of a run's results, by the provenance the plan put
     on each job's rubric (traits it does not call global are question-specific)."""
@@ -412,36 +443,22 @@ def trait_split_from_store(source: RowSource, run_id: str, where: ResultFilter) 
         "mapKeys(callable_trait_scores), mapKeys(metric_trait_scores))) "
         f"FROM verification_results WHERE {cond}", params)
     names = set(res.rows[0][0] or []) if res.rows else set()
-    prov = source.query(
-        "SELECT DISTINCT JSONExtractRaw(payload, 'job', 'rubric', 'provenance') FROM events "
-        "WHERE run_id = {r:String} AND event_type = 'answer.generated' LIMIT 10000", {"r": run_id})
     glob: set[str] = set()
-    for (raw,) in prov.rows:
-        raw = raw.decode() if isinstance(raw, bytes | bytearray) else raw
-        try:
-            glob.update(k for k, v in (json.loads(raw) or {}).items() if v == "global")
-        except (TypeError, ValueError, AttributeError):
-            continue
+    for wire in run_rubrics_from_store(source, run_id):
+        prov = wire.get("provenance")
+        if isinstance(prov, dict):
+            glob.update(k for k, v in prov.items() if v == "global")
     return sorted(names & glob), sorted(names - glob)
 
 
 def rubric_definition_from_store(source: RowSource, run_id: str) -> dict[str, Any] | None:
     """The run's rubric (every trait any job carried, global and question-specific), in the
-    reference's `Rubric` shape, read from the jobs recorded on `answer.generated` events."""
-    res = source.query(
-        "SELECT DISTINCT JSONExtractRaw(payload, 'job', 'rubric') FROM events "
-        "WHERE run_id = {r:String} AND event_type = 'answer.generated' LIMIT 10000", {"r": run_id})
+    reference's `Rubric` shape, read from the jobs' rubrics (`run_rubrics_from_store`)."""
     traits: dict[str, dict[str, Any]] = {}
-    for (raw,) in res.rows:
-        raw = raw.decode() if isinstance(raw, bytes | bytearray) else raw
-        if not raw or raw == "null":
-            continue
-        try:
-            for t in (json.loads(raw) or {}).get("traits") or []:
-                if isinstance(t, dict) and t.get("name"):
-                    traits.setdefault(str(t["name"]), t)
-        except (TypeError, ValueError, AttributeError):
-            continue
+    for wire in run_rubrics_from_store(source, run_id):
+        for t in wire.get("traits") or []:
+            if isinstance(t, dict) and t.get("name"):
+                traits.setdefault(str(t["name"]), t)
     if not traits:
         return None
     try:

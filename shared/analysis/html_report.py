@@ -53,7 +53,6 @@ from shared.analysis.html_svg import (
     _fmt,
     _short,
     svg_grouped_bars,
-    svg_heatmap,
     svg_question_heatmap,
     svg_rate_bars,
 )
@@ -69,7 +68,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_APPENDIX_RESPONSES", "MAX_HEAT_COLUMNS", "PALETTE", "RunData", "error_groups", "iter_html", "load_run",
            "load_run_data", "render_html", "section_appendix", "section_cost", "section_errors", "section_heatmap",
            "section_pass_rates", "section_replicates", "section_traits", "section_usage_latency", "svg_grouped_bars",
-           "svg_heatmap", "svg_question_heatmap", "svg_rate_bars", "write_html"]
+           "svg_question_heatmap", "svg_rate_bars", "write_html"]
 
 
 @dataclass

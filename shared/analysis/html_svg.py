@@ -101,33 +101,6 @@ def svg_rate_bars(rows: Sequence[tuple[str, Proportion]], title: str) -> str:
     return "".join(out)
 
 
-def svg_heatmap(rows: Sequence[str], cols: Sequence[str], cells: Mapping[tuple[str, str], tuple[int, int]],
-                title: str) -> str:
-    """Model x question grid coloured by pass rate; a tooltip per cell gives passed/n."""
-    label_w, top = 260, 40
-    cell = max(6, min(28, 800 // max(1, len(cols))))
-    w = max(label_w + cell * len(cols) + 20, label_w + 11 * 24 + 160, 8 + 7 * len(title))
-    h = top + cell * len(rows) + 60
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" aria-label="{_esc(title)}">',
-           f'<text x="8" y="20" class="t">{_esc(title)}</text>']
-    for j, q in enumerate(cols):
-        if cell >= 14:
-            x = label_w + j * cell + cell / 2
-            out.append(f'<text x="{x}" y="{top - 4}" class="ax" text-anchor="middle">{j + 1}<title>{_esc(q)}</title></text>')
-    for i, m in enumerate(rows):
-        y = top + i * cell
-        out.append(f'<text x="{label_w - 6}" y="{y + cell * 0.7}" text-anchor="end" class="lb">'
-                   f'{_esc(_short(m, 40))}<title>{_esc(m)}</title></text>')
-        for j, q in enumerate(cols):
-            passed, n = cells.get((m, q), (0, 0))
-            rate = passed / n if n else None
-            out.append(f'<rect x="{label_w + j * cell}" y="{y}" width="{cell - 1}" height="{cell - 1}" '
-                       f'fill="{_color(rate)}"><title>{_esc(m)} · {_esc(q)}: {passed}/{n}</title></rect>')
-    out.append(_rate_legend(label_w, top + cell * len(rows) + 18))
-    out.append("</svg>")
-    return "".join(out)
-
-
 def svg_grouped_bars(categories: Sequence[str], series: Sequence[tuple[str, Sequence[float]]], title: str,
                      fmt: str = "{:g}", width: int = 420, height: int = 190, integer: bool = False) -> str:
     """Vertical grouped bars: one group per category, one bar per series."""

@@ -22,6 +22,7 @@ from shared.control import deployment
 from shared.control.credentials import PROVIDER_KEYS
 from shared.control.deployment import FLAG_ENV, Unreachable, mask_url
 from shared.control.runref import RunNotFound
+from shared.core.config import Settings
 from shared.core.outcome import EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERRUPTED, EXIT_RESULTS_MISSING
 
 EXIT_INPUT = EXIT_BAD_INPUT  # the names older callers import
@@ -177,6 +178,16 @@ def _preflight(args: argparse.Namespace) -> None:
         say(dep.describe())
 
 
+def _debug() -> bool:
+    """`Settings.debug` (`VERIBUS_DEBUG`): show the traceback. Read on its own, so that a bad
+    value of another variable cannot fail the error handler; a value that is not a boolean
+    still asks for the traceback."""
+    try:
+        return Settings.from_env("debug").debug
+    except ValueError:
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: every failure becomes one line on stderr and an exit code from
     `shared.outcome` (VERIBUS_DEBUG=1 re-raises unexpected errors with their traceback)."""
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         err(str(exc).strip("'\""))
         return EXIT_INPUT
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback (unless asked)
-        if os.environ.get("VERIBUS_DEBUG"):  # Settings.debug, read raw: this handler must not fail itself
+        if _debug():
             raise
 
         text = mask_url(str(exc).strip().splitlines()[0] if str(exc).strip() else "")

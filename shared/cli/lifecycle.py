@@ -213,6 +213,8 @@ def cmd_projections_rebuild(args: argparse.Namespace) -> int:
         print(f"  {table:<22} rows before {b[0]:>8}  after {a[0]:>8}  {same}")
     if not rep.identical:
         print("  (tables differ: events arrived during the rebuild, or the old tables had lost or extra rows)")
+    for line in rep.contents_lines():
+        print(line)
     kept = asyncio.run(retention.stream_retention(settings))  # what retention left to rebuild from
     for line in kept.lines():
         print(line)

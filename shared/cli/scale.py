@@ -59,11 +59,8 @@ def _settings() -> Any:
 
 
 async def _with_js(settings: Any, fn: Any) -> Any:
-    nc = await bus.connect(settings, max_reconnect_attempts=1, connect_timeout=3)
-    try:
+    async with bus.session(settings, max_reconnect_attempts=1, connect_timeout=3) as nc:
         return await fn(nc.jetstream())
-    finally:
-        await nc.close()
 
 
 def cmd_cache_clear(args: argparse.Namespace) -> int:

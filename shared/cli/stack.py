@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 from shared.cli.common import deployment_settings, say
@@ -13,6 +12,7 @@ from shared.control import stack
 from shared.control.deployment import select
 from shared.control.runref import RunNotFound, format_runs, list_runs, resolve
 from shared.control.status import format_run_problems, run_problems
+from shared.core.config import Settings
 from shared.core.outcome import EXIT_OK
 from shared.store.reads import format_json, format_table, run_query
 
@@ -63,7 +63,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     settings = deployment_settings()
     st = stack.status(settings)
-    if os.environ.get("VERIBUS_NATS_URL"):
+    if Settings.given("nats_url"):
         print(select().describe())
     elif not st["procs"]:
         print("stack: not running")

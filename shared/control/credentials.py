@@ -7,7 +7,8 @@ before, a silent switch to the simulator).
 - an explicit `api_base` (vLLM, Ollama, any OpenAI-compatible server) is used as given; a key is
   optional there (the server decides).
 - otherwise the provider's key: from the model string's provider prefix (or the bare name:
-  `gpt-*` is OpenAI, `claude-*` Anthropic), else litellm's own table.
+  `gpt-*` is OpenAI, `claude-*` Anthropic; `shared.runtime.endpoints.provider_of`), else
+  litellm's own table.
 """
 
 from __future__ import annotations
@@ -18,34 +19,12 @@ from collections.abc import Iterable
 from urllib.parse import urlparse
 
 from shared.core.config import ModelConfig, VerificationConfig
+from shared.runtime.endpoints import PROVIDERS, provider_of
 
 KEYLESS_INTERFACES = ("manual", "simulator")
-# provider -> env vars, any one of which is enough (litellm's names)
-PROVIDER_KEYS: dict[str, tuple[str, ...]] = {
-    "openai": ("OPENAI_API_KEY",),
-    "anthropic": ("ANTHROPIC_API_KEY",),
-    "gemini": ("GEMINI_API_KEY", "GOOGLE_API_KEY"),
-    "mistral": ("MISTRAL_API_KEY",),
-    "groq": ("GROQ_API_KEY",),
-    "deepseek": ("DEEPSEEK_API_KEY",),
-    "openrouter": ("OPENROUTER_API_KEY",),
-    "xai": ("XAI_API_KEY",),
-    "cohere": ("COHERE_API_KEY",),
-    "together_ai": ("TOGETHERAI_API_KEY",),
-    "fireworks_ai": ("FIREWORKS_AI_API_KEY",),
-}
-_BARE_PREFIXES = (("gpt-", "openai"), ("o1", "openai"), ("o3", "openai"), ("o4", "openai"),
-                  ("chatgpt-", "openai"), ("claude-", "anthropic"))
-
-
-def provider_of(model_name: str) -> str | None:
-    """The provider a litellm model string goes to, when we can tell without litellm."""
-    if "/" in model_name:
-        return model_name.split("/", 1)[0]
-    for prefix, provider in _BARE_PREFIXES:
-        if model_name.startswith(prefix):
-            return provider
-    return None
+# provider -> its key variables, any one of which is enough: a view of the one provider table
+# (`shared.runtime.endpoints.PROVIDERS`, which also binds each key to the provider's base URL)
+PROVIDER_KEYS: dict[str, tuple[str, ...]] = {name: keys for name, (keys, _base) in PROVIDERS.items()}
 
 
 def _litellm_missing(model: ModelConfig) -> list[str]:

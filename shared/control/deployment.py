@@ -14,19 +14,15 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlparse
-
-import nats
 
 from shared.control import stack
 from shared.core.config import Settings
-from shared.runtime.bus import connect_options
+from shared.runtime import bus
 
 FLAG_ENV = "VERIBUS_NATS_URL_FROM_FLAG"  # set by the CLI when --nats-url gave the URL
 CHECK_TIMEOUT_S = 4.0
@@ -75,9 +71,9 @@ class Deployment:
 def select(settings: Settings | None = None) -> Deployment:
     """The deployment this process talks to (see the module docstring)."""
     settings = settings or Settings.from_env()
-    url = os.environ.get("VERIBUS_NATS_URL")
-    if url:
-        source = "--nats-url" if os.environ.get(FLAG_ENV) == url else "VERIBUS_NATS_URL"
+    if Settings.given("nats_url"):  # the environment names a bus (not the default)
+        given = Settings.from_env("nats_url", "nats_url_from_flag")
+        source = "--nats-url" if given.nats_url_from_flag == given.nats_url else "VERIBUS_NATS_URL"
         return Deployment("configured", settings, source, settings.simulator_url)
     state = stack.running_stack(settings)
     if state is not None:
@@ -104,18 +100,14 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _check(settings: Settings) -> None:
-    opts: dict[str, Any] = connect_options(settings)
-    opts.update(name="veribus-cli-check", allow_reconnect=False, max_reconnect_attempts=0,
-                connect_timeout=min(2.0, CHECK_TIMEOUT_S), reconnect_time_wait=0)
-    nc = await nats.connect(**opts)
-    try:
+    # one try, short: the probe must say at once that nothing answers (reasons in `_reason`)
+    async with bus.session(settings, name="veribus-cli-check", connect_timeout=min(2.0, CHECK_TIMEOUT_S),
+                           **bus.ONE_TRY) as nc:
         try:
             await nc.jetstream().account_info()
         except Exception as exc:  # noqa: BLE001 - one line below
             raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} has no JetStream "
                               f"({type(exc).__name__}: {exc}); start it with -js") from None
-    finally:
-        await nc.close()
 
 
 def _tcp_reason(url: str) -> str | None:

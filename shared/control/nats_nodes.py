@@ -142,11 +142,8 @@ def create_stream(settings: Settings, nats_url: str) -> int:
     """Create (or update) the stream on a fresh cluster before services start, so its replica
     count is decided once, with every node up; returns the replica count."""
     async def go() -> int:
-        nc = await bus.connect(settings.model_copy(update={"nats_url": nats_url}), name="veribus-up")
-        try:
+        async with bus.session(settings.model_copy(update={"nats_url": nats_url}), name="veribus-up") as nc:
             return await bus.ensure_stream(nc.jetstream(), settings)
-        finally:
-            await nc.close()
 
     return int(_in_thread(go()))
 

@@ -46,8 +46,7 @@ class StreamRetention:
 
 async def stream_retention(settings: Settings) -> StreamRetention:
     """The stream's limits and what it holds (the oldest kept event's time from its envelope)."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         info = await js.stream_info(events.STREAM)
         st, cfg = info.state, info.config
@@ -56,11 +55,9 @@ async def stream_retention(settings: Settings) -> StreamRetention:
         if st.messages:
             try:
                 msg = await js.get_msg(events.STREAM, seq=first_seq)
-                ts = datetime.fromtimestamp(events.decode(msg.data).occurred_at, UTC)
+                ts = datetime.fromtimestamp(events.decode(msg.data, msg.subject).occurred_at, UTC)
             except Exception:  # noqa: BLE001 - an undecodable first message: time unknown
                 ts = None
-    finally:
-        await nc.close()
     removed = max(0, first_seq - 1) + int(st.num_deleted or 0)
     return StreamRetention(messages=int(st.messages or 0), bytes=int(st.bytes or 0), first_seq=first_seq,
                            first_ts=ts, removed=removed,

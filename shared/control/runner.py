@@ -164,10 +164,11 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))
         requests = plan.requests
+        answer_ids = [r.jobs[0].answer_id for r in requests]  # a lean job leaves its answer id to the subject
         if settings.lean_events:  # contents once, by hash; events carry the hashes
             requests = await lean_requests(ContentStore(lambda: js), requests)
-        envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, r.jobs[0].answer_id, r, producer)
-                for r in requests]
+        envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, aid, r, producer)
+                for aid, r in zip(answer_ids, requests, strict=True)]
         return await bus.publish_many(js, envs)
 
 

@@ -63,8 +63,7 @@ def next_regrade_name(base: str, names: Sequence[str | None]) -> str:
 
 async def runs_in_stream(settings: Settings) -> list[RunRef]:
     """Every run.requested in the stream (one per run: the newest message per subject)."""
-    nc = await bus.connect(settings, allow_reconnect=False, max_reconnect_attempts=0)
-    try:
+    async with bus.session(settings, **bus.ONE_TRY) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
         info = await js.stream_info(events.STREAM, subjects_filter=events.subject(events.RUN_REQUESTED, "*"))
@@ -79,8 +78,6 @@ async def runs_in_stream(settings: Settings) -> list[RunRef]:
                 continue
             out.append(RunRef(run.run_id, run.run_name, run.timestamp))
         return out
-    finally:
-        await nc.close()
 
 
 def runs_in_store(settings: Settings) -> list[RunRef]:

@@ -109,7 +109,7 @@ def stack_settings() -> Settings:
     (an explicit VERIBUS_NATS_URL wins). Every CLI command starts from these."""
     settings = Settings.from_env()
     state = running_stack(settings)
-    if state is not None and "VERIBUS_NATS_URL" not in os.environ:
+    if state is not None and "nats_url" not in settings.model_fields_set:  # VERIBUS_NATS_URL wins
         settings.nats_url = state.nats_url
         settings.simulator_url = settings.simulator_url or state.simulator_url
     return settings

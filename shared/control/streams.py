@@ -47,7 +47,7 @@ async def read_events(js: JetStreamContext, subject_filter: str, *, batch: int =
                 continue
             for m in msgs:
                 try:
-                    out.append(events.decode(m.data))
+                    out.append(events.decode(m.data, m.subject))
                 except Exception:  # noqa: BLE001 - undecodable: not part of the run's history
                     pass
             remaining = msgs[-1].metadata.num_pending if msgs and msgs[-1].metadata else remaining - len(msgs)

@@ -7,6 +7,7 @@ the bus, the store and the simulator are, read once from the environment.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -272,11 +273,23 @@ class Settings(BaseModel):
         return self.home / "chdb"
 
     @classmethod
-    def from_env(cls) -> Settings:
-        """Settings from the `VERIBUS_<FIELD>` variables; a bad value is refused naming the variable."""
+    def given(cls, name: str) -> bool:
+        """Whether the environment sets this field (`VERIBUS_<NAME>`, non-empty): a configured
+        value rather than the default, e.g. a NATS URL that wins over the local stack's."""
+        return name in cls.from_env(name).model_fields_set
+
+    @classmethod
+    def from_env(cls, *only: str, environ: Mapping[str, str] | None = None) -> Settings:
+        """Settings from the `VERIBUS_<FIELD>` variables (of `environ`, default this process's); a
+        bad value is refused naming the variable. `only`: read just these fields (the others keep
+        their defaults), for a module that needs a few and must not fail on an unrelated one."""
+        env = os.environ if environ is None else environ
+        unknown = [name for name in only if name not in cls.model_fields]
+        if unknown:
+            raise ValueError(f"no such setting: {', '.join(unknown)}")
         data: dict[str, Any] = {}
-        for name in cls.model_fields:
-            val = os.environ.get(f"VERIBUS_{name.upper()}")
+        for name in only or cls.model_fields:
+            val = env.get(f"VERIBUS_{name.upper()}")
             if val is not None and val != "":
                 data[name] = val
         try:

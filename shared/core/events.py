@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from shared.core.compact import compact, expand, is_empty_template_default
 from shared.core.ids import event_id_for
 from shared.core.limits import MAX_EVENT_BYTES, InvalidEvent, check_envelope, check_job
 from shared.core.scrub import scrub_bytes
@@ -46,10 +47,11 @@ def subscription(event_type: str) -> str:
     return f"vb.{event_type}.*.*"
 
 
-class ModelSpec(msgspec.Struct, omit_defaults=True):
-    """A model as the services call it. Holds the *name* of the key's env var, never a key."""
+class ModelSpec(msgspec.Struct, omit_defaults=True, frozen=True):
+    """A model as the services call it. Holds the *name* of the key's env var, never a key.
+    Frozen (change one with `msgspec.structs.replace`), so the empty spec can be a default."""
 
-    model_name: str
+    model_name: str = ""  # empty only in a lean job, whose specs travel by content hash
     id: str = ""
     interface: str = "litellm"
     api_base: str | None = None
@@ -79,17 +81,24 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
         return f"{self.interface}:{self.model_name}:{','.join(self.tools)}"
 
 
-class Job(msgspec.Struct, omit_defaults=True):
-    """The fixed inputs of one result (question × answering × parsing × replicate)."""
+NO_MODEL = ModelSpec()
 
-    run_id: str
-    result_id: str
-    answer_id: str
-    question_id: str
-    question_text: str
-    answering: ModelSpec
-    parsing: ModelSpec
-    timestamp: str
+
+class Job(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The fixed inputs of one result (question × answering × parsing × replicate).
+
+    A lean job on the wire (`shared.runtime.content`) leaves out what its `refs` point to and
+    the ids its envelope already names (`run_id`; `result_id` in a stage event, `answer_id` in an
+    answer request): `payload_as` puts the ids back, the content store the rest."""
+
+    run_id: str = ""
+    result_id: str = ""
+    answer_id: str = ""
+    question_id: str = ""  # empty in a lean job: with the question's content
+    question_text: str = ""
+    answering: ModelSpec = NO_MODEL  # empty in a lean job: carried by content hash
+    parsing: ModelSpec = NO_MODEL
+    timestamp: str = ""
     evaluation_mode: str = "template_only"
     run_name: str | None = None
     raw_answer: str | None = None
@@ -120,7 +129,11 @@ class StageRecord(msgspec.Struct, omit_defaults=True):
 
 
 class State(msgspec.Struct, omit_defaults=True):
-    """What the stages have found so far, by result section; folded into a VerificationResult."""
+    """What the stages have found so far, by result section; folded into a VerificationResult.
+
+    On the wire (`lean_state`) the stage log travels as `log`, one array per record
+    `[stage, status, reason, start - started_at, end - start]` in seconds to the microsecond;
+    decoding turns it back into `stages` (events written before carry `stages` itself)."""
 
     template: dict[str, Any] = {}
     rubric: dict[str, Any] | None = None
@@ -132,6 +145,38 @@ class State(msgspec.Struct, omit_defaults=True):
     error: StageError | None = None
     stages: list[StageRecord] = []
     started_at: float = 0.0
+    log: list[tuple[str, Literal["performed", "skipped", "failed"], str, float, float]] = []
+
+    def __post_init__(self) -> None:
+        if self.log:
+            self.stages = [*self.stages, *records_from_log(self.log, self.started_at)]
+            self.log = []
+
+
+def records_from_log(log: list[Any], started_at: float) -> list[StageRecord]:
+    """Stage records from the wire's compact log (`State.log`)."""
+    out = []
+    for stage, status, reason, start, took in log:
+        begin = round(started_at + start, 6)
+        out.append(StageRecord(stage=stage, status=status, reason=reason, started_at=begin,
+                               ended_at=round(begin + took, 6)))
+    return out
+
+
+def lean_state(state: State) -> State:
+    """The state as published: its stage log compact (see State), and without the template
+    fields at their empty defaults (`shared.core.compact.is_empty_template_default`)."""
+    if any(is_empty_template_default(k, v) for k, v in state.template.items()):
+        state = msgspec.structs.replace(
+            state, template={k: v for k, v in state.template.items() if not is_empty_template_default(k, v)})
+    if not state.stages:
+        return state
+    base = state.started_at
+    log = [(r.stage, r.status, r.reason, round(r.started_at - base, 6), round(r.ended_at - r.started_at, 6))
+           for r in state.stages]
+    lean = msgspec.structs.replace(state, stages=[])
+    lean.log = log  # set after: construction (__post_init__) would turn it back into records
+    return lean
 
 
 class StageEvent(msgspec.Struct, omit_defaults=True):
@@ -195,14 +240,42 @@ class DeadLetter(msgspec.Struct, omit_defaults=True):
 
 
 class ResultFinalized(msgspec.Struct, omit_defaults=True):
-    result: dict[str, Any]  # VerificationResult.model_dump(mode="json")
+    """Payload of `result.finalized`: the whole VerificationResult, so a rebuild needs no other event.
+
+    Decoded, `result` is always the full `model_dump(mode="json")`. On the wire the finalizer
+    sends `compact` instead (the dump without its default values, `shared.core.compact`), which
+    decoding expands back; events written before that carry `result` itself and read unchanged."""
+
+    result: dict[str, Any] = {}  # VerificationResult.model_dump(mode="json")
+    compact: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if self.compact and not self.result:
+            self.result = expand(self.compact)
+            self.compact = {}
+
+    @classmethod
+    def wire(cls, dump: dict[str, Any]) -> ResultFinalizedWire:
+        """What the finalizer publishes for a result dump: its compact form only."""
+        return ResultFinalizedWire(compact=compact(dump))
 
 
-class Envelope(msgspec.Struct, omit_defaults=True):
-    event_id: str
-    event_type: str
-    run_id: str
-    result_id: str
+class ResultFinalizedWire(msgspec.Struct):
+    """The encoding side of ResultFinalized (decode with ResultFinalized)."""
+
+    compact: dict[str, Any]
+
+
+class Envelope(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The wire envelope. Published (`wire`), it leaves out what its subject
+    (`vb.<event_type>.<run_id>.<result_id>`) says and an event id that follows from those
+    (`event_id_for`); `decode(data, subject)` puts them back. Envelopes that carry them (events
+    written before, or read back without a subject) decode as always."""
+
+    event_id: str = ""
+    event_type: str = ""
+    run_id: str = ""
+    result_id: str = ""
     occurred_at: float
     producer: str
     payload: msgspec.Raw
@@ -244,7 +317,33 @@ def make_envelope(
 
 
 def encode(env: Envelope) -> bytes:
+    """The whole envelope (it decodes without its subject)."""
     return _encoder.encode(env)
+
+
+def _derived_id(env: Envelope) -> str:
+    return event_id_for(env.result_id if env.result_id != RUN_KEY else env.run_id, env.event_type, env.attempt_key)
+
+
+def wire(env: Envelope) -> bytes:
+    """The envelope as published on its subject: without the ids the subject names, and without
+    its event id when that follows from them (see Envelope)."""
+    event_id = "" if env.event_id == _derived_id(env) else env.event_id
+    return _encoder.encode(msgspec.structs.replace(env, event_id=event_id, event_type="", run_id="", result_id=""))
+
+
+def _from_subject(env: Envelope, subject: str | None) -> None:
+    """Fill in what a published envelope left out, from the subject it arrived on."""
+    if subject is None:
+        raise InvalidEvent(f"event {env.event_id[:100] or '?'} names no type, run or result: it is read from its subject")
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != "vb":
+        raise InvalidEvent(f"subject {subject[:200]!r} is not vb.<event-type>.<run>.<result>")
+    env.event_type = env.event_type or f"{parts[1]}.{parts[2]}"
+    env.run_id = env.run_id or parts[3]
+    env.result_id = env.result_id or parts[4]
+    if not env.event_id:
+        env.event_id = _derived_id(env)
 
 
 def decode(data: bytes, subject: str | None = None) -> Envelope:
@@ -253,6 +352,8 @@ def decode(data: bytes, subject: str | None = None) -> Envelope:
     if len(data) > MAX_EVENT_BYTES + 65_536:
         raise InvalidEvent(f"message is {len(data):,} bytes")
     env = _env_decoder.decode(data)
+    if not env.event_type:  # published by `wire`: its subject names it
+        _from_subject(env, subject)
     if env.schema_version != SCHEMA_VERSION:
         raise SchemaVersionError(
             f"event {env.event_id[:100]} has schema_version {env.schema_version}, expected {SCHEMA_VERSION}"
@@ -267,8 +368,25 @@ def payload_as(env: Envelope, kind: type[T]) -> T:
     if dec is None:
         dec = _payload_decoders[kind] = msgspec.json.Decoder(kind)
     payload = dec.decode(env.payload)
+    _ids_from_envelope(env, payload)
     check_payload(env, payload)
     return payload
+
+
+def _ids_from_envelope(env: Envelope, payload: Any) -> None:
+    """A lean job leaves out the ids its envelope names: put them back before the checks."""
+    if isinstance(payload, StageEvent):
+        job = payload.job
+        if not job.run_id:
+            job.run_id = env.run_id
+        if not job.result_id:
+            job.result_id = env.result_id
+    elif isinstance(payload, AnswerRequested):
+        for job in payload.jobs:
+            if not job.run_id:
+                job.run_id = env.run_id
+            if not job.answer_id:
+                job.answer_id = env.result_id
 
 
 def check_payload(env: Envelope, payload: Any) -> None:

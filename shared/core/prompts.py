@@ -13,6 +13,17 @@ def _custom(job_options: dict[str, Any], key: str) -> str:
     return f"\n\nAdditional instructions:\n{extra}" if extra else ""
 
 
+def _chat(system: str, user: str, options: dict[str, Any], key: str) -> list[dict[str, str]]:
+    """The two messages of every judge prompt: the system prompt, then the user text with the job's
+    additional instructions for `key` (its `prompt_config`) appended."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": user + _custom(options, key)}]
+
+
+def _schema_reply(schema: dict[str, Any]) -> str:
+    """The closing line of the prompts that parse into a template's schema."""
+    return f"Return only a JSON object that matches this JSON schema:\n{json.dumps(schema, sort_keys=True)}"
+
+
 # The answering model's instruction when the run configures none (the reference gives every
 # answering model a default one, and records it on the result).
 DEFAULT_ANSWERING_SYSTEM_PROMPT = "You are a knowledgeable expert. Give a correct, concise answer to the question."
@@ -46,10 +57,9 @@ def parsing_messages(
     )
     user = (
         f"Question:\n{question}\n\nResponse to parse:\n{response}\n\n"
-        f"Return only a JSON object that matches this JSON schema:\n{json.dumps(schema, sort_keys=True)}"
-        + _custom(options, "parsing")
+        + _schema_reply(schema)
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "parsing")
 
 
 # Reasoning first, verdict second (the reference's order: the judge quotes before it decides).
@@ -104,9 +114,9 @@ def abstention_messages(question: str, response: str, options: dict[str, Any]) -
     user = (
         f"Question:\n{question}\n\nResponse:\n<response>\n{response}\n</response>\n\n"
         "Does the response explicitly declare that it is not answering? Reasoning first, verdict second.\n"
-        f"Return only JSON matching: {json.dumps(ABSTENTION_SCHEMA)}" + _custom(options, "abstention_detection")
+        f"Return only JSON matching: {json.dumps(ABSTENTION_SCHEMA)}"
     )
-    return [{"role": "system", "content": ABSTENTION_SYSTEM}, {"role": "user", "content": user}]
+    return _chat(ABSTENTION_SYSTEM, user, options, "abstention_detection")
 
 
 SUFFICIENCY_SCHEMA: dict[str, Any] = {
@@ -158,9 +168,9 @@ def sufficiency_messages(
         f"Template schema:\n{json.dumps(schema, sort_keys=True)}\n\n"
         f"Required fields: {', '.join(required) if required else '(none listed)'}\n\n"
         "Can every required field be filled from the response? Reasoning first, verdict second.\n"
-        f"Return only JSON matching: {json.dumps(SUFFICIENCY_SCHEMA)}" + _custom(options, "sufficiency_detection")
+        f"Return only JSON matching: {json.dumps(SUFFICIENCY_SCHEMA)}"
     )
-    return [{"role": "system", "content": SUFFICIENCY_SYSTEM}, {"role": "user", "content": user}]
+    return _chat(SUFFICIENCY_SYSTEM, user, options, "sufficiency_detection")
 
 
 def _kind_text(trait: Any) -> str:
@@ -202,9 +212,9 @@ def rubric_messages(
     user = (
         f"Question:\n{question}\n\nResponse:\n<response>\n{response}\n</response>\n\n"
         f"Traits:\n{trait_lines(traits)}\n\n"
-        f"Return only JSON matching: {json.dumps(schema, sort_keys=True)}" + _custom(options, "rubric_evaluation")
+        f"Return only JSON matching: {json.dumps(schema, sort_keys=True)}"
     )
-    return [{"role": "system", "content": RUBRIC_SYSTEM}, {"role": "user", "content": user}]
+    return _chat(RUBRIC_SYSTEM, user, options, "rubric_evaluation")
 
 
 def metric_schema(full_matrix: bool) -> dict[str, Any]:
@@ -256,9 +266,8 @@ def metric_messages(question: str, response: str, trait: Any, options: dict[str,
         f"Question:\n{question}\n\nAnswer to analyse:\n<response>\n{response}\n</response>\n\n"
         + "\n\n".join(parts)
         + f"\n\nReturn only JSON matching: {json.dumps(metric_schema(full), sort_keys=True)}"
-        + _custom(options, "rubric_evaluation")
     )
-    return [{"role": "system", "content": METRIC_SYSTEM}, {"role": "user", "content": user}]
+    return _chat(METRIC_SYSTEM, user, options, "rubric_evaluation")
 
 
 # ---------------------------------------------------------------- deep judgment (templates and rubrics)
@@ -307,9 +316,9 @@ def deep_judgment_excerpt_messages(
         f"Question:\n{question}\n\nResponse to analyze:\n<response>\n{response}\n</response>\n\n"
         f"Attributes:\n{guidance}\n\n"
         'Return JSON: {"<attribute>": [{"text": "exact quote", "confidence": "low|medium|high"}], ...} '
-        "with every attribute as a key." + _custom(options, "deep_judgment_excerpts")
+        "with every attribute as a key."
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "deep_judgment_excerpts")
 
 
 def excerpt_retry_feedback(failed: dict[str, list[dict[str, Any]]], threshold: float, scope: str) -> str:
@@ -358,9 +367,8 @@ def deep_judgment_reasoning_messages(
         f"Question:\n{question}\n\nEvidence per attribute (verbatim excerpts of the response):\n"
         + "\n".join(blocks)
         + '\n\nReturn JSON: {"<attribute>": "reasoning", ...} with every attribute as a key.'
-        + _custom(options, "deep_judgment_reasoning")
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "deep_judgment_reasoning")
 
 
 def deep_judgment_parameters_messages(
@@ -382,10 +390,9 @@ def deep_judgment_parameters_messages(
     ))
     user = (
         f"Question:\n{question}\n\nReasoning per field:\n{block}\n\n"
-        f"Return only a JSON object that matches this JSON schema:\n{json.dumps(schema, sort_keys=True)}"
-        + _custom(options, "parsing")
+        + _schema_reply(schema)
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "parsing")
 
 
 HALLUCINATION_SCHEMA: dict[str, Any] = {
@@ -423,9 +430,9 @@ def hallucination_messages(question: str, items: list[dict[str, Any]], options: 
     )
     user = (
         f"Question:\n{question}\n\nClaims and their search results:\n\n{listing}\n\n"
-        f"Return only JSON matching: {json.dumps(HALLUCINATION_SCHEMA)}" + _custom(options, "deep_judgment_hallucination")
+        f"Return only JSON matching: {json.dumps(HALLUCINATION_SCHEMA)}"
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "deep_judgment_hallucination")
 
 
 EQUIVALENCE_SCHEMA: dict[str, Any] = {
@@ -445,9 +452,9 @@ def equivalence_messages(question: str, expected: str, parsed: str, options: dic
     )
     user = (
         f"Question:\n{question}\n\nGround truth answer:\n{expected}\n\nModel answer (as parsed):\n{parsed}\n\n"
-        f"Return only JSON matching: {json.dumps(EQUIVALENCE_SCHEMA)}" + _custom(options, "embedding_check")
+        f"Return only JSON matching: {json.dumps(EQUIVALENCE_SCHEMA)}"
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "embedding_check")
 
 
 TRAIT_EXCERPT_SCHEMA: dict[str, Any] = {
@@ -481,9 +488,9 @@ def rubric_trait_excerpt_messages(
     user = (
         f"Question:\n{question}\n\nResponse:\n<response>\n{response}\n</response>\n\n"
         f"Trait: {trait_name}\nCriteria: {criteria}\n\n"
-        f"Return only JSON matching: {json.dumps(TRAIT_EXCERPT_SCHEMA)}" + _custom(options, "deep_judgment_rubric")
+        f"Return only JSON matching: {json.dumps(TRAIT_EXCERPT_SCHEMA)}"
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "deep_judgment_rubric")
 
 
 def rubric_trait_reasoning_messages(
@@ -501,9 +508,8 @@ def rubric_trait_reasoning_messages(
             evidence += f"\nOverall hallucination risk of these excerpts (from external search): {overall_risk}"
     else:
         evidence = f"Response:\n<response>\n{response or ''}\n</response>"
-    user = (f"Question:\n{question}\n\nTrait: {trait_name}\nCriteria: {criteria}\n\n{evidence}"
-            + _custom(options, "deep_judgment_rubric"))
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    user = (f"Question:\n{question}\n\nTrait: {trait_name}\nCriteria: {criteria}\n\n{evidence}")
+    return _chat(system, user, options, "deep_judgment_rubric")
 
 
 def rubric_trait_score_messages(
@@ -515,9 +521,8 @@ def rubric_trait_score_messages(
     user = (
         f"Question:\n{question}\n\nTrait: {trait_name} [{kind_text}]\nCriteria: {criteria}\n\n"
         f"Reasoning:\n{reasoning}\n\nReturn only JSON matching: {json.dumps(schema, sort_keys=True)}"
-        + _custom(options, "deep_judgment_rubric")
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "deep_judgment_rubric")
 
 
 PRESENCE_SCHEMA: dict[str, Any] = {
@@ -553,6 +558,6 @@ def rubric_presence_messages(
     listing = "\n".join(f"- {name}: {text}" for name, text in concepts)
     user = (
         f"Question:\n{question}\n\nConcepts to check:\n{listing}\n\nResponse:\n<response>\n{response}\n</response>\n\n"
-        f"Return only JSON matching: {json.dumps(PRESENCE_SCHEMA)}" + _custom(options, "rubric_presence_check")
+        f"Return only JSON matching: {json.dumps(PRESENCE_SCHEMA)}"
     )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return _chat(system, user, options, "rubric_presence_check")

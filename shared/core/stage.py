@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from shared.core.events import StageError, StageRecord, State
 from shared.core.scrub import scrub_text
@@ -38,3 +40,21 @@ def evaluation_text(state: State, use_full_trace: bool) -> str:
     if use_full_trace or not state.signals.agent_trace:
         return state.template.get("raw_llm_response", "")
     return state.signals.final_ai_message or state.template.get("raw_llm_response", "")
+
+
+def require_fields(keys: Sequence[str], *, expected: str = "a JSON object",
+                   missing: str = "field(s)") -> Callable[[Any], Any]:
+    """A judge reply's cheap in-process check: a JSON object with every one of `keys` (the
+    client retries a reply that fails it). The messages read `expected <expected>` and
+    `missing <missing>: ...`."""
+    keys = list(keys)
+
+    def check(obj: Any) -> Any:
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected {expected}")
+        absent = [k for k in keys if k not in obj]
+        if absent:
+            raise ValueError(f"missing {missing}: {', '.join(absent)}")
+        return obj
+
+    return check

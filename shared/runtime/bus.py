@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -164,15 +163,9 @@ def cluster_size(nc: NATS) -> int:
 
 
 def replicas_override(settings: Settings | None) -> int | None:
-    """`VERIBUS_STREAM_REPLICAS` (settings first, else the environment), or None."""
-    if settings is not None:
-        return settings.stream_replicas
-    raw = os.environ.get("VERIBUS_STREAM_REPLICAS", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) <= 5:
-        raise ValueError(f"VERIBUS_STREAM_REPLICAS must be an integer from 1 to 5, got {raw!r}")
-    return int(raw)
+    """`Settings.stream_replicas` (`VERIBUS_STREAM_REPLICAS`; the given settings, else the
+    environment's), or None. A bad value is a ValueError naming the variable."""
+    return (settings or Settings.from_env("stream_replicas")).stream_replicas
 
 
 def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
@@ -337,12 +330,22 @@ def _capture(box: list[BaseException], coro_fn: Any) -> None:
         box.append(exc)
 
 
+# connect options of a one-shot probe or request: one try per server, no reconnecting, so an
+# unreachable server fails the call at once (merge into `session(**extra)`)
+ONE_TRY: dict[str, Any] = {"allow_reconnect": False, "max_reconnect_attempts": 0, "reconnect_time_wait": 0}
+
+
 @asynccontextmanager
-async def session(settings: Settings, *, ensure: bool = False, **extra: Any) -> AsyncIterator[NATS]:
+async def session(settings: Settings, *, ensure: bool = False, within: float | None = None,
+                  **extra: Any) -> AsyncIterator[NATS]:
     """One connection for one piece of work, closed however the block ends (the connect /
     `finally: close` every command needs, written once). `ensure`: create or update the stream
-    first, for a command that may be the first to touch a fresh server."""
-    nc = await connect(settings, **extra)
+    first, for a command that may be the first to touch a fresh server. `extra`: connect options
+    (`ONE_TRY` for a probe that must fail fast); `within`: seconds the whole connect may take
+    (TimeoutError after), for callers that must not wait on a server that accepts TCP and says
+    nothing."""
+    connecting = connect(settings, **extra)
+    nc = await (asyncio.wait_for(connecting, timeout=within) if within is not None else connecting)
     try:
         if ensure:
             await ensure_stream(nc.jetstream(), settings)
@@ -369,7 +372,9 @@ PUBLISH_RETRY_S = 30.0
 
 
 async def _publish_one(js: JetStreamContext, env: events.Envelope) -> Any:
-    return await js.publish(env.subject, events.encode(env), stream=events.STREAM, headers=msg_headers(env))
+    # no `stream=`: nats-py would add a Nats-Expected-Stream header, stored with every event (vb.>
+    # belongs to one stream; a subject no stream takes fails the publish all the same)
+    return await js.publish(env.subject, events.wire(env), headers=msg_headers(env))
 
 
 async def publish(js: JetStreamContext, env: events.Envelope) -> bool:
@@ -414,7 +419,7 @@ async def last_event(js: JetStreamContext, subject: str) -> events.Envelope | No
         msg = await js.get_last_msg(events.STREAM, subject, direct=True)
     except NotFoundError:
         return None
-    return events.decode(msg.data) if msg.data else None
+    return events.decode(msg.data, subject) if msg.data else None
 
 
 def server_reachable(url: str, timeout: float = 0.3) -> bool:

@@ -41,6 +41,7 @@ from shared.core.scrub import is_secret_name
 STREAM = events.STREAM
 # every KV bucket a stage service uses: run-scoped and shared response caches, run usage and cost
 # (budgets), the deployment's model limits (watched: ordered consumers), job contents by hash
+CONTENT_BUCKET = "vb_content"
 KV_BUCKETS = ("vb_llm_cache", "vb_llm_cache_shared", "vb_run_usage", "vb_run_cost", "vb_model_limits", "vb_content")
 
 
@@ -105,8 +106,11 @@ def roles() -> dict[str, Role]:
         for durable in inputs:
             pub += _consumer_api(durable)
         out[name] = Role(publish=tuple(pub + _stream_read_api()), durables=tuple(inputs))
+    b = CONTENT_BUCKET  # the projector copies job contents into ClickHouse: it reads that bucket
+    content_read = [f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.STREAM.CREATE.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}",
+                    f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}"]
     out["projector"] = Role(
-        publish=tuple(_consumer_api("projector") + ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}"]),
+        publish=tuple(_consumer_api("projector") + ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}", *content_read]),
         subscribe=("_INBOX.>", events.QUERY_SUBJECT), allow_responses=True, durables=("projector",),
     )
     out["cli"] = Role(

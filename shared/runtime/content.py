@@ -17,6 +17,7 @@ jobs as before (both kinds are read).
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 from collections import OrderedDict
@@ -39,14 +40,15 @@ QUESTION = "q"  # question text, template, rubric, keywords, expected answer, fe
 OPTIONS = "o"  # the run's stage options
 MODELS = "m"  # the answering and parsing model specs
 _FIELDS: dict[str, tuple[str, ...]] = {
-    QUESTION: ("question_text", "template_code", "rubric", "keywords", "raw_answer", "few_shot_examples"),
-    OPTIONS: ("options",),
+    QUESTION: ("question_id", "question_text", "template_code", "template_id", "rubric", "keywords", "raw_answer",
+               "few_shot_examples"),
+    OPTIONS: ("options", "timestamp"),
     MODELS: ("answering", "parsing"),
 }
-_NO_MODEL = events.ModelSpec(model_name="")
-_EMPTY: dict[str, Any] = {"question_text": "", "template_code": None, "rubric": None, "keywords": None,
-                          "raw_answer": None, "few_shot_examples": [], "options": {},
-                          "answering": _NO_MODEL, "parsing": _NO_MODEL}
+_NO_MODEL = events.NO_MODEL
+_EMPTY: dict[str, Any] = {"question_id": "", "question_text": "", "template_code": None, "template_id": "no_template", "rubric": None,
+                          "keywords": None, "raw_answer": None, "few_shot_examples": [], "options": {},
+                          "timestamp": "", "answering": _NO_MODEL, "parsing": _NO_MODEL}
 _TYPES: dict[str, Any] = {"answering": events.ModelSpec, "parsing": events.ModelSpec}
 _enc = msgspec.json.Encoder(order="sorted")
 
@@ -61,7 +63,9 @@ def _blob(job: events.Job, kind: str) -> dict[str, Any]:
 
 
 def content_key(data: bytes) -> str:
-    return "c_" + hashlib.sha256(data).hexdigest()[:40]
+    """`c_` + 96 bits of the content's SHA-256, base64url (a KV key; keys of older runs, 40 hex
+    digits, are read the same way)."""
+    return "c_" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()[:12]).decode()
 
 
 def blobs_of(job: events.Job) -> dict[str, tuple[str, bytes]]:
@@ -175,24 +179,48 @@ class ContentStore:
             return None
         return msg.data
 
+    async def get_raw(self, key: str) -> bytes | None:
+        """A content's stored bytes, uncached, or None when the bucket does not have it (the
+        projector copies each content into ClickHouse once: `shared.store.projection`)."""
+        kv = await self._bucket()
+        self.reads += 1
+        try:
+            return bytes((await kv.get(key)).value or b"")
+        except KeyNotFoundError:
+            pass
+        if not getattr(kv, "_direct", False):
+            return None
+        value = await self._leader_get(kv, key)
+        return None if value is None else bytes(value)
+
     async def hydrate(self, job: events.Job) -> events.Job:
         if not job.refs:
             return job
         return fill(job, {key: await self.get(key) for key in job.refs.values()})
 
     async def hydrate_payload(self, payload: Any) -> Any:
-        """Fill in the job(s) of a StageEvent or AnswerRequested (in place); other payloads pass."""
+        """Fill in the job(s) of a StageEvent or AnswerRequested (in place); other payloads pass.
+
+        A StageEvent's stage log is emptied: each event carries the records of the stage that
+        published it, not those of every stage before (they are on the earlier events, and no
+        stage reads them), so the log is not repeated down the pipeline."""
         if isinstance(payload, events.StageEvent):
             payload.job = await self.hydrate(payload.job)
+            payload.state.stages = []
         elif isinstance(payload, events.AnswerRequested):
             payload.jobs = [await self.hydrate(j) for j in payload.jobs]
         return payload
 
     def lean_payload(self, payload: Any) -> Any:
-        """A copy of a StageEvent whose job is lean (for publishing); other payloads pass."""
-        if isinstance(payload, events.StageEvent) and payload.job.refs:
-            return msgspec.structs.replace(payload, job=lean(payload.job, self.cache))
-        return payload
+        """A copy of a StageEvent whose job is lean (for publishing), with its stage log compact
+        (`events.lean_state`); other payloads pass. The job's run and result ids are left out
+        too: the envelope names them (`events.payload_as` puts them back)."""
+        if not isinstance(payload, events.StageEvent):
+            return payload
+        job = payload.job
+        if job.refs:
+            job = msgspec.structs.replace(lean(job, self.cache), run_id="", result_id="")
+        return msgspec.structs.replace(payload, job=job, state=events.lean_state(payload.state))
 
 
 async def lean_requests(store: ContentStore, requests: list[events.AnswerRequested]) -> list[events.AnswerRequested]:
@@ -209,4 +237,6 @@ async def lean_requests(store: ContentStore, requests: list[events.AnswerRequest
             jobs.append(msgspec.structs.replace(job, refs=refs))
         out.append(events.AnswerRequested(jobs=jobs))
     await store.put_many(items.items())
-    return [events.AnswerRequested(jobs=[lean(j, store.cache) for j in r.jobs]) for r in out]
+    # the envelope names the run and the answer (`events.payload_as` puts them back)
+    return [events.AnswerRequested(jobs=[msgspec.structs.replace(lean(j, store.cache), run_id="", answer_id="")
+                                         for j in r.jobs]) for r in out]

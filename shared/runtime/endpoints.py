@@ -22,13 +22,14 @@ is sent.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
+
+from shared.core.config import Settings
 
 # provider prefix -> (standard key variable(s), the provider's own base URL)
 PROVIDERS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -95,14 +96,19 @@ class Policy:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Policy:
-        env = os.environ if environ is None else environ
+        """The policy of `Settings.endpoints` / `endpoints_file` (`VERIBUS_ENDPOINTS`,
+        `VERIBUS_ENDPOINTS_FILE` of `environ`, default this process's)."""
+        return cls.from_settings(Settings.from_env("endpoints", "endpoints_file", environ=environ))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Policy:
         pairs: set[tuple[str, str]] = set()
-        for item in env.get("VERIBUS_ENDPOINTS", "").replace(",", " ").split():
+        for item in (settings.endpoints or "").replace(",", " ").split():
             url, sep, var = item.rpartition("=")
             if not sep or not url or not var:
                 raise EndpointRefused(f"VERIBUS_ENDPOINTS entry {item!r} is not URL=KEY_VARIABLE")
             pairs.add((normalize_url(url), var))
-        path = env.get("VERIBUS_ENDPOINTS_FILE")
+        path = settings.endpoints_file
         if path:
             pairs |= _pairs_from_file(Path(path))
         return cls(frozenset(pairs))
@@ -161,9 +167,10 @@ _cached: tuple[tuple[str | None, str | None], Policy] | None = None
 def current_policy() -> Policy:
     """The policy of this process's environment (re-read when the variables change)."""
     global _cached
-    key = (os.environ.get("VERIBUS_ENDPOINTS"), os.environ.get("VERIBUS_ENDPOINTS_FILE"))
+    conf = Settings.from_env("endpoints", "endpoints_file")
+    key = (conf.endpoints, conf.endpoints_file)
     if _cached is None or _cached[0] != key:
-        _cached = (key, Policy.from_env())
+        _cached = (key, Policy.from_settings(conf))
     return _cached[1]
 
 

@@ -406,8 +406,8 @@ class StageService:
                 await msg.ack()
                 OUTCOME.set("stopped")
                 return
-        before = await self._tokens_before(env, payload)
-        cost_before_ = await self._cost_before(env, payload)
+        before = await self._spent_before(env, payload, self.control, tokens_before, "usage")
+        cost_before_ = await self._spent_before(env, payload, self.cost_control, cost_before, "cost")
         try:
             payload = await self.content.hydrate_payload(payload)
             CACHE_SCOPE.set(scope_for(env.run_id, payload))  # the run's options are in the content
@@ -431,35 +431,25 @@ class StageService:
                 log.exception("%s: could not record the give-up of %s", self.name, env.event_id)
                 await msg.nack(delay=backoff_s(delivered))
             return
-        if before is not None and outs:
+        for control, spent_before, spent, what in ((self.control, before, tokens_spent, "usage"),
+                                                   (self.cost_control, cost_before_, cost_spent, "cost")):
+            if spent_before is None or not outs:
+                continue
             try:
-                self.control.record_usage(env.run_id, tokens_spent(before, outs))
+                control.record_usage(env.run_id, spent(spent_before, outs))
             except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
-                log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
-        if cost_before_ is not None and outs:
-            try:
-                self.cost_control.record_usage(env.run_id, cost_spent(cost_before_, outs))
-            except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
-                log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
+                log.warning("%s: %s accounting for run %s failed: %r", self.name, what, env.run_id, exc)
 
-    async def _cost_before(self, env: events.Envelope, payload: Any) -> int | None:
-        """For a run with a money budget: micro-dollars already on the incoming event (else None)."""
+    async def _spent_before(self, env: events.Envelope, payload: Any, control: Any, measure: Any,
+                            what: str) -> int | None:
+        """For a run with a budget on `control` (tokens: `self.control`, money: `self.cost_control`):
+        `measure(payload)`, what the incoming event already carries (None: no budget)."""
         try:
-            if await self.cost_control.budget(env.run_id) is None:
+            if await control.budget(env.run_id) is None:
                 return None
-            return cost_before(payload)
+            return measure(payload)
         except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
-            log.warning("%s: cost accounting for run %s failed: %r", self.name, env.run_id, exc)
-            return None
-
-    async def _tokens_before(self, env: events.Envelope, payload: Any) -> int | None:
-        """For a run with a token budget: the tokens already on the incoming event (None: no budget)."""
-        try:
-            if await self.control.budget(env.run_id) is None:
-                return None
-            return tokens_before(payload)
-        except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
-            log.warning("%s: usage accounting for run %s failed: %r", self.name, env.run_id, exc)
+            log.warning("%s: %s accounting for run %s failed: %r", self.name, what, env.run_id, exc)
             return None
 
     def _stage_failed(self, env: events.Envelope, exc: BaseException, delivered: int) -> events.Envelope:

@@ -11,6 +11,7 @@ read-only query may run is decided in `shared.store.sql_guard`.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -20,11 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from infra.clickhouse import TABLES, VIEWS, check_identifier, statements
+from shared.core.config import Settings
 from shared.core.events import (
     Envelope,
     RunRequested,
 )
-from shared.store.rows import EVENT_COLUMNS, RESULT_COLUMNS, RUN_COLUMNS, Projection, event_row, run_row
+from shared.store import arrow
+from shared.store.rows import (
+    CONTENT_COLUMNS,
+    EVENT_COLUMNS,
+    RESULT_COLUMNS,
+    RUN_COLUMNS,
+    Projection,
+    event_row,
+    run_row,
+)
 from shared.store.sql_guard import (
     ReadOnlyError,
     engine_check,
@@ -36,7 +47,8 @@ from shared.store.sql_guard import (
 if TYPE_CHECKING:
     import pandas as pd
 
-    from shared.core.config import Settings
+
+log = logging.getLogger("veribus.store")
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,30 +92,52 @@ class Store:
         self.backend = backend
         self._reader = reader
         self._reader_factory: Any = None
-        self.reader_pool_size = int(os.environ.get("VERIBUS_QUERY_CONCURRENCY", "4"))
+        self.reader_pool_size = Settings.from_env("query_concurrency").query_concurrency
         self._pool_lock = threading.Lock()
         self._idle: queue.Queue[Any] = queue.Queue()
         self._made = 0
+        self._arrow_types: dict[str, dict[str, Any]] = {}
         self._table_functions: frozenset[str] | None = None
 
     # ---- schema ----
     def migrate(self) -> None:
         """Create the database, tables and views if missing (idempotent; views are replaced)."""
+        self._arrow_types.clear()
         self.client.command(f"CREATE DATABASE IF NOT EXISTS {self.database}")
         for stmt in statements(self.database):
             self.client.command(stmt)
 
     def drop_all(self) -> None:
         """Drop every veribus table and view (projections rebuild refolds them from the stream)."""
+        self._arrow_types.clear()
         for name in reversed(VIEWS):
             self.client.command(f"DROP VIEW IF EXISTS {self.database}.{name}")
         for name in TABLES:
             self.client.command(f"DROP TABLE IF EXISTS {self.database}.{name}")
 
     # ---- writes ----
+    def _types_of(self, table: str) -> dict[str, Any]:
+        types = self._arrow_types.get(table)
+        if types is None:
+            rows = self.client.query(f"DESCRIBE TABLE {self.database}.{table}").result_rows
+            types = self._arrow_types[table] = {r[0]: arrow.arrow_type(r[1]) for r in rows}
+        return types
+
+    def _insert(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]]) -> None:
+        """Insert columns of values (`shared.store.arrow`); what Arrow cannot type or the engine
+        does not take from it goes in by clickhouse-connect's Native insert instead, so a row is
+        never lost to the format (inserts are idempotent: the tables replace by key)."""
+        try:
+            block = arrow.to_arrow(self._types_of(table), column_names, columns)
+            self.client.insert_arrow(f"{self.database}.{table}", block)
+            return
+        except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
+            log.debug("Arrow insert into %s refused (%s); inserting natively", table, exc)
+        self.client.insert(f"{self.database}.{table}", list(zip(*columns, strict=True)), column_names=column_names)
+
     def insert_event_rows(self, rows: Sequence[Sequence[Any]]) -> None:
         if rows:
-            self.client.insert(f"{self.database}.events", rows, column_names=EVENT_COLUMNS)
+            self._insert("events", EVENT_COLUMNS, list(zip(*rows, strict=True)))
 
     def insert_events(self, envs: Iterable[Envelope]) -> int:
         rows = [event_row(e) for e in envs]
@@ -113,18 +147,31 @@ class Store:
     def insert_results(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Insert `result_to_row` dicts (many per call)."""
         if rows:
-            data = [[row[c] for c in RESULT_COLUMNS] for row in rows]
-            self.client.insert(f"{self.database}.verification_results", data, column_names=RESULT_COLUMNS)
+            self._insert("verification_results", RESULT_COLUMNS, [[row[c] for row in rows] for c in RESULT_COLUMNS])
 
     def insert_runs(self, runs: Sequence[RunRequested | Mapping[str, Any] | Sequence[Any]]) -> None:
         """Insert runs: RunRequested payloads (or dicts of one), or ready `run_row` lists."""
         rows = [r if isinstance(r, list | tuple) else run_row(r) for r in runs]
         if rows:
-            self.client.insert(f"{self.database}.runs", rows, column_names=RUN_COLUMNS)
+            self._insert("runs", RUN_COLUMNS, list(zip(*rows, strict=True)))
+
+    def insert_contents(self, rows: Sequence[Sequence[Any]]) -> None:
+        """Insert job contents (CONTENT_COLUMNS order: key, kind, run_id, body)."""
+        if rows:
+            self._insert("contents", CONTENT_COLUMNS, list(zip(*rows, strict=True)))
+
+    def existing_contents(self, keys: Sequence[str]) -> set[str]:
+        """Which of these content keys the `contents` table already has."""
+        if not keys:
+            return set()
+        res = self.query(f"SELECT DISTINCT key FROM {self.database}.contents WHERE key IN {{k:Array(String)}}",
+                         {"k": list(keys)})
+        return {str(r[0]) for r in res.rows}
 
     def insert_projection(self, p: Projection) -> None:
-        """Results and runs first, events last; all idempotent, so a retry after a partial
-        failure converges."""
+        """Contents, results and runs first, events last; all idempotent, so a retry after a
+        partial failure converges."""
+        self.insert_contents(p.contents)
         self.insert_results(p.results)
         self.insert_runs(p.runs)
         self.insert_event_rows(p.events)

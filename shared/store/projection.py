@@ -1,13 +1,18 @@
 """The projector's logic: fetched batches of `vb.>` messages -> ClickHouse rows, and read-only SQL
 answers for the embedded engine. Kept apart from the FastStream wiring
 (`services/projector/app.py`) so run control (`veribus projections rebuild`) and tests can drive
-it in-process."""
+it in-process.
+
+Lean events carry content keys, not the job's question, template and rubric: the projector copies
+each content it sees referenced into the `contents` table, once, through a `ContentFetcher` its
+caller gives it (the content store is on the bus, a layer this module does not import)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +29,24 @@ log = logging.getLogger("veribus.projector")
 DEFAULT_MAX_REPLY = 1024 * 1024
 
 _json = msgspec.json.Encoder(enc_hook=str)
+
+# a content's stored bytes by key, or None when the content store does not have it
+ContentFetcher = Callable[[str], Awaitable[bytes | None]]
+MAX_KNOWN_CONTENTS = 200_000  # keys remembered as stored; past it, ClickHouse is asked again
+
+# (run_id, content keys its job events refer to that `contents` does not have)
+MISSING_CONTENTS_SQL = (
+    "SELECT run_id, uniqExact(key) FROM (SELECT run_id, "
+    "tupleElement(arrayJoin(JSONExtractKeysAndValues(payload, 'job', 'refs', 'String')), 2) AS key "
+    "FROM events WHERE event_type = 'answer.generated') "
+    "WHERE key != '' AND key NOT IN (SELECT key FROM contents) GROUP BY run_id ORDER BY run_id"
+)
+
+
+def missing_contents(query: Callable[[str], Any]) -> dict[str, int]:
+    """run_id -> how many contents its events refer to that ClickHouse does not have (their
+    content was gone from the content store when the events were projected)."""
+    return {str(r[0]): int(r[1]) for r in query(MISSING_CONTENTS_SQL).rows}
 
 
 class _QueryRequest(msgspec.Struct):
@@ -43,17 +66,22 @@ class Stats:
     undecodable: int = 0
     insert_failures: int = 0
     queries: int = 0
+    contents: int = 0  # contents copied from the content store into ClickHouse
+    contents_missing: int = 0  # referenced contents the content store did not have
     project_cpu_s: float = 0.0  # CPU of decode + row building (the per-event Python work)
 
 
 class Projector:
     """The projector's logic, separate from the FastStream wiring so it can be driven directly."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, fetch_content: ContentFetcher | None = None) -> None:
         self.settings = settings
         self.store: Store | None = None
         self.stats = Stats()
         self.max_reply_bytes = DEFAULT_MAX_REPLY
+        self.fetch_content = fetch_content
+        self._known: set[str] = set()  # keys ClickHouse has (stored by us, or found there)
+        self._missing: set[str] = set()  # keys the content store did not have: said once each
 
     def open(self) -> None:
         """Open (and migrate) the store; call in the main thread (chdb import, folder lock)."""
@@ -74,7 +102,7 @@ class Projector:
         bad = 0
         for m in msgs:
             try:
-                env = decode(m.data)
+                env = decode(m.data, m.subject)
             except Exception as exc:  # noqa: BLE001 - any undecodable message is recorded
                 out.events.append(undecodable_row(m.subject, m.data, exc))
                 bad += 1
@@ -84,9 +112,41 @@ class Projector:
         self.stats.project_cpu_s += time.process_time() - t0
         return out
 
+    def _remember(self, keys: Iterable[str]) -> None:
+        if len(self._known) > MAX_KNOWN_CONTENTS:
+            self._known.clear()
+        self._known.update(keys)
+
+    async def attach_contents(self, p: Projection) -> None:
+        """Add to `p.contents` the referenced contents ClickHouse does not have yet, read from the
+        content store once each. A content the store does not have is logged (once) and left out;
+        the events still go in, and `missing_contents` names the runs it affects."""
+        new = {k: v for k, v in p.refs.items() if k not in self._known and k not in self._missing}
+        if not new or self.fetch_content is None:
+            return
+        assert self.store is not None, "Projector.open() first"
+        self._remember(await asyncio.to_thread(self.store.existing_contents, list(new)))
+        todo = [k for k in new if k not in self._known]
+        fetch = self.fetch_content
+        bodies = await asyncio.gather(*(fetch(k) for k in todo), return_exceptions=True)
+        for key, body in zip(todo, bodies, strict=True):
+            kind, run_id = new[key]
+            if isinstance(body, BaseException):
+                log.warning("content %s (run %s) could not be read from the content store: %s; "
+                            "it is tried again when an event refers to it", key, run_id, body)
+            elif body is None:
+                self._missing.add(key)
+                self.stats.contents_missing += 1
+                log.warning("content %s (kind %s) of run %s is not in the content store any more: "
+                            "ClickHouse will not have that run's question/template/rubric", key, kind, run_id)
+            else:
+                p.contents.append([key, kind, run_id, bytes(body)])
+
     def insert(self, p: Projection) -> None:
         assert self.store is not None, "Projector.open() first"
         self.store.insert_projection(p)
+        self._remember(row[0] for row in p.contents)  # only once inserted: a failed batch fetches again
+        self.stats.contents += len(p.contents)
         self.stats.batches += 1
         self.stats.events += len(p.events)
         self.stats.results += len(p.results)
@@ -109,6 +169,7 @@ class Projector:
         """
         p = self.project_batch(msgs)
         try:
+            await self.attach_contents(p)
             await asyncio.to_thread(self.insert, p)
             return msgs, []
         except Exception as exc:  # noqa: BLE001
@@ -121,6 +182,7 @@ class Projector:
         for m in msgs:
             one = self.project_batch([m])
             try:
+                await self.attach_contents(one)
                 await asyncio.to_thread(self.insert, one)
                 ack.append(m)
                 continue

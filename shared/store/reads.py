@@ -17,17 +17,18 @@ import asyncio
 import contextlib
 import datetime as _dt
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
-import nats
 from nats.errors import NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT
-from shared.runtime.bus import connect_options, server_reachable
+from shared.runtime import bus
+from shared.runtime.bus import server_reachable
 from shared.store.engine import QueryResult, Store, open_store
 from shared.store.sql_guard import ReadOnlyError, read_only_refusal, reader_settings
 
@@ -53,44 +54,63 @@ class _Reply(msgspec.Struct):
 _reply_dec = msgspec.json.Decoder(_Reply)
 
 
-async def query_via_nats(
-    settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float = 10.0
-) -> QueryResult:
-    """Ask the projector. Raises NoProjector when no server or no subscriber is there."""
-    if not server_reachable(settings.nats_url):
-        raise NoProjector(f"no NATS server at {settings.nats_url}")
-    opts = connect_options(settings)
-    opts.update(name="veribus-query", connect_timeout=2, allow_reconnect=False,
-                max_reconnect_attempts=1, reconnect_time_wait=0.1)
+# how a reader connects: one short try; the caller falls back to the folder when nothing answers
+_READER_CONNECT: dict[str, Any] = {"connect_timeout": 2, "allow_reconnect": False, "max_reconnect_attempts": 1,
+                                   "reconnect_time_wait": 0.1}
+_CONNECT_WITHIN_S = 5.0
+_CONNECT_FAILED = (TimeoutError, NoServersError, OSError, NatsTimeout)
+
+
+def projector_first(settings: Settings) -> bool:
+    """Where reads go: a configured ClickHouse server is read directly; otherwise the embedded
+    folder belongs to the running projector, so ask it first (the folder only when none answers)."""
+    return not settings.clickhouse_url
+
+
+async def ask_projector(nc: Any, sql: str, params: Mapping[str, Any] | None, timeout: float) -> QueryResult:
+    """One query to the projector over a connection (`QUERY_SUBJECT` request-reply). Raises
+    NoProjector when nobody is subscribed, QueryError when it fails or does not answer in time."""
+    body = _enc.encode({"sql": sql, "params": dict(params) if params else None})
     try:
-        nc = await asyncio.wait_for(nats.connect(**opts), timeout=5)
-    except (TimeoutError, NoServersError, OSError, NatsTimeout) as exc:
-        raise NoProjector(f"no NATS server at {settings.nats_url}: {exc}") from exc
-    try:
-        body = _enc.encode({"sql": sql, "params": dict(params) if params else None})
-        try:
-            msg = await nc.request(QUERY_SUBJECT, body, timeout=timeout)
-        except NoRespondersError as exc:
-            raise NoProjector("no projector is subscribed to the query subject") from exc
-        except (TimeoutError, NatsTimeout) as exc:
-            raise QueryError(f"the projector did not answer within {timeout} s") from exc
-    finally:
-        await nc.close()
+        msg = await nc.request(QUERY_SUBJECT, body, timeout=timeout)
+    except NoRespondersError as exc:
+        raise NoProjector("no projector is subscribed to the query subject") from exc
+    except (TimeoutError, NatsTimeout) as exc:
+        raise QueryError(f"the projector did not answer within {timeout:g} s") from exc
     reply = _reply_dec.decode(msg.data)
     if reply.error is not None:
         raise QueryError(reply.error)
     return QueryResult(columns=reply.columns, rows=[tuple(r) for r in reply.rows], types=reply.types)
 
 
-def query_direct(settings: Settings, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
-    """Open the store in this process (server, or a chdb folder no other process holds)."""
-    store = open_store(settings, migrate=not settings.clickhouse_url)
+async def query_via_nats(
+    settings: Settings, sql: str, params: Mapping[str, Any] | None = None, timeout: float = 10.0
+) -> QueryResult:
+    """Ask the projector. Raises NoProjector when no server or no subscriber is there."""
+    if not server_reachable(settings.nats_url):
+        raise NoProjector(f"no NATS server at {settings.nats_url}")
+    try:
+        async with bus.session(settings, within=_CONNECT_WITHIN_S, name="veribus-query", **_READER_CONNECT) as nc:
+            return await ask_projector(nc, sql, params, timeout)
+    except _CONNECT_FAILED as exc:
+        raise NoProjector(f"no NATS server at {settings.nats_url}: {exc}") from exc
+
+
+def store_query(store: Store, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+    """A read-only query on an open store; every failure is a QueryError."""
     try:
         return store.query_read_only(sql, params)
     except ReadOnlyError as exc:
         raise QueryError(str(exc)) from exc
     except Exception as exc:
         raise QueryError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def query_direct(settings: Settings, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+    """Open the store in this process (server, or a chdb folder no other process holds)."""
+    store = open_store(settings, migrate=projector_first(settings))
+    try:
+        return store_query(store, sql, params)
     finally:
         store.close()
 
@@ -190,12 +210,7 @@ class StoreSource:
         self.store = store
 
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
-        try:
-            return self.store.query_read_only(sql, params)
-        except ReadOnlyError as exc:
-            raise QueryError(str(exc)) from exc
-        except Exception as exc:
-            raise QueryError(f"{type(exc).__name__}: {exc}") from exc
+        return store_query(self.store, sql, params)
 
 
 class NatsSource:
@@ -214,7 +229,7 @@ def open_source(settings: Settings, timeout: float = 30.0) -> Iterator[RowSource
     """Where reads go, decided once: a ClickHouse server directly; else the projector over NATS
     when a stack runs; else the chdb folder opened in this process (held open for the whole
     read, not reopened per page)."""
-    if not settings.clickhouse_url:
+    if projector_first(settings):
         try:
             _run_coro(query_via_nats(settings, "SELECT 1", None, 10.0))
         except NoProjector:
@@ -222,11 +237,113 @@ def open_source(settings: Settings, timeout: float = 30.0) -> Iterator[RowSource
         else:
             yield NatsSource(settings, timeout)
             return
-    store = open_store(settings, migrate=not settings.clickhouse_url)
+    store = open_store(settings, migrate=projector_first(settings))
     try:
         yield StoreSource(store)
     finally:
         store.close()
+
+
+# a folder the long-lived reader opened is let go after this many idle seconds, so that a stack
+# started later can take it
+IDLE_CLOSE_S = 5.0
+
+
+class LiveSource:
+    """Async read-only queries for a long-lived reader (the viewer): where reads go is
+    `projector_first`, as for `open_source`, decided per query. It keeps one NATS connection
+    open (a bus may appear or go away between queries, so not a `bus.session` per query) and,
+    when no projector answers, opens the folder in this process and closes it again after
+    `IDLE_CLOSE_S` idle seconds or as soon as a projector answers."""
+
+    def __init__(self, settings: Settings, timeout: float = 30.0, *, name: str = "veribus-reader") -> None:
+        self.settings = settings
+        self.timeout = timeout
+        self.name = name
+        self._nc: Any = None
+        self._store: Store | None = None
+        self._store_used = 0.0
+        self._lock = asyncio.Lock()
+        self._closer: asyncio.Task[None] | None = None
+        self.backend = "embedded (chdb)" if projector_first(settings) else "clickhouse server"
+
+    async def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        reason = read_only_refusal(sql)
+        if reason:
+            raise QueryError(f"refused: {reason}")
+        if projector_first(self.settings):
+            nc = await self.connection()
+            if nc is not None:
+                res = await self._via_nats(nc, sql, params)
+                if res is not None:
+                    return res
+        return await self._direct(sql, params)
+
+    async def connection(self) -> Any:
+        """The open NATS connection, (re)connected when needed; None when no server answers."""
+        if self._nc is not None and self._nc.is_connected:
+            return self._nc
+        if not server_reachable(self.settings.nats_url):
+            return None
+        try:
+            self._nc = await asyncio.wait_for(bus.connect(self.settings, name=self.name, **_READER_CONNECT),
+                                              timeout=_CONNECT_WITHIN_S)
+        except Exception:  # noqa: BLE001 - no server: read the folder directly
+            self._nc = None
+        return self._nc
+
+    async def _via_nats(self, nc: Any, sql: str, params: dict[str, Any] | None) -> QueryResult | None:
+        try:
+            res = await ask_projector(nc, sql, params, self.timeout)
+        except NoProjector:
+            return None  # a bus without a projector: the folder is free
+        except QueryError:
+            raise
+        except Exception as exc:  # the connection dropped: reconnect on the next query
+            self._nc = None
+            raise QueryError(f"NATS request to the projector failed: {type(exc).__name__}: {exc}") from exc
+        if self._store is not None:
+            await self._close_store()  # a projector appeared: let go of the folder
+        return res
+
+    async def _direct(self, sql: str, params: dict[str, Any] | None) -> QueryResult:
+        async with self._lock:
+            if self._store is None:
+                self._store = await asyncio.to_thread(open_store, self.settings, projector_first(self.settings))
+            store = self._store
+            self._store_used = time.monotonic()
+            try:
+                return await asyncio.to_thread(store_query, store, sql, params)
+            finally:
+                self._store_used = time.monotonic()
+                if projector_first(self.settings) and self._closer is None:
+                    self._closer = asyncio.get_running_loop().create_task(self._close_when_idle())
+
+    async def _close_when_idle(self) -> None:
+        try:
+            while self._store is not None:
+                await asyncio.sleep(1.0)
+                if time.monotonic() - self._store_used >= IDLE_CLOSE_S and not self._lock.locked():
+                    await self._close_store()
+        finally:
+            self._closer = None
+
+    async def _close_store(self) -> None:
+        async with self._lock:
+            if self._store is not None:
+                store, self._store = self._store, None
+                await asyncio.to_thread(store.close)
+
+    async def close(self) -> None:
+        if self._closer is not None:
+            self._closer.cancel()
+            with contextlib.suppress(BaseException):
+                await self._closer
+        await self._close_store()
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+            self._nc = None
 
 
 class ResultFilter:

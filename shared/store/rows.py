@@ -15,6 +15,7 @@ import msgspec
 
 from shared.core.events import (
     ANSWER_GENERATED,
+    ANSWER_REQUESTED,
     DEAD_LETTER,
     GUARDS_CHECKED,
     RESULT_FINALIZED,
@@ -26,10 +27,12 @@ from shared.core.events import (
     TEMPLATE_VERIFIED,
     DeadLetter,
     Envelope,
+    ResultFinalized,
     RunRequested,
     StageError,
     StageFailed,
     StageRecord,
+    records_from_log,
 )
 from shared.core.models import VerificationResult
 from shared.core.scrub import scrub_bytes, scrub_text
@@ -72,12 +75,15 @@ RESULT_COLUMNS = [
     "cost_usd", "model_calls", "cached_replies", "usage_cost_usd",
 ]
 
+CONTENT_COLUMNS = ["key", "kind", "run_id", "body"]
+
 RUN_COLUMNS = [
     "run_id", "version", "run_name", "timestamp", "requested_at", "job_count", "answer_count",
     "benchmark_name", "evaluation_mode", "parent_run_id", "unfinished_skipped", "config_json",
 ]
 
 _json = msgspec.json.Encoder()
+_NUMBER = (int, float)  # a tuple: `int | float` would build a union on every call
 
 
 def _us(ts: float) -> int:
@@ -94,6 +100,8 @@ class _StateProbe(msgspec.Struct):
     stages: list[StageRecord] = []
     usage: dict[str, Any] = {}
     error: StageError | None = None
+    started_at: float = 0.0
+    log: list[tuple[str, str, str, float, float]] = []  # the compact stage log (events.State)
 
 
 class _StageProbe(msgspec.Struct):
@@ -104,15 +112,11 @@ class _StageProbe(msgspec.Struct):
     state: _StateProbe | None = None
 
 
-class _ResultPayload(msgspec.Struct):
-    result: dict[str, Any]
-
-
 _stage_probe = msgspec.json.Decoder(_StageProbe)
 _failed_dec = msgspec.json.Decoder(StageFailed)
 _dead_dec = msgspec.json.Decoder(DeadLetter)
 _run_dec = msgspec.json.Decoder(RunRequested)
-_result_dec = msgspec.json.Decoder(_ResultPayload)
+_result_dec = msgspec.json.Decoder(ResultFinalized)  # expands a compact result
 
 
 def _base_event_row(env: Envelope) -> list[Any]:
@@ -151,9 +155,10 @@ _EVENT_USAGE_KEYS = {
 def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     """Status, error, tokens and the stage log of a StageEvent payload.
 
-    The stage log in `state.stages` is cumulative (each event carries the records of all the
-    stages before it), so per-stage latency is computed in SQL (v_stage_latency), where each
-    record is attributed to the first event that carried it; `duration_ms` stays NULL here.
+    The stage log in `state.stages` holds the records of the stage that published the event
+    (events written before the log went lean carry every earlier record too), so per-stage
+    latency is computed in SQL (v_stage_latency), where each record is attributed to the first
+    event that carried it; `duration_ms` stays NULL here.
     """
     probe = _stage_probe.decode(payload)
     row[_STATUS] = probe.status
@@ -161,11 +166,12 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     state = probe.state
     if state is None:
         return
-    if state.stages:
-        row[_SNAMES] = [s.stage for s in state.stages]
-        row[_SSTATUS] = [s.status for s in state.stages]
-        row[_SSTART] = [s.started_at for s in state.stages]
-        row[_SEND] = [s.ended_at for s in state.stages]
+    stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
+    if stages:
+        row[_SNAMES] = [s.stage for s in stages]
+        row[_SSTATUS] = [s.status for s in stages]
+        row[_SSTART] = [s.started_at for s in stages]
+        row[_SEND] = [s.ended_at for s in stages]
     keys = _EVENT_USAGE_KEYS.get(event_type, ())
     entries = [state.usage[k] for k in keys if isinstance(state.usage.get(k), dict)]
     if entries:
@@ -257,7 +263,7 @@ def _opt_bool(v: Any) -> bool | None:
 def _opt_float(v: Any) -> float | None:
     if isinstance(v, bool):
         return 1.0 if v else 0.0
-    if isinstance(v, int | float):
+    if isinstance(v, _NUMBER):
         return float(v)
     return None
 
@@ -290,7 +296,7 @@ def _tokens(entry: Any, key: str) -> int:
     if not isinstance(entry, dict):
         return 0
     v = entry.get(key)
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else 0
+    return int(v) if isinstance(v, _NUMBER) and not isinstance(v, bool) and v > 0 else 0
 
 
 def _iso_to_us(ts: Any) -> int | None:
@@ -346,7 +352,7 @@ def result_to_row(
         u_in.append(_tokens(entry, "input_tokens"))
         u_out.append(_tokens(entry, "output_tokens"))
         c = entry.get("cost_usd")
-        u_cost.append(float(c) if isinstance(c, int | float) else None)
+        u_cost.append(float(c) if isinstance(c, _NUMBER) else None)
     total = usage.get("total")
     if isinstance(total, dict):
         t_in, t_out = _tokens(total, "input_tokens"), _tokens(total, "output_tokens")
@@ -435,7 +441,7 @@ def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> dict[
     calls = int(total.get("model_calls") or sum(int(e.get("model_calls") or 0) for e in entries))
     cached = int(total.get("cached_replies") or sum(int(e.get("cached_replies") or 0) for e in entries))
     c = total.get("cost_usd")
-    if not isinstance(c, int | float):
+    if not isinstance(c, _NUMBER):
         c = sum(x for x in u_cost if x is not None) if u_cost and all(x is not None for x in u_cost) else None
     return {"cost_usd": float(c) if c is not None else None, "model_calls": calls, "cached_replies": cached,
             "usage_cost_usd": u_cost}
@@ -460,13 +466,46 @@ def run_row(run: RunRequested | Mapping[str, Any], requested_at: float | None = 
     ]
 
 
+class _JobRefs(msgspec.Struct):
+    refs: dict[str, str] = {}
+
+
+class _GeneratedRefs(msgspec.Struct):
+    """The content keys of an answer.generated payload's job; the rest is skipped."""
+
+    job: _JobRefs | None = None
+
+
+class _RequestedRefs(msgspec.Struct):
+    jobs: list[_JobRefs] = []
+
+
+_generated_refs = msgspec.json.Decoder(_GeneratedRefs)
+_requested_refs = msgspec.json.Decoder(_RequestedRefs)
+
+
+def content_refs(env: Envelope) -> list[tuple[str, str]]:
+    """(kind, key) of the contents a job event refers to (`Job.refs`): read from the events
+    every job has once, answer.requested and answer.generated; [] for others or fat jobs."""
+    if env.event_type == ANSWER_GENERATED:
+        job = _generated_refs.decode(env.payload).job
+        return list(job.refs.items()) if job is not None else []
+    if env.event_type == ANSWER_REQUESTED:
+        return [item for j in _requested_refs.decode(env.payload).jobs for item in j.refs.items()]
+    return []
+
+
 @dataclass
 class Projection:
-    """Rows for the three tables, from one batch of messages."""
+    """Rows for the tables, from one batch of messages. `refs` (content key -> (kind, run_id)
+    of its first mention) are the contents the batch's events refer to; the projector fetches the
+    ones ClickHouse does not have yet into `contents` (rows in CONTENT_COLUMNS order)."""
 
     events: list[list[Any]] = field(default_factory=list)
     results: list[dict[str, Any]] = field(default_factory=list)
     runs: list[list[Any]] = field(default_factory=list)
+    refs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    contents: list[list[Any]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -489,6 +528,12 @@ def project_envelope(env: Envelope, out: Projection) -> None:
         out.events.append(row)
         return
     out.events.append(event_row(env))
+    try:
+        for kind, key in content_refs(env):
+            if key and key not in out.refs:
+                out.refs[key] = (kind, env.run_id)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass  # the events row already records what is wrong with the payload
 
 
 def project_envelopes(envs: Iterable[Envelope]) -> Projection:

@@ -4,15 +4,11 @@ then the engine's own parser (`engine_check`, below), which is the one that deci
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-
-    pass
-
+from shared.core.config import Settings
 
 # --------------------------------------------------------------------------------------------
 # Read-only SQL guard
@@ -143,12 +139,14 @@ class QueryRefused(ValueError):
 
 
 def reader_settings() -> dict[str, Any]:
-    """Session settings of a read-only query handle (set before `readonly = 1`)."""
+    """Session settings of a read-only query handle (set before `readonly = 1`), from
+    `Settings.query_*` (`VERIBUS_QUERY_TIMEOUT_S`, `_MEMORY_MB`, `_THREADS`)."""
+    conf = Settings.from_env("query_timeout_s", "query_memory_mb", "query_threads")
     return {
-        "max_execution_time": float(os.environ.get("VERIBUS_QUERY_TIMEOUT_S", "10")),
+        "max_execution_time": conf.query_timeout_s,
         "timeout_overflow_mode": "throw",
-        "max_memory_usage": int(float(os.environ.get("VERIBUS_QUERY_MEMORY_MB", "512")) * 2**20),
-        "max_threads": int(os.environ.get("VERIBUS_QUERY_THREADS", "1")),
+        "max_memory_usage": conf.query_memory_mb * 2**20,
+        "max_threads": conf.query_threads,
         "max_result_rows": 1_000_000,
         "max_result_bytes": 256 * 2**20,
         "max_bytes_before_external_group_by": 0,

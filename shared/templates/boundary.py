@@ -36,6 +36,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.core.config import Settings
+
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository root
 MODE_ENV = "VERIBUS_SANDBOX"
 UID_ENV = "VERIBUS_SANDBOX_UID"
@@ -130,9 +132,15 @@ def _parents(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def bwrap_path() -> str | None:
-    """The bwrap binary: `VERIBUS_SANDBOX_BWRAP` if set, else the one on PATH."""
-    explicit = os.environ.get(BWRAP_ENV)
+def _jail_settings() -> Settings:
+    """The jail's settings (`Settings.sandbox*`), read when asked: a test or the bench switches
+    `VERIBUS_SANDBOX` between pools in one process."""
+    return Settings.from_env("sandbox", "sandbox_uid", "sandbox_bwrap")
+
+
+def bwrap_path(explicit: str | None = None) -> str | None:
+    """The bwrap binary: `explicit` (`Settings.sandbox_bwrap`, `VERIBUS_SANDBOX_BWRAP`) if set,
+    else the one on PATH."""
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
     return shutil.which("bwrap") or ("/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None)
@@ -189,8 +197,8 @@ def _landlock_abi() -> int:
     return max(int(abi), 0)
 
 
-def sandbox_uid() -> tuple[int, int]:
-    raw = os.environ.get(UID_ENV, str(DEFAULT_UID))
+def sandbox_uid(raw: str = str(DEFAULT_UID)) -> tuple[int, int]:
+    """The uid/gid a root service's sandbox drops to (`Settings.sandbox_uid`); never root."""
     try:
         uid = int(raw)
     except ValueError:
@@ -219,13 +227,17 @@ def _probe(argv: list[str], drop_to: tuple[int, int] | None) -> str | None:
     return None
 
 
-_plan_cache: dict[tuple[str, int, str], JailPlan] = {}
+_plan_cache: dict[tuple[str, int, str, str], JailPlan] = {}
 
 
 def plan(tmp_mb: int = 64) -> JailPlan:
     """Decide (once per process and setting) how sandbox workers are started."""
-    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    key = (mode, tmp_mb, os.environ.get(BWRAP_ENV, ""))
+    try:
+        conf = _jail_settings()
+    except ValueError as exc:  # a bad VERIBUS_SANDBOX* value: fail closed, naming it
+        return JailPlan(mode="jail", error=str(exc))
+    mode = conf.sandbox.strip().lower() or "auto"
+    key = (mode, tmp_mb, conf.sandbox_bwrap or "", conf.sandbox_uid)
     if key in _plan_cache:
         return _plan_cache[key]
     if mode == "unsafe":
@@ -242,8 +254,8 @@ def plan(tmp_mb: int = 64) -> JailPlan:
     result = JailPlan(mode="jail")
     if sys.platform != "linux":
         result.error = "the template sandbox needs Linux namespaces and seccomp" + hint
-    elif bwrap_path() is None:
-        result.error = f"bubblewrap (bwrap) is not installed or not executable ({os.environ.get(BWRAP_ENV) or 'PATH'})" + hint
+    elif bwrap_path(conf.sandbox_bwrap) is None:
+        result.error = f"bubblewrap (bwrap) is not installed or not executable ({conf.sandbox_bwrap or 'PATH'})" + hint
     else:
         try:
             result.seccomp_zygote = _build_bpf(_DENY_ALWAYS + ("clone3",))
@@ -252,9 +264,9 @@ def plan(tmp_mb: int = 64) -> JailPlan:
             result.error = f"cannot build the seccomp filter ({type(exc).__name__}: {exc})" + hint
     if result.error is None:
         privileged = result.privileged = os.geteuid() == 0
-        result.bwrap = bwrap_path() or ""
+        result.bwrap = bwrap_path(conf.sandbox_bwrap) or ""
         try:
-            result.drop_to = sandbox_uid() if privileged else None
+            result.drop_to = sandbox_uid(conf.sandbox_uid) if privileged else None
         except ValueError as exc:
             result.error = str(exc)
         if result.error is None:

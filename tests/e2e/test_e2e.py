@@ -17,22 +17,15 @@ from shared.control import stack
 from shared.core.config import Settings
 from shared.store.reads import run_query
 from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
+from tests.support.stack import up_and_down
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, stack.StackState]]:
-    home = tmp_path_factory.mktemp("stack") / "home"
-    settings = Settings(home=home)
-    state = stack.up(settings)
-    settings.nats_url = state.nats_url
-    try:
-        yield settings, state
-    finally:
-        stack.down(settings)
-        for p in state.procs:
-            assert not p.alive(), f"{p.name} (pid {p.pid}) still running after down"
+    with up_and_down(tmp_path_factory.mktemp("stack") / "home") as both:
+        yield both
 
 
 def veribus(settings: Settings, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

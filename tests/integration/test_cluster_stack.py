@@ -14,22 +14,17 @@ from pathlib import Path
 import pytest
 
 from bench.workload import expected_verdicts
-from shared.control import nats_nodes, processes, stack, wait
+from shared.control import nats_nodes, processes, stack
 from shared.core import events
 from shared.runtime import bus
 from tests.support.stack import (
     Stack,
-    generated_benchmark,
-    plan_and_submit,
-    results_of,
+    check_run_complete,
     rows,
-    start_stack,
-    stop_stack,
+    start_and_wait_in_flight,
     sync,
-    verdicts,
-    wait_projected,
-    wait_projector_idle,
-    wait_results,
+    undisturbed_verdicts,
+    workload_stack,
 )
 
 N = 200
@@ -38,28 +33,16 @@ KILL_AT = 0.15  # fraction of the run finalized before the kill
 
 @pytest.fixture(scope="module")
 def cluster_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
-    home = tmp_path_factory.mktemp("cluster-stack") / "home"
-    st = start_stack(home, nats_cluster=3, simulator_args=["--latency-ms", "20"],
-                     extra_env={"VERIBUS_CONSUMER_ACK_WAIT_S": "5"})
-    path, script = generated_benchmark(tmp_path_factory.mktemp("cluster-bench") / "bench.yaml", N, prefix="Cluster")
-    st.post_script(script)
-    try:
-        yield st, path
-    finally:
-        stop_stack(st)
-
-
-def _config(st: Stack):  # noqa: ANN202
-    return st.config(answer_kw={"max_concurrency": 4}, judge_kw={"max_concurrency": 4})
+    with workload_stack(tmp_path_factory, "cluster-stack", N, prefix="Cluster", nats_cluster=3,
+                        simulator_args=["--latency-ms", "20"],
+                        extra_env={"VERIBUS_CONSUMER_ACK_WAIT_S": "5"}) as both:
+        yield both
 
 
 async def _stream_leader(st: Stack) -> str:
-    nc = await bus.connect(st.settings)
-    try:
+    async with bus.session(st.settings) as nc:
         info = await bus._retry_cluster(lambda: nc.jetstream().stream_info(events.STREAM), "stream info")
         return str(info.cluster.leader)
-    finally:
-        await nc.close()
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +50,7 @@ def baseline(cluster_stack: tuple[Stack, Path]) -> dict[str, bool | None]:
     st, path = cluster_stack
     assert [p.name for p in st.state.nats_procs()] == ["nats-1", "nats-2", "nats-3"]
     assert len(st.settings.nats_servers) == 3
-    plan = plan_and_submit(st, path, _config(st))
-    wait_results(st, plan.run_id, N, timeout=180)
-    got = verdicts(results_of(st, plan.run_id))
+    got = undisturbed_verdicts(st, path, N, timeout=180)
     assert got == expected_verdicts(N)
     return got
 
@@ -78,11 +59,8 @@ def test_stream_is_replicated_on_all_three_nodes(cluster_stack, baseline) -> Non
     st, _ = cluster_stack
 
     async def info():  # noqa: ANN202
-        nc = await bus.connect(st.settings)
-        try:
+        async with bus.session(st.settings) as nc:
             return await nc.jetstream().stream_info(events.STREAM)
-        finally:
-            await nc.close()
 
     si = sync(info())
     assert si.config.num_replicas == 3
@@ -90,29 +68,11 @@ def test_stream_is_replicated_on_all_three_nodes(cluster_stack, baseline) -> Non
 
 
 def _start_and_wait_in_flight(st: Stack, path: Path) -> str:
-    plan = plan_and_submit(st, path, _config(st))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        done = len(sync(wait.finalized_counts(st.settings, plan.run_id)))
-        if done >= KILL_AT * N:
-            assert done < N, "the run finished before the kill: make it slower"
-            return plan.run_id
-        time.sleep(0.05)
-    raise AssertionError("the run did not get going")
+    return start_and_wait_in_flight(st, path, N, KILL_AT, timeout=120)
 
 
 def _check_run(st: Stack, run_id: str, baseline: dict[str, bool | None], timeout: float = 180.0) -> None:
-    counts = wait_results(st, run_id, N, timeout=timeout)
-    assert len(counts) == N and set(counts.values()) == {1}, "exactly one result.finalized per job"
-    res = results_of(st, run_id)
-    assert all(r.metadata.completed_without_errors for r in res.values()), \
-        [r.metadata.error for r in res.values() if not r.metadata.completed_without_errors][:3]
-    assert verdicts(res) == baseline
-    wait_projected(st, run_id, N, timeout=90)
-    wait_projector_idle(st, timeout=90)
-    assert rows(st, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}", r=run_id) == [(N,)]
-    assert rows(st, "SELECT count() FROM events FINAL WHERE run_id = {r:String} AND event_type = 'result.finalized'",
-                r=run_id) == [(N,)]
+    check_run_complete(st, run_id, baseline, N, timeout=timeout, projected_timeout=90, idle_timeout=90)
     assert all(p.alive() for p in st.reload().procs), "every process is up again"
 
 

@@ -9,6 +9,7 @@ import nats
 import pytest
 
 from shared.control import runner
+from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, VerificationConfig
 from shared.runtime import content
@@ -29,7 +30,12 @@ async def test_store_once_fill_elsewhere(nats_server, tmp_path: Path) -> None:  
         reader = content.ContentStore(lambda: nc.jetstream())
         for fat, lean in zip(plan.requests, thin, strict=True):
             assert lean.jobs[0].question_text == ""
-            filled = await reader.hydrate(lean.jobs[0])
+            # over the wire as submit publishes it and a service reads it (ids from the envelope)
+            env = events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, fat.jobs[0].answer_id, lean, "cli/test")
+            got = events.payload_as(events.decode(events.wire(env), env.subject), events.AnswerRequested)
+            filled = await reader.hydrate(got.jobs[0])
+            assert (filled.run_id, filled.answer_id, filled.question_id) == (
+                fat.jobs[0].run_id, fat.jobs[0].answer_id, fat.jobs[0].question_id)
             assert filled.question_text == fat.jobs[0].question_text
             assert filled.template_code == fat.jobs[0].template_code and filled.options == fat.jobs[0].options
         assert reader.reads == 6  # each content read once, then cached

@@ -16,20 +16,13 @@ from pathlib import Path
 import pytest
 
 from bench.workload import expected_verdicts
-from shared.control import stack, wait
+from shared.control import stack
 from tests.support.stack import (
     Stack,
-    generated_benchmark,
-    plan_and_submit,
-    results_of,
-    rows,
-    start_stack,
-    stop_stack,
-    sync,
-    verdicts,
-    wait_projected,
-    wait_projector_idle,
-    wait_results,
+    check_run_complete,
+    start_and_wait_in_flight,
+    undisturbed_verdicts,
+    workload_stack,
 )
 
 N = 200
@@ -38,57 +31,26 @@ KILL_AT = 0.15  # fraction of the run's results finalized before the kill
 
 @pytest.fixture(scope="module")
 def crash_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
-    home = tmp_path_factory.mktemp("crash") / "home"
-    st = start_stack(home, simulator_args=["--latency-ms", "30"],
-                     extra_env={"VERIBUS_CONSUMER_ACK_WAIT_S": "5"})
-    path, script = generated_benchmark(tmp_path_factory.mktemp("crash-bench") / "bench.yaml", N, prefix="Crash")
-    st.post_script(script)
-    try:
-        yield st, path
-    finally:
-        stop_stack(st)
+    with workload_stack(tmp_path_factory, "crash", N, prefix="Crash", simulator_args=["--latency-ms", "30"],
+                        extra_env={"VERIBUS_CONSUMER_ACK_WAIT_S": "5"}) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
 def baseline(crash_stack: tuple[Stack, Path]) -> dict[str, bool | None]:
     """The undisturbed run: its verdicts per question."""
     st, path = crash_stack
-    plan = plan_and_submit(st, path, _config(st))
-    wait_results(st, plan.run_id, N, timeout=120)
-    got = verdicts(results_of(st, plan.run_id))
+    got = undisturbed_verdicts(st, path, N, timeout=120)
     assert got == expected_verdicts(N)
     return got
 
 
-def _config(st: Stack):  # noqa: ANN202
-    # 4 calls in flight per model: the run takes a few seconds, long enough to crash into
-    return st.config(answer_kw={"max_concurrency": 4}, judge_kw={"max_concurrency": 4})
-
-
 def _start_and_wait_in_flight(st: Stack, path: Path) -> str:
-    plan = plan_and_submit(st, path, _config(st))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done = len(sync(wait.finalized_counts(st.settings, plan.run_id)))
-        if done >= KILL_AT * N:
-            assert done < N, "the run finished before the crash: make it slower"
-            return plan.run_id
-        time.sleep(0.05)
-    raise AssertionError("the run did not get going")
+    return start_and_wait_in_flight(st, path, N, KILL_AT, timeout=60)
 
 
 def _check_run(st: Stack, run_id: str, baseline: dict[str, bool | None], timeout: float = 90.0) -> None:
-    counts = wait_results(st, run_id, N, timeout=timeout)
-    assert len(counts) == N and set(counts.values()) == {1}, "exactly one result.finalized per job"
-    res = results_of(st, run_id)
-    assert all(r.metadata.completed_without_errors for r in res.values()), \
-        [r.metadata.error for r in res.values() if not r.metadata.completed_without_errors][:3]
-    assert verdicts(res) == baseline
-    wait_projected(st, run_id, N, timeout=60)
-    wait_projector_idle(st)  # a batch's results rows are inserted before its events rows
-    assert rows(st, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}", r=run_id) == [(N,)]
-    assert rows(st, "SELECT count() FROM events FINAL WHERE run_id = {r:String} AND event_type = 'result.finalized'",
-                r=run_id) == [(N,)]
+    check_run_complete(st, run_id, baseline, N, timeout=timeout, projected_timeout=60)
 
 
 @pytest.mark.parametrize("service", stack.SERVICES)

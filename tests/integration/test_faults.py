@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from bench.workload import int_template
 from shared.control import processes, status
 from shared.core.models import VerificationResult
 from shared.runtime import runcontrol
 from tests.support.stack import (
+    Listener,
     Stack,
     generated_benchmark,
     plan_and_submit,
@@ -200,18 +202,6 @@ def test_token_budget_stops_dispatch(fstack: Stack, tmp_path: Path) -> None:
 # hostile templates and callable traits (the sandbox, end to end)
 # --------------------------------------------------------------------------------------------
 
-HOSTILE_HEAD = '''from karenina.schemas.entities import BaseAnswer
-from pydantic import Field
-
-class Answer(BaseAnswer):
-    value: int = Field(description="The number asked for")
-
-    def model_post_init(self, __context):
-        self.correct = {{"value": {n}}}
-
-    def verify(self) -> bool:
-'''
-
 HOSTILE_VERIFY = {
     "loop": "while True:\n    pass",
     "alloc": "blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 1024 * 1024))",
@@ -225,35 +215,6 @@ HOSTILE_VERIFY = {
 HANG_TRAIT = {"name": "Hang", "kind": "boolean", "callable_code": "def evaluate(trace):\n    while True:\n        pass\n"}
 
 
-class _Listener:
-    """A TCP listener that records whether anything connected (a template should not)."""
-
-    def __init__(self) -> None:
-        import socket
-
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            conn.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
 def hostile_run(fstack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """One run: a normal question, one per hostile verify(), a hostile class body, a hanging
@@ -261,7 +222,7 @@ def hostile_run(fstack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
     import yaml
 
     tmp = tmp_path_factory.mktemp("hostile")
-    listener = _Listener()
+    listener = Listener()
     target = str(Path(fstack.settings.home) / "logs" / "written-by-template.txt")  # outside any temp dir
     # the fork case runs last, in a run of its own: under root its child survives and keeps the
     # worker's pipes open, which would blur what the other cases report (see test_template_cannot_fork)
@@ -273,7 +234,7 @@ def hostile_run(fstack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
         q["id"] = name
         if name in HOSTILE_VERIFY:
             body = HOSTILE_VERIFY[name].format(target=target, port=listener.port)
-            q["template"] = HOSTILE_HEAD.format(n=2 * i) + "".join(f"        {ln}\n" for ln in body.splitlines())
+            q["template"] = int_template(2 * i, body)
         elif name == "classbody_exit":
             q["template"] = "import os\nos._exit(1)\n" + q["template"]
         elif name == "hang_trait":
@@ -292,8 +253,7 @@ def hostile_run(fstack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
                                                      prefix="Forking")
         fdoc = yaml.safe_load(fork_path.read_text())
         fdoc["questions"][0]["id"] = "fork"
-        fdoc["questions"][0]["template"] = HOSTILE_HEAD.format(n=0) + "".join(
-            f"        {ln}\n" for ln in HOSTILE_VERIFY["fork"].format().splitlines())
+        fdoc["questions"][0]["template"] = int_template(0, HOSTILE_VERIFY["fork"].format())
         fork_path.write_text(yaml.safe_dump(fdoc, sort_keys=False))
         fstack.post_script(fork_script)
         fork_plan = plan_and_submit(fstack, fork_path, fstack.config("template_only", template_timeout_s=2.0))

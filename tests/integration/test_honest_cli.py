@@ -29,6 +29,7 @@ import httpx
 import pytest
 import yaml
 
+from bench.workload import VERIFY, int_template
 from shared.control import stack
 from shared.control.nats_nodes import nats_server_binary
 from shared.control.processes import free_port
@@ -37,19 +38,8 @@ from shared.core.config import Settings
 from shared.runtime import bus
 from shared.runtime.bus import wait_for_port
 from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
+from tests.support.stack import up_and_down
 
-TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
-from pydantic import Field
-
-class Answer(BaseAnswer):
-    value: int = Field(description="The number asked for")
-
-    def model_post_init(self, __context):
-        self.correct = {{"value": {n}}}
-
-    def verify(self) -> bool:
-        {body}
-'''
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "MISTRAL_API_KEY")
 
 
@@ -58,9 +48,9 @@ def write_bench(path: Path, n: int = 3, *, raising: set[int] = frozenset(), fini
     """N int questions; those in `raising` have a verify() that raises ZeroDivisionError."""
     qs = []
     for i in range(n):
-        body = "return 1 / 0 == self.value" if i in raising else 'return self.value == self.correct["value"]'
+        body = "return 1 / 0 == self.value" if i in raising else VERIFY
         qs.append({"id": f"h{i}", "question": f"{prefix} question {i}: what is {i} plus {i}?", "answer": str(2 * i),
-                   "template": TEMPLATE.format(n=2 * i, body=body), "finished": finished})
+                   "template": int_template(2 * i, body), "finished": finished})
     path.write_text(yaml.safe_dump({"name": f"{prefix.lower()}-{n}", "questions": qs}, sort_keys=False))
     return path
 
@@ -226,17 +216,8 @@ def test_zero_jobs_and_bad_gates_are_refused_before_publishing(nats_server, tmp_
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, stack.StackState]]:
-    home = tmp_path_factory.mktemp("honest") / "home"
-    settings = Settings(home=home)
-    state = stack.up(settings)
-    settings.nats_url = state.nats_url
-    settings.simulator_url = state.simulator_url
-    try:
-        yield settings, state
-    finally:
-        stack.down(settings)
-        for p in state.procs:
-            assert not p.alive(), f"{p.name} (pid {p.pid}) still running after down"
+    with up_and_down(tmp_path_factory.mktemp("honest") / "home") as both:
+        yield both
 
 
 def local_env(settings: Settings, **extra: str) -> dict[str, str]:

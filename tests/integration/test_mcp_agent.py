@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from shared.core import events
 from shared.runtime.bus import wait_for_port
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.mcp import MCPPool
+from tests.support.procs import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 STDIO = "stdio:python -m tests.fixtures.mcp_server"
@@ -53,19 +53,9 @@ def _spawn(cmd: list[str], port: int) -> subprocess.Popen[bytes]:
     try:
         wait_for_port("127.0.0.1", port, 20)
     except TimeoutError:
-        _stop(proc)
+        stop_process(proc)
         raise
     return proc
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +66,7 @@ def simulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc = _spawn([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port),
                    "--script", str(script)], port)
     yield f"http://127.0.0.1:{port}"
-    _stop(proc)
+    stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +74,7 @@ def http_mcp() -> Iterator[str]:
     port = free_port()
     proc = _spawn([sys.executable, "-m", "tests.fixtures.mcp_server", "--http", "--port", str(port)], port)
     yield f"http://127.0.0.1:{port}/mcp"
-    _stop(proc)
+    stop_process(proc)
 
 
 @pytest.fixture

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.workload import int_template
 from shared.store.reads import run_query
 from tests.support.stack import (
+    Listener,
     Stack,
     generated_benchmark,
     plan_and_submit,
@@ -77,18 +77,7 @@ shared.templates.confine._WRITE_FLAGS = 0
 shared.templates.confine._BLOCKED_EVENTS = frozenset()
 """
 
-VICTIM = '''from karenina.schemas.entities import BaseAnswer
-from pydantic import Field
-
-class Answer(BaseAnswer):
-    value: int = Field(description="The number asked for")
-
-    def model_post_init(self, __context):
-        self.correct = {{"value": {n}}}
-
-    def verify(self) -> bool:
-        return abs(self.value - self.correct["value"]) == 0
-'''
+VICTIM = 'return abs(self.value - self.correct["value"]) == 0'  # a verify() that uses abs()
 
 
 def _attack_fn(attack: str) -> str:
@@ -105,33 +94,6 @@ def _template(n: int, attack: str, *, where: str) -> str:
                    f"    def verify(self) -> bool:\n        raise RuntimeError('ATTACK ' + json.dumps(attack()))\n")
 
 
-class _Listener:
-    """A loopback TCP listener that counts connections (a template must make none)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            conn.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
 def jstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("jail") / "home"
@@ -145,7 +107,7 @@ def jstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def attacked(jstack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("jail-run")
-    listener = _Listener()
+    listener = Listener()
     home = str(jstack.settings.home)
     attack = READ_EVERYTHING.format(home=home, port=listener.port, nap=NAP)
     names = ["normal", "env_verify", "env_class", "env_trait", "patcher"]
@@ -174,7 +136,7 @@ def attacked(jstack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         vpath, vscript = generated_benchmark(tmp / "victim.yaml", 10, rubric=False, wrong_every=3, prefix="Victim")
         vdoc = yaml.safe_load(vpath.read_text())
         for i, q in enumerate(vdoc["questions"]):
-            q["template"] = VICTIM.format(n=2 * i)
+            q["template"] = int_template(2 * i, VICTIM)
         vpath.write_text(yaml.safe_dump(vdoc, sort_keys=False))
         jstack.post_script(vscript)
         vplan = plan_and_submit(jstack, vpath, jstack.config("template_only"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from shared.core.events import ModelSpec
 from shared.runtime.llm.cache import MemoryCache
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError
+from tests.support.procs import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ class Sim:
 
     def stop(self) -> None:
         self.http.close()
-        _stop(self.proc)
+        stop_process(self.proc)
 
     def model(self, name: str = "openai/sim-judge", **kw: Any) -> ModelSpec:
         return ModelSpec(model_name=name, api_base=self.api_base, **kw)
@@ -99,21 +99,9 @@ def _start(tmp: Path, *args: str) -> Sim:
         except OSError:
             time.sleep(0.05)
     else:
-        _stop(proc)
+        stop_process(proc)
         raise RuntimeError("simulator did not start listening within 20 s")
     return Sim(proc, port)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-    if proc.stderr:
-        proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +337,7 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
                 time.sleep(0.03)
         yield f"nats://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 async def test_nats_kv_cache_shared_between_clients(sim: Sim, nats_url: str) -> None:

@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +121,22 @@ def stop_stack(st: Stack) -> None:
                 pass
 
 
+@contextmanager
+def up_and_down(home: Path, **up_kw: Any) -> Iterator[tuple[Settings, stack.StackState]]:
+    """`up` a stack as the CLI does (`shared.control.stack.up`), yield its settings (pointing at its
+    NATS and simulator) and state; `down` after, and every process it had must be gone."""
+    settings = Settings(home=home)
+    state = stack.up(settings, **up_kw)
+    settings.nats_url = state.nats_url
+    settings.simulator_url = state.simulator_url
+    try:
+        yield settings, state
+    finally:
+        stack.down(settings)
+        for p in state.procs:
+            assert not p.alive(), f"{p.name} (pid {p.pid}) still running after down"
+
+
 def plan_and_submit(st: Stack, bench_path: Path, config: VerificationConfig, *,
                     budget: int | None = None) -> runner.RunPlan:
     plan = runner.plan_run(Benchmark.load(bench_path), config)
@@ -162,11 +182,8 @@ def wait_projector_idle(st: Stack, timeout: float = 60.0) -> None:
     """Until the projector's durable consumer has nothing pending or unacknowledged."""
 
     async def idle() -> bool:
-        nc = await bus.connect(st.settings)
-        try:
+        async with bus.session(st.settings) as nc:
             return await rebuild._consumer_caught_up(nc.jetstream(), streams.PROJECTOR_DURABLE)
-        finally:
-            await nc.close()
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -190,8 +207,7 @@ def table_snapshot(st: Stack, run_id: str) -> dict[str, list[tuple]]:
 
 async def republish_all(settings: Settings, run_id: str) -> tuple[int, int]:
     """Publish every stored message of the run again, byte for byte, with its Nats-Msg-Id."""
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         js = nc.jetstream()
         envs = await streams.read_events(js, f"vb.*.*.{run_id}.*")
         dup = 0
@@ -200,5 +216,91 @@ async def republish_all(settings: Settings, run_id: str) -> tuple[int, int]:
                                    headers={"Nats-Msg-Id": env.event_id})
             dup += int(ack.duplicate)
         return len(envs), dup
+
+
+# --- a stack with the generated workload, and the crash tests' run (test_crash, test_cluster_stack) ---
+
+
+@contextmanager
+def workload_stack(tmp_path_factory: Any, name: str, n: int, *, prefix: str,
+                   **start_kw: Any) -> Iterator[tuple[Stack, Path]]:
+    """A module's stack (`start_stack(**start_kw)`) with an `n`-question generated benchmark whose
+    simulator script is posted; stopped on exit."""
+    st = start_stack(tmp_path_factory.mktemp(name) / "home", **start_kw)
+    try:
+        path, script = generated_benchmark(tmp_path_factory.mktemp(f"{name}-bench") / "bench.yaml", n,
+                                           prefix=prefix)
+        st.post_script(script)
+        yield st, path
     finally:
-        await nc.close()
+        stop_stack(st)
+
+
+def concurrent_config(st: Stack) -> VerificationConfig:
+    """4 calls in flight per model: a run of a few hundred jobs takes a few seconds, long enough to
+    crash into."""
+    return st.config(answer_kw={"max_concurrency": 4}, judge_kw={"max_concurrency": 4})
+
+
+def undisturbed_verdicts(st: Stack, path: Path, n: int, timeout: float) -> dict[str, bool | None]:
+    """A run nothing disturbs: its verdicts per question (the baseline the crash tests compare to)."""
+    plan = plan_and_submit(st, path, concurrent_config(st))
+    wait_results(st, plan.run_id, n, timeout=timeout)
+    return verdicts(results_of(st, plan.run_id))
+
+
+def start_and_wait_in_flight(st: Stack, path: Path, n: int, kill_at: float, timeout: float) -> str:
+    """Submit a run and return its id once `kill_at` of its `n` results are finalized, not all."""
+    plan = plan_and_submit(st, path, concurrent_config(st))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = len(sync(wait.finalized_counts(st.settings, plan.run_id)))
+        if done >= kill_at * n:
+            assert done < n, "the run finished before the crash: make it slower"
+            return plan.run_id
+        time.sleep(0.05)
+    raise AssertionError("the run did not get going")
+
+
+def check_run_complete(st: Stack, run_id: str, baseline: dict[str, bool | None], n: int, *,
+                       timeout: float, projected_timeout: float, idle_timeout: float = 60.0) -> None:
+    """Nothing was lost: exactly one finalized result per job, all without errors, the baseline's
+    verdicts, and the projector holds each result and each result.finalized event once."""
+    counts = wait_results(st, run_id, n, timeout=timeout)
+    assert len(counts) == n and set(counts.values()) == {1}, "exactly one result.finalized per job"
+    res = results_of(st, run_id)
+    assert all(r.metadata.completed_without_errors for r in res.values()), \
+        [r.metadata.error for r in res.values() if not r.metadata.completed_without_errors][:3]
+    assert verdicts(res) == baseline
+    wait_projected(st, run_id, n, timeout=projected_timeout)
+    wait_projector_idle(st, timeout=idle_timeout)  # a batch's results rows are inserted before its events rows
+    assert rows(st, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}", r=run_id) == [(n,)]
+    assert rows(st, "SELECT count() FROM events FINAL WHERE run_id = {r:String} AND event_type = 'result.finalized'",
+                r=run_id) == [(n,)]
+
+
+class Listener:
+    """A loopback TCP listener that counts connections (a template must make none)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()

@@ -18,6 +18,7 @@ def test_targets_block_points_at_the_scaling_mode_when_it_was_not_run() -> None:
     assert "fraction of C/(2L), whole run         0.93   target >= 0.90" in text
     assert "fraction of C/(2L), steady" not in text, "no steady figure measured, none shown"
     assert "replica scaling (>= 1.8x: `veribus bench --scaling`)" in text
+    assert "rebuild events/s (>= 50,000: `veribus bench --rebuild`)" in text
 
 
 def test_targets_block_shows_the_scaling_ratio_beside_its_target() -> None:
@@ -29,6 +30,12 @@ def test_targets_block_shows_the_scaling_ratio_beside_its_target() -> None:
     assert "2 replicas / 1 replica, whole         1.75" in text and "(41.0 vs 23.4 results/s" in text
     assert "generation and parsing" in text and "model limit 32" in text
     assert "replica scaling (>= 1.8x" not in text, "measured, so not listed as unmeasured"
+    assert "rebuild events/s (>= 50,000: `veribus bench --rebuild`)" in text
+
+
+def test_rebuild_mode_is_selected_by_its_flag() -> None:
+    args = build_parser().parse_args(["--rebuild", "--rebuild-events", "6000", "--rebuild-runs", "2"])
+    assert args.rebuild and (args.rebuild_events, args.rebuild_runs) == (6000, 2)
 
 
 def test_scaling_mode_is_selected_by_its_flag() -> None:

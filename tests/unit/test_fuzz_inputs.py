@@ -38,6 +38,13 @@ json_values = st.recursive(scalars, lambda inner: st.one_of(
 
 CHECKPOINT = json.loads((CHECKPOINTS / "multi_question.jsonld").read_text())
 EXAMPLE_DOC = yaml.safe_load(EXAMPLE.read_text())
+# the inputs are written with libyaml's dumper when there is one (the loader under test reads them
+# either way; the pure-Python dumper would take most of each example's time)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def _dump(doc: Any, **kw: Any) -> str:
+    return yaml.dump(doc, Dumper=_DUMPER, **kw)
 
 
 def _load(path: Path) -> Benchmark | BenchmarkError:
@@ -141,7 +148,7 @@ def test_yaml_any_text(tmp_path: Path, text: str) -> None:
 @given(doc=json_values)
 def test_yaml_any_structure(tmp_path: Path, doc: Any) -> None:
     path = tmp_path / "fuzz.yaml"
-    path.write_text(yaml.safe_dump(doc))
+    path.write_text(_dump(doc))
     _load(path)
 
 
@@ -159,7 +166,7 @@ def test_yaml_mutated_question_names_question_and_field(tmp_path: Path, index: i
         q.pop("template", None)
     q[field] = value
     path = tmp_path / "mutated.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(_dump(doc, sort_keys=False))
     got = _load(path)
     if isinstance(got, BenchmarkError):
         msg = str(got)
@@ -174,7 +181,7 @@ def test_yaml_bad_template_text_names_the_question(tmp_path: Path, template: str
     doc = copy.deepcopy(EXAMPLE_DOC)
     doc["questions"][2]["template"] = template
     path = tmp_path / "tmpl.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(_dump(doc, sort_keys=False))
     got = _load(path)
     if isinstance(got, BenchmarkError):
         assert doc["questions"][2]["id"] in str(got), str(got)
@@ -275,7 +282,7 @@ def test_run_with_a_malformed_config_is_refused(tmp_path: Path, no_publish: list
     if kind == "bad_yaml":
         cfg.write_text(data.draw(st.sampled_from(["a: [1, 2", "key: value\n  bad: indent", "{unclosed", ": :\n- x"])))
     else:
-        cfg.write_text(yaml.safe_dump(config))
+        cfg.write_text(_dump(config))
     code, err = _run_cli(["run", str(EXAMPLE), "--config", str(cfg), "--api-base", "http://127.0.0.1:9/v1"], capsys)
     assert code == 2, err
     assert err.startswith("veribus: error:"), err
@@ -327,7 +334,7 @@ def _not_a_float(s: str) -> bool:
 def test_run_with_a_malformed_benchmark_is_refused(tmp_path: Path, no_publish: list[str],
                                                    capsys: pytest.CaptureFixture[str], doc: Any) -> None:
     path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump(doc))
+    path.write_text(_dump(doc))
     try:
         Benchmark.load(path)
         assume(False)  # a document that happens to be a valid benchmark is not this test's subject

@@ -93,7 +93,7 @@ class FakeJS:
 
     async def publish(self, subject: str, data: bytes, stream: str | None = None,
                       headers: dict[str, str] | None = None) -> _Ack:
-        env = events.decode(data)
+        env = events.decode(data, subject)  # published envelopes name their ids by subject
         assert headers == {"Nats-Msg-Id": env.event_id}
         self.published.append(env)
         self.last[subject] = data

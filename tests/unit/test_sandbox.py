@@ -18,17 +18,10 @@ from pathlib import Path
 import pytest
 
 from shared.templates.sandbox import Sandbox, get_sandbox
+from tests.support.pools import gone, reaped_pool
 
 TIMEOUT_S = 4.0  # generous: a loaded shared machine must not turn a memory or crash case into a timeout
 MEMORY_MB = 256
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _tagged(tag: str) -> list[int]:
@@ -46,11 +39,8 @@ def _tagged(tag: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def sandbox() -> Iterator[Sandbox]:
-    sb = Sandbox(workers=2, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB)
-    yield sb
-    pids = sb.pids
-    sb.terminate()
-    assert all(_gone(p) for p in pids)
+    with reaped_pool(workers=2, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB) as sb:
+        yield sb
     _wait_none_tagged(sb.tag)
 
 
@@ -106,8 +96,9 @@ async def test_limits_are_set_in_the_child(sandbox: Sandbox) -> None:
 async def test_infinite_loop_is_killed_and_pool_recovers(sandbox: Sandbox) -> None:
     await _serves(sandbox)
     restarts = sandbox.restarts
-    reply = await sandbox.call("exec", code="while True:\n    pass\n")
-    assert reply == {"ok": False, "kind": "timeout", "error": f"code exceeded {TIMEOUT_S} s wall time"}
+    # the loop is cut at this call's wall limit (a short one: any limit stops it)
+    reply = await sandbox.call("exec", code="while True:\n    pass\n", timeout_s=1.0)
+    assert reply == {"ok": False, "kind": "timeout", "error": "code exceeded 1.0 s wall time"}
     for _ in range(4):  # both slots serve again: the zygote killed the call, not itself
         await _serves(sandbox)
     assert sandbox.restarts == restarts
@@ -270,7 +261,7 @@ def test_idle_workers_survive_a_new_event_loop() -> None:
         assert sb.pids == first  # the same worker, re-attached to the second loop
     finally:
         sb.terminate()
-    assert all(_gone(p) for p in first) and sb.pids == []
+    assert all(gone(p) for p in first) and sb.pids == []
     _wait_none_tagged(sb.tag)
 
 
@@ -280,7 +271,7 @@ async def test_close_kills_and_refuses() -> None:
     pids = sb.pids
     assert len(pids) == 2
     await sb.close()
-    assert all(_gone(p) for p in pids)
+    assert all(gone(p) for p in pids)
     _wait_none_tagged(sb.tag)
     assert (await sb.call("ping"))["kind"] == "closed"
 

@@ -20,8 +20,9 @@ from shared.core import events
 from shared.core.fold import fold_result
 from shared.core.ids import template_id_for
 from shared.core.rubric import CallableTrait, LLMRubricTrait, MetricRubricTrait, RegexTrait, Rubric
-from shared.runtime.llm.reply import LLMError, LLMReply
+from shared.runtime.llm.reply import LLMError
 from shared.templates.calls import validate_template
+from tests.support.conformance import ScriptedJudge
 
 TEMPLATE = '''
 from karenina.schemas.entities import BaseAnswer
@@ -36,28 +37,6 @@ class Answer(BaseAnswer):
     def verify(self) -> bool:
         return self.result == self.correct["result"]
 '''
-
-
-class ScriptedLLM:
-    """Replies by stage: a dict (returned as parsed JSON), a string (answer text) or an exception."""
-
-    def __init__(self, by_stage: dict[str, Any]) -> None:
-        self.by_stage = by_stage
-        self.calls: list[tuple[str, list[dict[str, Any]]]] = []
-
-    async def complete(self, model: events.ModelSpec, messages: list[dict[str, Any]], *, stage: str,
-                       response_schema: dict[str, Any] | None = None, validate: Any = None, **_: Any) -> LLMReply:
-        self.calls.append((stage, messages))
-        value = self.by_stage[stage]
-        if callable(value) and not isinstance(value, dict):
-            value = value(messages)
-        if isinstance(value, Exception):
-            raise value
-        usage = {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": model.model_name}
-        if isinstance(value, str):
-            return LLMReply(text=value, usage=usage)
-        parsed = validate(value) if validate else value
-        return LLMReply(text=str(value), usage=usage, parsed=parsed)
 
 
 def job(mode: str = "template_only", options: dict[str, Any] | None = None, rubric: Rubric | None = None,
@@ -76,7 +55,7 @@ def stage_status(state: events.State, stage: str) -> tuple[str, str]:
     return rec.status, rec.reason
 
 
-async def pipeline(j: events.Job, llm: ScriptedLLM) -> events.State:
+async def pipeline(j: events.Job, llm: ScriptedJudge) -> events.State:
     info = await validate_template(j.template_code or "", j.question_id)
     state = await generate_answer(j, llm)  # type: ignore[arg-type]
     state = await check_guards(j, state, llm, info.json_schema)  # type: ignore[arg-type]
@@ -85,7 +64,7 @@ async def pipeline(j: events.Job, llm: ScriptedLLM) -> events.State:
 
 
 def test_happy_path_verifies_and_records_usage() -> None:
-    llm = ScriptedLLM({"answer_generation": "The answer is 4.", "parsing": {"result": 4}})
+    llm = ScriptedJudge({"answer_generation": "The answer is 4.", "parsing": {"result": 4}})
     st = asyncio.run(pipeline(job(), llm))
     assert st.error is None
     assert st.template["verify_result"] is True
@@ -99,13 +78,13 @@ def test_happy_path_verifies_and_records_usage() -> None:
 
 
 def test_wrong_answer_fails() -> None:
-    llm = ScriptedLLM({"answer_generation": "5", "parsing": {"result": 5}})
+    llm = ScriptedJudge({"answer_generation": "5", "parsing": {"result": 5}})
     st = asyncio.run(pipeline(job(), llm))
     assert st.template["verify_result"] is False and st.error is None
 
 
 def test_abstention_skips_sufficiency_parsing_and_verification() -> None:
-    llm = ScriptedLLM({"answer_generation": "I cannot answer that.",
+    llm = ScriptedJudge({"answer_generation": "I cannot answer that.",
                        "abstention_check": {"abstention_detected": True, "reasoning": "refusal"},
                        "sufficiency_check": AssertionError("must not be called"),
                        "parsing": AssertionError("must not be called")})
@@ -120,7 +99,7 @@ def test_abstention_skips_sufficiency_parsing_and_verification() -> None:
 
 
 def test_insufficient_response_skips_parsing() -> None:
-    llm = ScriptedLLM({"answer_generation": "Numbers are fun.",
+    llm = ScriptedJudge({"answer_generation": "Numbers are fun.",
                        "sufficiency_check": {"sufficient": False, "reasoning": "no number"},
                        "parsing": AssertionError("must not be called")})
     st = asyncio.run(pipeline(job(options={"sufficiency_enabled": True}), llm))
@@ -131,7 +110,7 @@ def test_insufficient_response_skips_parsing() -> None:
 
 
 def test_abstention_judge_failure_is_not_fatal() -> None:
-    llm = ScriptedLLM({"answer_generation": "4",
+    llm = ScriptedJudge({"answer_generation": "4",
                        "abstention_check": LLMError("server_error", "judge down: 500 after 3 attempts"),
                        "parsing": {"result": 4}})
     st = asyncio.run(pipeline(job(options={"abstention_enabled": True}), llm))
@@ -141,7 +120,7 @@ def test_abstention_judge_failure_is_not_fatal() -> None:
 
 
 def test_generation_error_is_fatal_and_cascades() -> None:
-    llm = ScriptedLLM({"answer_generation": LLMError("rate_limit", "rate limited: 429 after 5 attempts")})
+    llm = ScriptedJudge({"answer_generation": LLMError("rate_limit", "rate limited: 429 after 5 attempts")})
     st = asyncio.run(pipeline(job(), llm))
     assert st.error is not None and st.error.stage == "generate_answer" and "429" in st.error.message
     assert stage_status(st, "parse_template") == ("skipped", "upstream error")
@@ -150,7 +129,7 @@ def test_generation_error_is_fatal_and_cascades() -> None:
 
 
 def test_parse_failure_is_fatal() -> None:
-    llm = ScriptedLLM({"answer_generation": "4", "parsing": LLMError("bad_output", "no JSON after 3 attempts")})
+    llm = ScriptedJudge({"answer_generation": "4", "parsing": LLMError("bad_output", "no JSON after 3 attempts")})
     st = asyncio.run(pipeline(job(), llm))
     assert st.error is not None and st.error.stage == "parse_template"
     assert stage_status(st, "verify_template") == ("skipped", "upstream error")
@@ -158,7 +137,7 @@ def test_parse_failure_is_fatal() -> None:
 
 def test_manual_trace_needs_no_model_call() -> None:
     answering = events.ModelSpec(model_name="manual", interface="manual", manual_traces={"q1": "It is 4"})
-    llm = ScriptedLLM({"answer_generation": AssertionError("no model call for manual traces"),
+    llm = ScriptedJudge({"answer_generation": AssertionError("no model call for manual traces"),
                        "parsing": {"result": 4}})
     st = asyncio.run(pipeline(job(answering=answering), llm))
     assert st.template["raw_llm_response"] == "It is 4" and st.template["verify_result"] is True
@@ -166,7 +145,7 @@ def test_manual_trace_needs_no_model_call() -> None:
 
 
 def test_recursion_limit_autofails() -> None:
-    llm = ScriptedLLM({"answer_generation": "4", "parsing": AssertionError("must not be called")})
+    llm = ScriptedJudge({"answer_generation": "4", "parsing": AssertionError("must not be called")})
     j = job()
 
     async def run() -> events.State:
@@ -223,7 +202,7 @@ def test_rubric_all_trait_types_and_isolated_failure(strategy: str) -> None:
             out["tone"] = "casual"
         return out
 
-    llm = ScriptedLLM({"rubric_evaluation": llm_traits})
+    llm = ScriptedJudge({"rubric_evaluation": llm_traits})
     j = job("template_and_rubric", options={"rubric_evaluation_strategy": strategy}, rubric=RUBRIC)
     state = events.State(template={"raw_llm_response": "Red and blue, 2 of them."})
     st = asyncio.run(evaluate_rubric(j, state, llm))  # type: ignore[arg-type]
@@ -244,7 +223,7 @@ def test_rubric_all_trait_types_and_isolated_failure(strategy: str) -> None:
 
 
 def test_rubric_judge_failure_keeps_other_traits() -> None:
-    llm = ScriptedLLM({"rubric_evaluation": LLMError("server_error", "500 after 4 attempts")})
+    llm = ScriptedJudge({"rubric_evaluation": LLMError("server_error", "500 after 4 attempts")})
     rubric = Rubric(llm_traits=[LLMRubricTrait(name="safe", kind="boolean")],
                     regex_traits=[RegexTrait(name="has_number", pattern=r"\d")])
     j = job("rubric_only", rubric=rubric)
@@ -254,7 +233,7 @@ def test_rubric_judge_failure_keeps_other_traits() -> None:
 
 
 def test_rubric_skipped_without_traits_and_on_upstream_error() -> None:
-    llm = ScriptedLLM({})
+    llm = ScriptedJudge({})
     st = asyncio.run(evaluate_rubric(job("template_and_rubric"), events.State(), llm))  # type: ignore[arg-type]
     assert st.rubric is None and stage_status(st, "rubric_evaluation") == ("skipped", "no rubric traits")
     err = events.State(error=events.StageError(stage="generate_answer", type="X", message="y"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,27 +26,29 @@ from shared.templates.calls import (
     validate_template,
 )
 from shared.templates.sandbox import Sandbox
+from tests.support.pools import reaped_pool
 
 CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "karenina" / "checkpoints"
 TIMEOUT_S = 4.0  # generous: a loaded shared machine must not turn a memory or crash case into a timeout
+LOOP_TIMEOUT_S = 1.0  # the pool of the endless-loop cases: any wall limit stops them, a short one sooner
 MEMORY_MB = 256
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
 def sb() -> Iterator[Sandbox]:
-    pool = Sandbox(workers=2, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB)
-    yield pool
-    pids = pool.pids
-    pool.terminate()
-    assert all(_gone(p) for p in pids)
+    with reaped_pool(workers=2, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def sb_loop() -> Iterator[Sandbox]:
+    """The pool the endless loops run in (wall limit `LOOP_TIMEOUT_S`)."""
+    with reaped_pool(workers=1, timeout_s=LOOP_TIMEOUT_S, memory_mb=MEMORY_MB) as pool:
+        yield pool
+
+
+def _pool(request: pytest.FixtureRequest, loops: bool) -> Sandbox:
+    return request.getfixturevalue("sb_loop" if loops else "sb")
 
 
 def _checkpoint_templates() -> list[tuple[str, str]]:
@@ -192,13 +193,14 @@ def test_compile_check_runs_nothing() -> None:
 @pytest.mark.parametrize(
     ("code", "message"),
     [
-        ("while True:\n    pass\n", f"template exceeded {TIMEOUT_S} s wall time"),
+        ("while True:\n    pass\n", f"template exceeded {LOOP_TIMEOUT_S} s wall time"),
         ("x = 'a' * 10**10\n", f"memory limit {MEMORY_MB} MB exceeded"),
         ("import os\nos._exit(3)\n", "worker exited with code 3"),
     ],
     ids=["loop", "memory", "os-exit"],
 )
-async def test_hostile_template_definitions(sb: Sandbox, code: str, message: str) -> None:
+async def test_hostile_template_definitions(request: pytest.FixtureRequest, code: str, message: str) -> None:
+    sb = _pool(request, "while True" in code)
     info = await validate_template(code, "q", sandbox=sb)
     assert info == TemplateInfo(ok=False, error=message)
     await _serves(sb)
@@ -251,10 +253,11 @@ async def test_verify_raising_is_not_fatal(sb: Sandbox) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "message"),
-    [("loop", f"template exceeded {TIMEOUT_S} s wall time"), ("memory", f"memory limit {MEMORY_MB} MB exceeded"),
-     ("exit", "worker exited with code 3")],
+    [("loop", f"template exceeded {LOOP_TIMEOUT_S} s wall time"),
+     ("memory", f"memory limit {MEMORY_MB} MB exceeded"), ("exit", "worker exited with code 3")],
 )
-async def test_hostile_verify_is_stopped(sb: Sandbox, mode: str, message: str) -> None:
+async def test_hostile_verify_is_stopped(request: pytest.FixtureRequest, mode: str, message: str) -> None:
+    sb = _pool(request, mode == "loop")
     out = await run_verify(HOSTILE_VERIFY, {"value": 1, "mode": mode}, "q", sandbox=sb)
     assert out == VerifyOutcome(error=message)
     again = await run_verify(HOSTILE_VERIFY, {"value": 1}, "q", sandbox=sb)
@@ -489,7 +492,8 @@ async def test_plain_source_callable(sb: Sandbox) -> None:
         ("def evaluate(t):\n    return 'yes'\n", "boolean", "callable trait of kind 'boolean' returned str, expected bool"),
         ("def evaluate(t):\n    return None\n", "score", "callable trait of kind 'score' returned NoneType, expected int"),
         ("def evaluate(t):\n    return 1 / 0\n", "boolean", "callable trait raised ZeroDivisionError: division by zero"),
-        ("def evaluate(t):\n    while True:\n        pass\n", "boolean", f"callable trait exceeded {TIMEOUT_S} s wall time"),
+        ("def evaluate(t):\n    while True:\n        pass\n", "boolean",
+         f"callable trait exceeded {LOOP_TIMEOUT_S} s wall time"),
         ("def evaluate(t):\n    return 'a' * 10**10\n", "boolean", f"memory limit {MEMORY_MB} MB exceeded"),
         ("def evaluate(t)\n    return True\n", "boolean", "callable trait source: syntax error at line 1"),
         ("x = 1\n", "boolean", "callable trait source must define evaluate(trace: str)"),
@@ -499,7 +503,8 @@ async def test_plain_source_callable(sb: Sandbox) -> None:
     ids=["bool-kind-wrong-type", "score-kind-wrong-type", "raises", "loop", "memory", "syntax", "no-function",
          "above-max", "bad-kind"],
 )
-async def test_callable_trait_errors(sb: Sandbox, code: str, kind: str, message: str) -> None:
+async def test_callable_trait_errors(request: pytest.FixtureRequest, code: str, kind: str, message: str) -> None:
+    sb = _pool(request, "while True" in code)
     with pytest.raises(CallableTraitError) as err:
         await run_callable_trait(code, "some text", kind, min_score=1, max_score=5, sandbox=sb)
     assert str(err.value).startswith(message), str(err.value)
@@ -520,9 +525,9 @@ async def test_verify_round_trip_cost(sb: Sandbox) -> None:
     await sb.start()
     code = dict(REFERENCE_TEMPLATES)["with_rubrics:rq001"]
     parsed = {"gene_name": "BCL2", "gene_function": "anti-apoptotic protein"}
-    for _ in range(20):
+    for _ in range(5):
         await run_verify(code, parsed, "q", "raw", template_id="rq001", sandbox=sb)
-    n = 500
+    n = 30
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(n):
         out = await run_verify(code, parsed, "q", "raw", template_id="rq001", sandbox=sb)

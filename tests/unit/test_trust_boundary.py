@@ -20,7 +20,13 @@ from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
 from shared.core.config import ModelConfig, VerificationConfig
-from shared.core.limits import MAX_QUESTION_CHARS, MAX_REPLY_CHARS, MAX_TEMPLATE_CHARS, InvalidEvent
+from shared.core.limits import (
+    MAX_EVENT_BYTES,
+    MAX_QUESTION_CHARS,
+    MAX_REPLY_CHARS,
+    MAX_TEMPLATE_CHARS,
+    InvalidEvent,
+)
 from shared.core.scrub import REDACTED, ScrubFilter, scrub_bytes, scrub_text
 from shared.core.stage import stage_error
 from shared.runtime.endpoints import EndpointRefused, Policy, normalize_url
@@ -204,13 +210,16 @@ def _config(**kw: object) -> VerificationConfig:
                               parsing_models=[ModelConfig(model_name="j")], **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("field,size", [("question", 2_000_000), ("template", 2_000_000), ("answer", 5_000_000)])
-def test_oversized_benchmark_refused_at_load(tmp_path: Path, field: str, size: int) -> None:
+# each field alone larger than a whole event may be (far over its own limit)
+@pytest.mark.parametrize("field", ["question", "template", "answer"])
+def test_oversized_benchmark_refused_at_load(tmp_path: Path, field: str) -> None:
+    size = MAX_EVENT_BYTES + 100_000
     q = {"id": "big", "question": "What is 2+2?", "answer": "4", "template": TEMPLATE}
     q[field] = q[field] + "#" * size if field == "template" else "x" * size
     path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump({"name": "b", "questions": [q, {"id": "ok", "question": "1+1?", "answer": "2",
-                                                                   "template": TEMPLATE}]}))
+    doc = {"name": "b", "questions": [q, {"id": "ok", "question": "1+1?", "answer": "2", "template": TEMPLATE}]}
+    # libyaml's dumper when there is one: the pure-Python one takes seconds over megabytes
+    path.write_text(yaml.dump(doc, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
     with pytest.raises(BenchmarkError) as ei:
         Benchmark.load(path)
     assert "'big'" in str(ei.value) and field in str(ei.value) and "limit" in str(ei.value)

@@ -9,7 +9,7 @@ from urllib.parse import parse_qs
 import pytest
 
 from shared.analysis.stats import Proportion
-from shared.cli.view import pages
+from shared.cli.view import markup, pages, sample_page
 from shared.cli.view.filters import FilterError, Filters
 from shared.cli.view.queries import run_state
 from tests.support.results import make
@@ -43,7 +43,7 @@ def test_filters_round_trip_through_links() -> None:
     parsed = {k: v[0] for k, v in parse_qs(qs).items()}
     assert parsed == {"model": "litellm:gpt-4o", "status": "passed", "q": "a&b=c #d", "page": "2"}
     assert Filters.from_query(parsed) == f
-    assert pages.run_url("run/1?x", f, anchor="samples").startswith("/run/run%2F1%3Fx?model=")
+    assert markup.run_url("run/1?x", f, anchor="samples").startswith("/run/run%2F1%3Fx?model=")
 
 
 @pytest.mark.parametrize(("jobs", "done", "age", "cancelled", "state"), [
@@ -60,7 +60,7 @@ def test_run_state(jobs: int, done: int, age: float | None, cancelled: bool, sta
 
 
 def _sample(result: dict) -> str:
-    return pages.sample_page("run-1", {"result": result, "events": [], "siblings": [],
+    return sample_page.sample_page("run-1", {"result": result, "events": [], "siblings": [],
                                        "stages": [{"stage": "generate_answer", "status": "performed", "start_ms": 0.0,
                                                    "duration_ms": 120.0},
                                                   {"stage": "abstention_check", "status": "skipped", "start_ms": 120.0,

@@ -1,121 +1,35 @@
-"""HTML of the viewer's pages: pure functions of the data `shared.cli.view.queries` returns.
-
-Everything shown is escaped here (`_e`); links are built with `urllib.parse.quote`, never by
-pasting raw values. Charts reuse the inline-SVG helpers of the static report."""
+"""HTML of the viewer's runs, run and compare pages: pure functions of the data
+`shared.cli.view.queries` returns. The building blocks (escaping, links, tables, the frame) are in
+`shared.cli.view.markup`, the sample page in `shared.cli.view.sample_page`. Charts reuse the
+inline-SVG helpers of the static report."""
 
 from __future__ import annotations
 
-import html
-import json
-import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 from shared.analysis.html_svg import PALETTE, _color, svg_grouped_bars, svg_rate_bars
-from shared.analysis.stats import Proportion
 from shared.cli.view.filters import STATUSES, Filters
+from shared.cli.view.markup import (
+    Raw,
+    _a,
+    _badge,
+    _ci,
+    _e,
+    _kv,
+    _n,
+    _pct,
+    _table,
+    _verdict,
+    _when,
+    compare_url,
+    page,
+    run_url,
+    sample_url,
+)
 from shared.cli.view.queries import fmt_p
-
-
-def _e(v: Any) -> str:
-    return html.escape("" if v is None else str(v), quote=True)
-
-
-def _n(v: Any) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "–"
-        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
-def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{100 * v:.1f}%"
-
-
-def _ci(p: Proportion) -> str:
-    return "–" if p.rate is None else f"{_pct(p.rate)} [{_pct(p.ci_low)}, {_pct(p.ci_high)}]"
-
-
-def _when(v: Any) -> str:
-    if isinstance(v, datetime):
-        return v.strftime("%Y-%m-%d %H:%M:%S")
-    if isinstance(v, str) and len(v) >= 19 and v[10] == "T":
-        return v[:19].replace("T", " ")
-    return "–" if v in (None, "") else str(v)
-
-
-def run_url(run_id: str, f: Filters | None = None, anchor: str = "", **extra: Any) -> str:
-    qs = (f or Filters()).query_string(**extra)
-    return f"/run/{quote(run_id, safe='')}" + (f"?{qs}" if qs else "") + (f"#{anchor}" if anchor else "")
-
-
-def sample_url(run_id: str, result_id: str, f: Filters | None = None) -> str:
-    """A sample; with filters, its previous / next links walk the filtered results list."""
-    qs = f.query_string() if f is not None else ""
-    return f"/run/{quote(run_id, safe='')}/sample/{quote(result_id, safe='')}" + (f"?{qs}" if qs else "")
-
-
-def compare_url(**params: Any) -> str:
-    return "/compare?" + urlencode({k: v for k, v in params.items() if v})
-
-
-def _table(columns: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "", tid: str = "") -> str:
-    """Cells are escaped unless they are `Raw`."""
-    head = "".join(f"<th>{_e(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{c if isinstance(c, Raw) else _e(_n(c))}</td>" for c in r) + "</tr>"
-                   for r in rows)
-    attrs = (f' class="{cls}"' if cls else "") + (f' id="{tid}"' if tid else "")
-    return f"<table{attrs}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-class Raw(str):
-    """Already-escaped HTML."""
-
-
-def _a(href: str, text: Any, cls: str = "") -> Raw:
-    c = f' class="{cls}"' if cls else ""
-    return Raw(f'<a href="{_e(href)}"{c}>{_e(text)}</a>')
-
-
-def _badge(text: str, kind: str) -> Raw:
-    return Raw(f'<span class="badge {kind}">{_e(text)}</span>')
-
-
-def _verdict(v: Any, completed: Any = True) -> Raw:
-    if not completed:
-        return _badge("error", "err")
-    if v is None:
-        return _badge("no verdict", "muted")
-    return _badge("pass", "pass") if v else _badge("fail", "fail")
-
-
-def page(title: str, body: str, *, live: bool = False, active: str = "") -> str:
-    """The frame of every page: nav, CSS and JS from /static (shipped in the package)."""
-    on = ' class="on"'
-    nav = "".join(f'<a href="{href}"{on if active == key else ""}>{label}</a>'
-                  for key, href, label in (("runs", "/", "Runs"), ("compare", "/compare", "Compare")))
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f'<title>{_e(title)} · veribus</title><link rel="stylesheet" href="/static/view.css">'
-            f'<script src="/static/view.js" defer></script></head>'
-            f'<body data-live="{1 if live else 0}"><header><b>veribus</b> view {nav}</header>'
-            f'<main id="main">{body}</main></body></html>')
-
-
-def error_page(status: int, message: str) -> str:
-    return page(f"{status}", f"<h1>{status}</h1><p class='error' id='problem'>{_e(message)}</p>"
-                             f"<p><a href='/'>All runs</a></p>")
-
 
 # --------------------------------------------------------------------------------------------
 # Runs
@@ -402,156 +316,6 @@ def run_page(h: Mapping[str, Any], f: Filters, *, models: Sequence[Mapping[str, 
         "</div>",
     ]
     return page(title, "".join(body), live=h["state"] == "running", active="runs")
-
-
-# --------------------------------------------------------------------------------------------
-# Sample
-# --------------------------------------------------------------------------------------------
-
-
-def _pre(v: Any, cls: str = "") -> str:
-    text = v if isinstance(v, str) else json.dumps(v, indent=2, ensure_ascii=False, default=str)
-    return f"<pre class='{cls}'>{_e(text)}</pre>"
-
-
-def _kv(pairs: Sequence[tuple[str, Any]], tid: str = "") -> str:
-    rows = "".join(f"<tr><th>{_e(k)}</th><td>{v if isinstance(v, Raw) else _e(_n(v))}</td></tr>" for k, v in pairs)
-    return (f"<table class='kv' id='{tid}'>" if tid else "<table class='kv'>") + f"<tbody>{rows}</tbody></table>"
-
-
-def _parse_table(t: Mapping[str, Any]) -> str:
-    gt = t.get("parsed_gt_response") or {}
-    llm = t.get("parsed_llm_response") or {}
-    fr = t.get("field_results") or {}
-    keys = list(dict.fromkeys([*gt.keys(), *llm.keys()]))
-    if not keys:
-        return "<p class='muted'>No parse (the judge did not fill the template).</p>"
-    rows = []
-    for k in keys:
-        ok = fr.get(k)
-        mark = _badge("match", "pass") if ok is True else _badge("differs", "fail") if ok is False else Raw("")
-        rows.append((k, Raw(_pre(gt.get(k), "small")), Raw(_pre(llm.get(k), "small")), mark))
-    return _table(["field", "expected (ground truth)", "judge's parse", ""], rows, "parse", "parse")
-
-
-def _checks(t: Mapping[str, Any], res: Mapping[str, Any]) -> str:
-    rows: list[tuple[str, Any, Any]] = []
-    if t.get("abstention_check_performed"):
-        rows.append(("abstention", _badge("abstained", "fail") if t.get("abstention_detected") else
-                     _badge("answered", "pass"), t.get("abstention_reasoning") or ""))
-    if t.get("sufficiency_check_performed"):
-        rows.append(("sufficiency", _badge("sufficient", "pass") if t.get("sufficiency_detected") else
-                     _badge("insufficient", "fail"), t.get("sufficiency_reasoning") or ""))
-    if t.get("embedding_check_performed"):
-        rows.append(("embedding", f"similarity {_n(t.get('embedding_similarity_score'))}"
-                     + (" · override applied" if t.get("embedding_override_applied") else ""),
-                     t.get("embedding_model_used") or ""))
-    if t.get("regex_validations_performed"):
-        rows.append(("regex", _badge("ok", "pass") if t.get("regex_overall_success") else _badge("failed", "fail"),
-                     json.dumps(t.get("regex_validation_results") or {})))
-    if t.get("recursion_limit_reached"):
-        rows.append(("recursion limit", _badge("reached", "fail"), ""))
-    dj = res.get("deep_judgment") or {}
-    if dj.get("deep_judgment_performed"):
-        for attr, excerpts in (dj.get("extracted_excerpts") or {}).items():
-            quotes = "".join(f"<blockquote>{_e(x.get('text', x) if isinstance(x, dict) else x)}</blockquote>"
-                             for x in excerpts or [])
-            reasoning = (dj.get("attribute_reasoning") or {}).get(attr, "")
-            risk = (dj.get("hallucination_risk_assessment") or {}).get(attr)
-            rows.append((f"deep judgment · {attr}", Raw(quotes or "<span class='muted'>no excerpt</span>"),
-                         reasoning + (f" (hallucination risk: {risk})" if risk else "")))
-    if not rows:
-        return "<p class='muted'>No checks ran for this result.</p>"
-    return _table(["check", "outcome", "reasoning / detail"],
-                  [(k, v if isinstance(v, Raw) else Raw(_e(v)), Raw(f"<span class='reason'>{_e(r)}</span>"))
-                   for k, v, r in rows], "checks", "checks")
-
-
-def _rubric(rub: Mapping[str, Any] | None, djr: Mapping[str, Any] | None) -> str:
-    if not rub or not rub.get("rubric_evaluation_performed"):
-        return "<p class='muted'>No rubric evaluation.</p>"
-    labels = rub.get("llm_trait_labels") or {}
-    reasoning = (djr or {}).get("rubric_trait_reasoning") or {}
-    rows = []
-    for kind in ("llm", "regex", "callable", "metric"):
-        for name, v in (rub.get(f"{kind}_trait_scores") or {}).items():
-            rows.append((name, kind, Raw(_pre(v, "small")) if isinstance(v, dict) else v, labels.get(name, ""),
-                         reasoning.get(name, "")))
-    for name, e in (rub.get("trait_errors") or {}).items():
-        rows.append((name, "error", Raw(f"<span class='error'>{_e(e)}</span>"), "", ""))
-    return _table(["trait", "kind", "score", "label", "reasoning"], rows, "rubric", "rubric-scores")
-
-
-def _timeline(stages: Sequence[Mapping[str, Any]]) -> str:
-    if not stages:
-        return "<p class='muted'>No stage records.</p>"
-    end = max((s["start_ms"] + s["duration_ms"] for s in stages), default=1.0) or 1.0
-    bars = []
-    for s in stages:
-        left = 100 * s["start_ms"] / end
-        width = max(0.4, 100 * s["duration_ms"] / end)
-        bars.append(f"<div class='tl-row'><span class='tl-name'>{_e(s['stage'])} <i>{_e(s['status'])}</i></span>"
-                    f"<span class='tl-track'><span class='tl-bar {_e(s['status'])}' style='left:{left:.2f}%;"
-                    f"width:{width:.2f}%'></span></span><span class='tl-ms'>{s['duration_ms']:,.1f} ms</span></div>")
-    return f"<div class='timeline' id='timeline'>{''.join(bars)}</div>"
-
-
-def sample_page(run_id: str, s: Mapping[str, Any], f: Filters | None = None) -> str:
-    res = s["result"]
-    m = res.get("metadata") or {}
-    t = res.get("template") or {}
-    title = m.get("question_text") or m.get("question_id")
-    answering = m.get("answering") or {}
-    parsing = m.get("parsing") or {}
-    am = f"{answering.get('interface', '')}:{answering.get('model_name', '')}"
-    pm = f"{parsing.get('interface', '')}:{parsing.get('model_name', '')}"
-    sim = " " + _badge("SIMULATED", "sim") if "simulator" in (answering.get("interface"), parsing.get("interface")) else ""
-    verdict = _verdict(t.get("verify_result"), m.get("completed_without_errors", True))
-    err = (f"<div class='error' id='error'><b>Error</b> {_e(m.get('error'))}</div>" if m.get("error") else "")
-    trace = t.get("trace_messages") or []
-    usage = t.get("usage_metadata") or {}
-    usage_rows = [(k, v.get("model", "") if isinstance(v, dict) else "", v.get("input_tokens") if isinstance(v, dict) else "",
-                   v.get("output_tokens") if isinstance(v, dict) else "") for k, v in usage.items()]
-    siblings = " ".join(str(_a(sample_url(run_id, r), f"#{i + 1}")) for i, r in enumerate(s["siblings"]))
-    f = f or Filters()
-    walk = []
-    if s.get("prev"):
-        walk.append(str(_a(sample_url(run_id, s["prev"], f), "← previous", "prev")))
-    if s.get("next"):
-        walk.append(str(_a(sample_url(run_id, s["next"], f), "next →", "next")))
-    scope = " (filtered)" if f.active() else ""
-    body = [
-        f"<p class='crumbs'>{_a('/', 'Runs')} › {_a(run_url(run_id, f, anchor='samples'), run_id)} › sample"
-        f"{' · ' + ' '.join(walk) + f' <span class=muted>in the results list{scope}</span>' if walk else ''}</p>",
-        f"<h1 id='question'>{_e(title)}{sim} {verdict}</h1>", err,
-        _kv([("question id", m.get("question_id")), ("result id", m.get("result_id")), ("answering model", am),
-             ("judge", pm), ("replicate", m.get("replicate")), ("mode", m.get("evaluation_mode")),
-             ("keywords", ", ".join(m.get("keywords") or [])), ("execution time s", m.get("execution_time")),
-             ("other results for this question", Raw(siblings or "–"))], "meta"),
-        "<h2>Ground truth</h2>", _pre(m.get("raw_answer") or "(none recorded)", "gt"),
-        "<h2>Answer</h2>", _pre(t.get("raw_llm_response") or "(empty)", "answer"),
-    ]
-    if trace:
-        body.append(f"<details><summary>Full trace ({len(trace)} messages)</summary>{_pre(trace)}</details>")
-    body += [
-        "<h2>Judge's parse beside the expected values</h2>", _parse_table(t),
-        "<h2>Verification</h2>",
-        _kv([("verify result", verdict), ("granular result", t.get("verify_granular_result")),
-             ("template verification performed", t.get("template_verification_performed")),
-             ("template validation error", t.get("template_validation_error")),
-             ("field verification error", t.get("field_verification_error"))], "verify"),
-        "<h2>Checks</h2>", _checks(t, res),
-        "<h2>Rubric</h2>", _rubric(res.get("rubric"), res.get("deep_judgment_rubric")),
-        "<h2>Stage timeline</h2>", _timeline(s["stages"]),
-        "<h2>Tokens</h2>", _table(["stage", "model", "input", "output"], usage_rows) if usage_rows else
-        "<p class='muted'>No token usage recorded.</p>",
-        "<h2>Events</h2>", _table(["event", "at", "producer", "attempt", "status", "reason", "error"],
-                                  [(e["event_type"], _when(e["occurred_at"]), e["producer"], e["attempt"], e["status"],
-                                    e["reason"], f"{e['error_type']}: {e['error_message']}" if e["error_type"] else "")
-                                   for e in s["events"]], "events", "events"),
-        f"<details><summary>Raw result JSON</summary>{_pre(res)}</details>",
-    ]
-    return page(str(title), "".join(body), active="runs")
 
 
 # --------------------------------------------------------------------------------------------

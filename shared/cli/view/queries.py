@@ -371,7 +371,7 @@ async def sample(src: AsyncSource, run_id: str, result_id: str) -> dict[str, Any
         "SELECT event_type, occurred_at, producer, attempt, status, reason, error_type, error_message, duration_ms, "
         "input_tokens, output_tokens FROM events FINAL WHERE run_id = {r:String} AND result_id = {id:String} "
         "ORDER BY occurred_at LIMIT 200", {"r": run_id, "id": result_id})
-    # stage records are cumulative per branch: each (stage, start) once, from the first event carrying it
+    # older events repeat earlier stage records: each (stage, start) once, from the first event carrying it
     st = await src.query(
         "SELECT rec_stage, argMin(rec_status, occurred_at), rec_started, argMin(rec_ended, occurred_at) "
         "FROM events FINAL ARRAY JOIN stage_names AS rec_stage, stage_statuses AS rec_status, "

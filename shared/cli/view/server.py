@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shared.cli.view import pages, queries
+from shared.cli.view import markup, pages, queries, sample_page
 from shared.cli.view.filters import FilterError, Filters
 from shared.cli.view.source import ViewSource
 from shared.core.config import Settings
@@ -56,13 +56,13 @@ async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable
         resp = await handler(request)
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "text/html":
-            resp = _html(pages.error_page(exc.status, exc.text or exc.reason), exc.status)
+            resp = _html(markup.error_page(exc.status, exc.text or exc.reason), exc.status)
         else:
             raise
     except FilterError as exc:
-        resp = _html(pages.error_page(400, str(exc)), 400)
+        resp = _html(markup.error_page(400, str(exc)), 400)
     except QueryError as exc:
-        resp = _html(pages.error_page(502, f"the store refused or failed the query: {exc}"), 502)
+        resp = _html(markup.error_page(502, f"the store refused or failed the query: {exc}"), 502)
     resp.headers["Content-Security-Policy"] = CSP
     resp.headers["X-Content-Type-Options"] = "nosniff"
     resp.headers["Referrer-Policy"] = "no-referrer"
@@ -123,7 +123,7 @@ async def sample_handler(request: web.Request) -> web.Response:
     if s is None:
         raise web.HTTPNotFound(text=f"run {run_id} has no result {result_id!r}")
     s["prev"], s["next"] = await queries.neighbours(src, run_id, result_id, f)
-    return _html(pages.sample_page(run_id, s, f))
+    return _html(sample_page.sample_page(run_id, s, f))
 
 
 async def compare_handler(request: web.Request) -> web.Response:

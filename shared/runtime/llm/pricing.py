@@ -9,10 +9,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from shared.core.config import Settings
 
 log = logging.getLogger("veribus.cost")
 
@@ -20,7 +21,7 @@ log = logging.getLogger("veribus.cost")
 @lru_cache(maxsize=1)
 def cost_map() -> dict[str, dict[str, Any]]:
     """litellm's model price map, from the file it ships (no network, no litellm import)."""
-    path = os.environ.get("VERIBUS_COST_MAP")
+    path = Settings.from_env("cost_map").cost_map
     if not path:
         spec = importlib.util.find_spec("litellm")
         if spec is None or spec.origin is None:

@@ -167,22 +167,16 @@ def _mentions_response_format(exc: BaseException) -> bool:
     return "response_format" in text or "json_schema" in text or "structured output" in text
 
 
-TRANSPORTS = ("auto", "litellm", "direct")
-
 _choices: dict[str | None, str] = {}
 
 
 def _transport_choice(raw: str | None) -> str:
-    """`VERIBUS_LLM_TRANSPORT` checked once per distinct value, not on every call: building the
-    whole Settings per model call was 5% of a model-calling service's CPU (profiled, issue 12)."""
+    """`Settings.llm_transport` (`VERIBUS_LLM_TRANSPORT`), read by Settings once per distinct raw
+    value, not on every call: building the whole Settings per model call was 5% of a model-calling
+    service's CPU (profiled, issue 12). The raw value is only the cache key."""
     choice = _choices.get(raw)
     if choice is None:
-        if not raw:
-            choice = str(Settings.model_fields["llm_transport"].default)
-        elif raw in TRANSPORTS:
-            choice = raw
-        else:
-            raise ValueError(f"VERIBUS_LLM_TRANSPORT={raw!r}: must be one of {', '.join(TRANSPORTS)}")
+        choice = Settings.from_env("llm_transport", environ={"VERIBUS_LLM_TRANSPORT": raw or ""}).llm_transport
         _choices[raw] = choice
     return choice
 
@@ -192,7 +186,7 @@ def transport_for(model: ModelSpec) -> str:
     `openai/<name>` model at an explicit `api_base` is an OpenAI-compatible server (vLLM, Ollama,
     the simulator), where litellm has nothing to translate and costs ~6 ms CPU per call, so the
     request goes straight to `<api_base>/chat/completions`; every other model goes through litellm."""
-    choice = _transport_choice(os.environ.get("VERIBUS_LLM_TRANSPORT"))
+    choice = _transport_choice(os.environ.get("VERIBUS_LLM_TRANSPORT"))  # the cache key; Settings parses it
     if choice == "litellm":
         return "litellm"
     direct_ok = bool(model.api_base) and model.model_name.startswith("openai/")
