@@ -61,7 +61,9 @@ async def test_direct_reads_ask_the_leader_on_a_miss(nats_server, tmp_path: Path
         reader = content.ContentStore(lambda: nc.jetstream())
         kv = await reader._bucket()
         assert kv._direct  # created with allow_direct: reads skip the JSON API
-        job = thin[0].jobs[0]
+        fat = plan.requests[0].jobs[0]  # over the wire, as a service reads it (ids from the envelope)
+        env = events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, fat.answer_id, thin[0], "cli/test")
+        job = events.payload_as(events.decode(events.wire(env), env.subject), events.AnswerRequested).jobs[0]
         assert (await kv.get(job.refs["q"])).value  # a direct get answers
 
         async def lagging_replica(key: str, *args: object, **kwargs: object) -> object:
