@@ -125,8 +125,9 @@ class _StreamReader:
         if len(self.msgs) >= self.want:
             self.ended.set()
 
-    async def batches(self, remaining: int, batch: int) -> Any:
-        """Yield lists of messages until `remaining` (the consumer's pending count) are read."""
+    async def batches(self, remaining: int, batch: int, end_seq: int | None = None) -> Any:
+        """Yield lists of messages until `remaining` (the consumer's pending count) are read, or,
+        with `end_seq`, until stream sequence `end_seq` (the messages after it are left out)."""
         sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=4 * batch,
                                       pending_bytes_limit=4 * self.max_bytes)
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{events.STREAM}.{self.consumer}"
@@ -142,6 +143,11 @@ class _StreamReader:
                     continue
                 meta = msgs[-1].metadata
                 remaining = meta.num_pending if meta is not None else remaining - len(msgs)
+                if end_seq is not None and meta is not None:
+                    last = meta.sequence.stream
+                    if last > end_seq:
+                        msgs = [m for m in msgs if m.metadata.sequence.stream <= end_seq]
+                    remaining = min(remaining, max(0, end_seq - last))
                 yield msgs
         finally:
             await sub.unsubscribe()
@@ -212,21 +218,51 @@ def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
     return RebuildReport(before, after, msgs, time.monotonic() - t0, "stack")
 
 
-def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: float) -> RebuildReport:
+async def _stream_range(settings: Settings) -> tuple[int, int]:
+    async with bus.session(settings) as nc:
+        info = await nc.jetstream().stream_info(events.STREAM)
+        return int(info.state.first_seq), int(info.state.last_seq)
+
+
+def _fold_in_workers(settings: Settings, store: Store, workers: Any, batch: int = 10_000) -> None:
+    """Fold the stream with `workers` (rebuild_parallel) reading and projecting, this process inserting."""
+    from shared.control import rebuild_parallel
+
+    first, last = asyncio.run(_stream_range(settings))
+    chunks = rebuild_parallel.plan_chunks(first, last, min(batch, rebuild_parallel.CHUNK))
+    types = {t: store.column_types(t) for t in ("events", "verification_results", "runs")}
+    workers.run(settings, types, chunks, store.insert_block, batch)
+
+
+def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: float,
+                        workers: int | None = None) -> RebuildReport:
     """No projector running: one store connection (the chdb folder is this process's) for the
-    fingerprints, the drop and the fold."""
-    store = open_store(settings, migrate=False)
+    fingerprints, the drop and the inserts; worker processes read and project the stream
+    (`rebuild_parallel`; none: all in this process)."""
+    from shared.control import rebuild_parallel
+
+    n = rebuild_parallel.default_workers() if workers is None else workers
+    pool = rebuild_parallel.Workers(n) if n > 0 else None  # started first: their imports overlap chdb's
     try:
-        before = fingerprint(store.query)
-        say("dropping and recreating the tables")
-        store.drop_all()
-        store.migrate()
-        say("folding the stream in this process")
-        t_fold = time.monotonic()
-        asyncio.run(_project_in_process(settings, store))
-        fold_s = time.monotonic() - t_fold
-        after = fingerprint(store.query)
+        store = open_store(settings, migrate=False)
+        try:
+            before = fingerprint(store.query)
+            say("dropping and recreating the tables")
+            store.drop_all()
+            store.migrate()
+            t_fold = time.monotonic()
+            if pool is not None:
+                say(f"folding the stream: {n} worker processes read and project, this one inserts")
+                _fold_in_workers(settings, store, pool)
+            else:
+                say("folding the stream in this process")
+                asyncio.run(_project_in_process(settings, store))
+            fold_s = time.monotonic() - t_fold
+            after = fingerprint(store.query)
+        finally:
+            store.close()
     finally:
-        store.close()
+        if pool is not None:
+            pool.close()
     msgs = asyncio.run(_stream_messages(settings))
     return RebuildReport(before, after, msgs, time.monotonic() - t0, "in-process", fold_s)
