@@ -161,8 +161,11 @@ def _warm_up() -> None:
 
 
 def worker_main() -> int:
-    out = sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but the pickled chunks goes to the pipe
+    # nothing but the pickled chunks goes to the pipe: it moves to a descriptor of its own, and
+    # whatever else writes to stdout (Python or C) goes to stderr
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     _warm_up()
     try:
         conf = pickle.load(sys.stdin.buffer)

@@ -144,20 +144,21 @@ class Store:
         self.insert_block(table, column_names, columns, block)
 
     def insert_block(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]] | None,
-                     block: Any | None) -> None:
+                     block: Any | None, settings: Mapping[str, Any] | None = None) -> None:
         """Insert `columns`, given as the Arrow `block` made from them when there is one (the
         rebuild makes them in worker processes); Native insert when there is none or the engine
         refuses it (with no `columns` to fall back on, the refusal is raised)."""
         if block is not None:
             try:
-                self.client.insert_arrow(f"{self.database}.{table}", block)
+                self.client.insert_arrow(f"{self.database}.{table}", block, settings=dict(settings or {}))
                 return
             except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
                 if columns is None:
                     raise
                 log.debug("Arrow insert into %s refused (%s); inserting natively", table, exc)
         assert columns is not None, "a block or its columns"
-        self.client.insert(f"{self.database}.{table}", list(zip(*columns, strict=True)), column_names=column_names)
+        self.client.insert(f"{self.database}.{table}", list(zip(*columns, strict=True)), column_names=column_names,
+                           settings=dict(settings or {}))
 
     def insert_event_rows(self, rows: Sequence[Sequence[Any]]) -> None:
         if rows:
