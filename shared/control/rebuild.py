@@ -235,7 +235,7 @@ def _fold_in_workers(settings: Settings, store: Store, workers: Any, batch: int 
     from shared.control import rebuild_parallel
 
     first, last = asyncio.run(_stream_range(settings))
-    chunks = rebuild_parallel.plan_chunks(first, last, min(batch, rebuild_parallel.CHUNK))
+    chunks = rebuild_parallel.plan_chunks(first, last, rebuild_parallel.CHUNK)
     types = {t: store.column_types(t) for t in ("events", "verification_results", "runs")}
     workers.run(settings, types, chunks, lambda *block: store.insert_block(*block, settings=REBUILD_INSERT), batch)
 
@@ -264,6 +264,7 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
                 say("folding the stream in this process")
                 asyncio.run(_project_in_process(settings, store))
             fold_s = time.monotonic() - t_fold
+            say("fingerprinting the rebuilt tables")
             after = fingerprint(store.query)
         finally:
             store.close()
