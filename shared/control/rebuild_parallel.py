@@ -37,7 +37,9 @@ def plan_chunks(first_seq: int, last_seq: int, chunk: int = CHUNK) -> list[tuple
 
 
 def default_workers() -> int:
-    """One worker per core, at least one (the inserting process mostly waits on chdb's threads)."""
+    """`VERIBUS_REBUILD_WORKERS` (0: fold in this process), else one worker per core. On two
+    shared cores (load 4-6), 120,010 events, three alternating rounds: 0 workers 8.7k, 18.7k,
+    17.4k events/s for the fold; 1 worker 8.8k, 21.2k, 16.9k; 2 workers 11.3k, 26.8k, 23.1k."""
     env = os.environ.get("VERIBUS_REBUILD_WORKERS")
     if env:
         return max(0, int(env))
