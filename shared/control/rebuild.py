@@ -14,7 +14,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from shared.control import processes, stack
+from shared.control import processes, rebuild_parallel, stack
+from shared.control.rebuild_parallel import StreamReader
 from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
 from shared.core import events
 from shared.core.config import Settings
@@ -105,54 +106,6 @@ def _recreate_tables(settings: Settings) -> None:
         store.close()
 
 
-class _StreamReader:
-    """Reads a whole stream through an ephemeral pull consumer, a batch per pull request, the
-    messages collected by a subscription callback. (`PullSubscription.fetch` awaits each message
-    with its own timeout: about five times slower, and a rebuild reads every event there is.)"""
-
-    def __init__(self, nc: Any, consumer: str, max_bytes: int = 32 * 2**20) -> None:
-        self.nc, self.consumer, self.max_bytes = nc, consumer, max_bytes
-        self.inbox = nc.new_inbox()
-        self.msgs: list[Any] = []
-        self.want = 0
-        self.ended = asyncio.Event()
-
-    async def _on_msg(self, msg: Any) -> None:
-        if not msg.data and msg.headers and msg.headers.get("Status"):
-            self.ended.set()  # the request ended: expired (408), over max_bytes (409), nothing left (404)
-            return
-        self.msgs.append(msg)
-        if len(self.msgs) >= self.want:
-            self.ended.set()
-
-    async def batches(self, remaining: int, batch: int, end_seq: int | None = None) -> Any:
-        """Yield lists of messages until `remaining` (the consumer's pending count) are read, or,
-        with `end_seq`, until stream sequence `end_seq` (the messages after it are left out)."""
-        sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=4 * batch,
-                                      pending_bytes_limit=4 * self.max_bytes)
-        subject = f"$JS.API.CONSUMER.MSG.NEXT.{events.STREAM}.{self.consumer}"
-        try:
-            while remaining > 0:
-                self.msgs, self.want = [], min(batch, remaining)
-                self.ended.clear()
-                req = {"batch": self.want, "max_bytes": self.max_bytes, "expires": 5_000_000_000}
-                await self.nc.publish(subject, events.to_json(req), reply=self.inbox)
-                await self.ended.wait()
-                msgs = self.msgs
-                if not msgs:
-                    continue
-                meta = msgs[-1].metadata
-                remaining = meta.num_pending if meta is not None else remaining - len(msgs)
-                if end_seq is not None and meta is not None:
-                    last = meta.sequence.stream
-                    if last > end_seq:
-                        msgs = [m for m in msgs if m.metadata.sequence.stream <= end_seq]
-                    remaining = min(remaining, max(0, end_seq - last))
-                yield msgs
-        finally:
-            await sub.unsubscribe()
-
-
 async def _project_in_process(settings: Settings, store: Store, batch: int = 10_000) -> None:
     """Fold the whole stream into the tables of `store` from this process (no projector running)."""
     projector = Projector(settings)
@@ -170,7 +123,7 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            async for msgs in _StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
+            async for msgs in StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
                 projector.insert(projector.project_batch(msgs))
         finally:
             if gc_was_on:
@@ -232,8 +185,6 @@ REBUILD_INSERT = {"optimize_on_insert": 0}
 
 def _fold_in_workers(settings: Settings, store: Store, workers: Any, batch: int = 10_000) -> None:
     """Fold the stream with `workers` (rebuild_parallel) reading and projecting, this process inserting."""
-    from shared.control import rebuild_parallel
-
     first, last = asyncio.run(_stream_range(settings))
     chunks = rebuild_parallel.plan_chunks(first, last, rebuild_parallel.CHUNK)
     types = {t: store.column_types(t) for t in ("events", "verification_results", "runs")}
@@ -245,8 +196,6 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
     """No projector running: one store connection (the chdb folder is this process's) for the
     fingerprints, the drop and the inserts; worker processes read and project the stream
     (`rebuild_parallel`; none: all in this process)."""
-    from shared.control import rebuild_parallel
-
     n = rebuild_parallel.default_workers() if workers is None else workers
     pool = rebuild_parallel.Workers(n) if n > 0 else None  # started first: their imports overlap chdb's
     try:

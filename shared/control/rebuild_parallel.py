@@ -19,12 +19,22 @@ stdin, not the command line, as the settings may hold NATS credentials.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.store import arrow
+from shared.store.engine import projection_columns
+from shared.store.projection import Projector
 
 CHUNK = 10_000  # stream sequences per chunk: one worker message, one insert per table
 
@@ -40,10 +50,8 @@ def default_workers() -> int:
     """`VERIBUS_REBUILD_WORKERS` (0: fold in this process), else one worker per core. On two
     shared cores (load 4-6), 120,010 events, three alternating rounds: 0 workers 8.7k, 18.7k,
     17.4k events/s for the fold; 1 worker 8.8k, 21.2k, 16.9k; 2 workers 11.3k, 26.8k, 23.1k."""
-    env = os.environ.get("VERIBUS_REBUILD_WORKERS")
-    if env:
-        return max(0, int(env))
-    return max(1, os.cpu_count() or 1)
+    n = Settings.from_env("rebuild_workers").rebuild_workers
+    return n if n is not None else max(1, os.cpu_count() or 1)
 
 
 class Workers:
@@ -94,15 +102,59 @@ class Workers:
                     f.close()
 
 
+class StreamReader:
+    """Reads a whole stream through an ephemeral pull consumer, a batch per pull request, the
+    messages collected by a subscription callback. (`PullSubscription.fetch` awaits each message
+    with its own timeout: about five times slower, and a rebuild reads every event there is.)"""
+
+    def __init__(self, nc: Any, consumer: str, max_bytes: int = 32 * 2**20) -> None:
+        self.nc, self.consumer, self.max_bytes = nc, consumer, max_bytes
+        self.inbox = nc.new_inbox()
+        self.msgs: list[Any] = []
+        self.want = 0
+        self.ended = asyncio.Event()
+
+    async def _on_msg(self, msg: Any) -> None:
+        if not msg.data and msg.headers and msg.headers.get("Status"):
+            self.ended.set()  # the request ended: expired (408), over max_bytes (409), nothing left (404)
+            return
+        self.msgs.append(msg)
+        if len(self.msgs) >= self.want:
+            self.ended.set()
+
+    async def batches(self, remaining: int, batch: int, end_seq: int | None = None) -> Any:
+        """Yield lists of messages until `remaining` (the consumer's pending count) are read, or,
+        with `end_seq`, until stream sequence `end_seq` (the messages after it are left out)."""
+        sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=4 * batch,
+                                      pending_bytes_limit=4 * self.max_bytes)
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{events.STREAM}.{self.consumer}"
+        try:
+            while remaining > 0:
+                self.msgs, self.want = [], min(batch, remaining)
+                self.ended.clear()
+                req = {"batch": self.want, "max_bytes": self.max_bytes, "expires": 5_000_000_000}
+                await self.nc.publish(subject, events.to_json(req), reply=self.inbox)
+                await self.ended.wait()
+                msgs = self.msgs
+                if not msgs:
+                    continue
+                meta = msgs[-1].metadata
+                remaining = meta.num_pending if meta is not None else remaining - len(msgs)
+                if end_seq is not None and meta is not None:
+                    last = meta.sequence.stream
+                    if last > end_seq:
+                        msgs = [m for m in msgs if m.metadata.sequence.stream <= end_seq]
+                    remaining = min(remaining, max(0, end_seq - last))
+                yield msgs
+        finally:
+            await sub.unsubscribe()
+
+
+
 # ---- the worker side ----
 
 async def _read_chunk(nc: Any, start: int, end: int, batch: int) -> list[Any]:
     """The messages with stream sequence start..end (fewer where the stream has gaps)."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    from shared.control.rebuild import _StreamReader
-    from shared.core import events
-
     js = nc.jetstream()
     info = await js.add_consumer(events.STREAM, ConsumerConfig(
         ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
@@ -110,7 +162,7 @@ async def _read_chunk(nc: Any, start: int, end: int, batch: int) -> list[Any]:
     out: list[Any] = []
     try:
         pending = int(info.num_pending or 0)
-        async for msgs in _StreamReader(nc, info.name).batches(min(pending, end - start + 1), batch, end_seq=end):
+        async for msgs in StreamReader(nc, info.name).batches(min(pending, end - start + 1), batch, end_seq=end):
             out.extend(msgs)
     finally:
         try:
@@ -121,14 +173,6 @@ async def _read_chunk(nc: Any, start: int, end: int, batch: int) -> list[Any]:
 
 
 async def _work(conf: dict[str, Any], out: Any) -> None:
-    import gc
-
-    from shared.core.config import Settings
-    from shared.runtime import bus
-    from shared.store import arrow
-    from shared.store.engine import projection_columns
-    from shared.store.projection import Projector
-
     settings = Settings.model_validate(conf["settings"])
     types = {table: arrow.arrow_types(t) for table, t in conf["types"].items()}
     projector = Projector(settings)
@@ -150,14 +194,9 @@ async def _work(conf: dict[str, Any], out: Any) -> None:
 
 
 def _warm_up() -> None:
-    """Import what a chunk needs before the configuration comes (meanwhile the inserting process
-    opens chdb), and make pyarrow load pandas now: its first `pa.array` imports it (~0.3 s)."""
-    import pyarrow as pa
-
-    import shared.store.engine  # noqa: F401 - the import is the point
-    import shared.store.projection  # noqa: F401
-    from shared.control import rebuild  # noqa: F401
-    from shared.runtime import bus  # noqa: F401
+    """Before the configuration comes (meanwhile the inserting process opens chdb), make pyarrow
+    load pandas: its first `pa.array` imports it (~0.3 s)."""
+    import pyarrow as pa  # local import: heavy, and only a worker fills Arrow columns
 
     pa.array([b""], type=pa.binary())
 
