@@ -197,6 +197,10 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
     fingerprints, the drop and the inserts; worker processes read and project the stream
     (`rebuild_parallel`; none: all in this process)."""
     n = rebuild_parallel.default_workers() if workers is None else workers
+    # no more workers than chunks, and none for one chunk (a small stream: a worker's start-up,
+    # ~0.9 s of CPU, would cost more than it saves)
+    chunks = len(rebuild_parallel.plan_chunks(*asyncio.run(_stream_range(settings)), rebuild_parallel.CHUNK))
+    n = min(n, chunks) if chunks > 1 else 0
     pool = rebuild_parallel.Workers(n) if n > 0 else None  # started first: their imports overlap chdb's
     try:
         store = open_store(settings, migrate=False)
