@@ -14,7 +14,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from shared.control import processes, stack
+from shared.control import processes, rebuild_parallel, stack
+from shared.control.rebuild_parallel import StreamReader
 from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
 from shared.core import events
 from shared.core.config import Settings
@@ -123,48 +124,6 @@ def _recreate_tables(settings: Settings) -> None:
         store.close()
 
 
-class _StreamReader:
-    """Reads a whole stream through an ephemeral pull consumer, a batch per pull request, the
-    messages collected by a subscription callback. (`PullSubscription.fetch` awaits each message
-    with its own timeout: about five times slower, and a rebuild reads every event there is.)"""
-
-    def __init__(self, nc: Any, consumer: str, max_bytes: int = 32 * 2**20) -> None:
-        self.nc, self.consumer, self.max_bytes = nc, consumer, max_bytes
-        self.inbox = nc.new_inbox()
-        self.msgs: list[Any] = []
-        self.want = 0
-        self.ended = asyncio.Event()
-
-    async def _on_msg(self, msg: Any) -> None:
-        if not msg.data and msg.headers and msg.headers.get("Status"):
-            self.ended.set()  # the request ended: expired (408), over max_bytes (409), nothing left (404)
-            return
-        self.msgs.append(msg)
-        if len(self.msgs) >= self.want:
-            self.ended.set()
-
-    async def batches(self, remaining: int, batch: int) -> Any:
-        """Yield lists of messages until `remaining` (the consumer's pending count) are read."""
-        sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=4 * batch,
-                                      pending_bytes_limit=4 * self.max_bytes)
-        subject = f"$JS.API.CONSUMER.MSG.NEXT.{events.STREAM}.{self.consumer}"
-        try:
-            while remaining > 0:
-                self.msgs, self.want = [], min(batch, remaining)
-                self.ended.clear()
-                req = {"batch": self.want, "max_bytes": self.max_bytes, "expires": 5_000_000_000}
-                await self.nc.publish(subject, events.to_json(req), reply=self.inbox)
-                await self.ended.wait()
-                msgs = self.msgs
-                if not msgs:
-                    continue
-                meta = msgs[-1].metadata
-                remaining = meta.num_pending if meta is not None else remaining - len(msgs)
-                yield msgs
-        finally:
-            await sub.unsubscribe()
-
-
 async def _project_in_process(settings: Settings, store: Store, batch: int = 10_000) -> None:
     """Fold the whole stream into the tables of `store` from this process (no projector running)."""
     async with bus.session(settings) as nc:
@@ -182,7 +141,7 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            async for msgs in _StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
+            async for msgs in StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
                 p = projector.project_batch(msgs)
                 await projector.attach_contents(p)
                 projector.insert(p)
@@ -233,22 +192,92 @@ def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
     return RebuildReport(before, after, msgs, time.monotonic() - t0, "stack", contents_missing=missing)
 
 
-def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: float) -> RebuildReport:
+async def _stream_range(settings: Settings) -> tuple[int, int]:
+    async with bus.session(settings) as nc:
+        info = await nc.jetstream().stream_info(events.STREAM)
+        return int(info.state.first_seq), int(info.state.last_seq)
+
+
+# the rebuild's inserts do not collapse rows of one key inside a block as they go in (a sort per
+# block saved: ~3 us an event); reads use FINAL and merges collapse them, keeping the later row as
+# the insert would have
+REBUILD_INSERT = {"optimize_on_insert": 0}
+
+
+def _fold_in_workers(settings: Settings, store: Store, workers: Any, batch: int = 10_000) -> None:
+    """Fold the stream with `workers` (rebuild_parallel) reading and projecting, this process inserting."""
+    first, last = asyncio.run(_stream_range(settings))
+    chunks = rebuild_parallel.plan_chunks(first, last, rebuild_parallel.CHUNK)
+    types = {t: store.column_types(t) for t in ("events", "verification_results", "runs")}
+    workers.run(settings, types, chunks, lambda *block: store.insert_block(*block, settings=REBUILD_INSERT), batch)
+
+
+# (key, kind, run_id) of the contents job events refer to that `contents` does not have yet, the
+# first run to mention each: what the live projector's attach_contents copies, found in SQL
+_CONTENT_REFS_SQL = (
+    "SELECT key, any(kind), min(run_id) FROM ("
+    " SELECT run_id, tupleElement(kv, 1) AS kind, tupleElement(kv, 2) AS key FROM events"
+    " ARRAY JOIN JSONExtractKeysAndValues(payload, 'job', 'refs', 'String') AS kv"
+    " WHERE event_type = 'answer.generated'"
+    " UNION ALL"
+    " SELECT run_id, tupleElement(kv, 1) AS kind, tupleElement(kv, 2) AS key FROM events"
+    " ARRAY JOIN JSONExtractArrayRaw(payload, 'jobs') AS j"
+    " ARRAY JOIN JSONExtractKeysAndValues(j, 'refs', 'String') AS kv"
+    " WHERE event_type = 'answer.requested')"
+    " WHERE key != '' AND key NOT IN (SELECT key FROM contents) GROUP BY key"
+)
+
+
+async def _copy_contents(settings: Settings, store: Store, window: int = 256) -> None:
+    """After a fold in workers (which project events, not contents): copy the contents the events
+    refer to from the content store, as the live projector does; a content the store no longer
+    has stays missing, and `missing_contents` names its run."""
+    refs = [(str(k), str(kind), str(run)) for k, kind, run in store.query(_CONTENT_REFS_SQL).rows]
+    if not refs:
+        return
+    async with bus.session(settings) as nc:
+        content = ContentStore(lambda: nc.jetstream())
+        for i in range(0, len(refs), window):
+            part = refs[i:i + window]
+            bodies = await asyncio.gather(*(content.get_raw(k) for k, _, _ in part))
+            store.insert_contents([[k, kind, run, bytes(b)] for (k, kind, run), b in zip(part, bodies, strict=True)
+                                   if b is not None])
+
+
+def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: float,
+                        workers: int | None = None) -> RebuildReport:
     """No projector running: one store connection (the chdb folder is this process's) for the
-    fingerprints, the drop and the fold."""
-    store = open_store(settings, migrate=False)
+    fingerprints, the drop and the inserts; worker processes read and project the stream
+    (`rebuild_parallel`; none: all in this process)."""
+    n = rebuild_parallel.default_workers() if workers is None else workers
+    # no more workers than chunks, and none for one chunk (a small stream: a worker's start-up,
+    # ~0.9 s of CPU, would cost more than it saves)
+    chunks = len(rebuild_parallel.plan_chunks(*asyncio.run(_stream_range(settings)), rebuild_parallel.CHUNK))
+    n = min(n, chunks) if chunks > 1 else 0
+    pool = rebuild_parallel.Workers(n) if n > 0 else None  # started first: their imports overlap chdb's
     try:
-        before = fingerprint(store.query)
-        say("dropping and recreating the tables")
-        store.drop_all()
-        store.migrate()
-        say("folding the stream in this process")
-        t_fold = time.monotonic()
-        asyncio.run(_project_in_process(settings, store))
-        fold_s = time.monotonic() - t_fold
-        after = fingerprint(store.query)
-        missing = missing_contents(store.query)
+        store = open_store(settings, migrate=False)
+        try:
+            before = fingerprint(store.query)
+            say("dropping and recreating the tables")
+            store.drop_all()
+            store.migrate()
+            t_fold = time.monotonic()
+            if pool is not None:
+                say(f"folding the stream: {n} worker processes read and project, this one inserts")
+                _fold_in_workers(settings, store, pool)
+                asyncio.run(_copy_contents(settings, store))
+            else:
+                say("folding the stream in this process")
+                asyncio.run(_project_in_process(settings, store))
+            fold_s = time.monotonic() - t_fold
+            say("fingerprinting the rebuilt tables")
+            after = fingerprint(store.query)
+            missing = missing_contents(store.query)
+        finally:
+            store.close()
     finally:
-        store.close()
+        if pool is not None:
+            pool.close()
     msgs = asyncio.run(_stream_messages(settings))
     return RebuildReport(before, after, msgs, time.monotonic() - t0, "in-process", fold_s, missing)

@@ -58,6 +58,11 @@ def arrow_type(ch_type: str) -> Any:
     raise ValueError(f"no Arrow type for ClickHouse type {ch_type!r}")
 
 
+def arrow_types(ch_types: dict[str, str]) -> dict[str, Any]:
+    """{column: ClickHouse type} -> {column: Arrow type} (a column not handled raises ValueError)."""
+    return {name: arrow_type(t) for name, t in ch_types.items()}
+
+
 def to_arrow(types: dict[str, Any], column_names: Sequence[str], columns: Sequence[Sequence[Any]]) -> Any:
     """An Arrow table of `columns` (one sequence of values per column name)."""
     import pyarrow as pa  # local import: pyarrow is heavy and only the store's inserts need it

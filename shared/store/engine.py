@@ -72,6 +72,21 @@ class QueryResult:
 _chdb_lock = threading.Lock()
 
 
+def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Sequence[Any]]]]:
+    """(table, column names, columns) of a projection's rows, in insert order: contents, results
+    and runs first, events last (the store's inserts and the rebuild's workers share this)."""
+    out: list[tuple[str, Sequence[str], list[Sequence[Any]]]] = []
+    if p.contents:
+        out.append(("contents", CONTENT_COLUMNS, list(zip(*p.contents, strict=True))))
+    if p.results:
+        out.append(("verification_results", RESULT_COLUMNS, [[row[c] for row in p.results] for c in RESULT_COLUMNS]))
+    if p.runs:
+        out.append(("runs", RUN_COLUMNS, list(zip(*p.runs, strict=True))))
+    if p.events:
+        out.append(("events", EVENT_COLUMNS, list(zip(*p.events, strict=True))))
+    return out
+
+
 def preload_chdb() -> None:
     """Import chdb once, early, in the calling (main) thread: the import is slow (~0.3 s, ~226 MB)
     and may change the working directory, so it must not happen lazily inside a worker thread."""
@@ -116,11 +131,15 @@ class Store:
             self.client.command(f"DROP TABLE IF EXISTS {self.database}.{name}")
 
     # ---- writes ----
+    def column_types(self, table: str) -> dict[str, str]:
+        """The ClickHouse type of each column of `table` (what its Arrow types are made from)."""
+        rows = self.client.query(f"DESCRIBE TABLE {self.database}.{check_identifier(table)}").result_rows
+        return {r[0]: r[1] for r in rows}
+
     def _types_of(self, table: str) -> dict[str, Any]:
         types = self._arrow_types.get(table)
         if types is None:
-            rows = self.client.query(f"DESCRIBE TABLE {self.database}.{table}").result_rows
-            types = self._arrow_types[table] = {r[0]: arrow.arrow_type(r[1]) for r in rows}
+            types = self._arrow_types[table] = arrow.arrow_types(self.column_types(table))
         return types
 
     def _insert(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]]) -> None:
@@ -129,11 +148,27 @@ class Store:
         never lost to the format (inserts are idempotent: the tables replace by key)."""
         try:
             block = arrow.to_arrow(self._types_of(table), column_names, columns)
-            self.client.insert_arrow(f"{self.database}.{table}", block)
-            return
         except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
-            log.debug("Arrow insert into %s refused (%s); inserting natively", table, exc)
-        self.client.insert(f"{self.database}.{table}", list(zip(*columns, strict=True)), column_names=column_names)
+            log.debug("no Arrow block for %s (%s); inserting natively", table, exc)
+            block = None
+        self.insert_block(table, column_names, columns, block)
+
+    def insert_block(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]] | None,
+                     block: Any | None, settings: Mapping[str, Any] | None = None) -> None:
+        """Insert `columns`, given as the Arrow `block` made from them when there is one (the
+        rebuild makes them in worker processes); Native insert when there is none or the engine
+        refuses it (with no `columns` to fall back on, the refusal is raised)."""
+        if block is not None:
+            try:
+                self.client.insert_arrow(f"{self.database}.{table}", block, settings=dict(settings or {}))
+                return
+            except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
+                if columns is None:
+                    raise
+                log.debug("Arrow insert into %s refused (%s); inserting natively", table, exc)
+        assert columns is not None, "a block or its columns"
+        self.client.insert(f"{self.database}.{table}", list(zip(*columns, strict=True)), column_names=column_names,
+                           settings=dict(settings or {}))
 
     def insert_event_rows(self, rows: Sequence[Sequence[Any]]) -> None:
         if rows:
@@ -171,10 +206,8 @@ class Store:
     def insert_projection(self, p: Projection) -> None:
         """Contents, results and runs first, events last; all idempotent, so a retry after a
         partial failure converges."""
-        self.insert_contents(p.contents)
-        self.insert_results(p.results)
-        self.insert_runs(p.runs)
-        self.insert_event_rows(p.events)
+        for table, column_names, columns in projection_columns(p):
+            self._insert(table, column_names, columns)
 
     # ---- reads ----
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:

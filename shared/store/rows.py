@@ -166,12 +166,20 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     state = probe.state
     if state is None:
         return
-    stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
-    if stages:
-        row[_SNAMES] = [s.stage for s in stages]
-        row[_SSTATUS] = [s.status for s in stages]
-        row[_SSTART] = [s.started_at for s in stages]
-        row[_SEND] = [s.ended_at for s in stages]
+    if state.log and not state.stages:  # the lean wire: the columns straight from the compact log
+        base = state.started_at
+        starts = [round(base + e[3], 6) for e in state.log]
+        row[_SNAMES] = [e[0] for e in state.log]
+        row[_SSTATUS] = [e[1] for e in state.log]
+        row[_SSTART] = starts
+        row[_SEND] = [round(b + e[4], 6) for b, e in zip(starts, state.log, strict=True)]
+    else:
+        stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
+        if stages:
+            row[_SNAMES] = [s.stage for s in stages]
+            row[_SSTATUS] = [s.status for s in stages]
+            row[_SSTART] = [s.started_at for s in stages]
+            row[_SEND] = [s.ended_at for s in stages]
     keys = _EVENT_USAGE_KEYS.get(event_type, ())
     entries = [state.usage[k] for k in keys if isinstance(state.usage.get(k), dict)]
     if entries:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from shared.analysis.export import export_run, rubric_definition_from_store, trait_split_from_store
-from shared.control import processes, rebuild, runner
+from shared.control import processes, rebuild, rebuild_parallel, runner
 from shared.runtime import bus, content
 from shared.store.reads import ResultFilter, open_source
 from tests.support.stack import (
@@ -112,13 +112,17 @@ def test_rebuild_copies_the_contents_again(cstack: Stack, rubric_run: runner.Run
     _check_exports(cstack, rubric_run.run_id, tmp_path)
 
 
-def test_rebuild_in_process_copies_the_contents(cstack: Stack, rubric_run: runner.RunPlan, tmp_path: Path) -> None:
-    """Without a running projector, the rebuild folds the stream in this process and reads the
-    contents from the bucket itself."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rebuild_in_process_copies_the_contents(cstack: Stack, rubric_run: runner.RunPlan, tmp_path: Path,
+                                                workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a running projector, the rebuild folds the stream in this process (or in worker
+    processes, which project events only, the contents then copied in SQL-found order) and reads
+    the contents from the bucket itself."""
+    monkeypatch.setattr(rebuild_parallel, "CHUNK", 7)  # many chunks, so the workers do run
     before = _contents(cstack, rubric_run.run_id)
     processes.stop_proc(cstack.proc("projector"), timeout=30.0)
     try:
-        rep = rebuild._rebuild_in_process(cstack.settings, lambda _m: None, time.monotonic())
+        rep = rebuild._rebuild_in_process(cstack.settings, lambda _m: None, time.monotonic(), workers=workers)
     finally:
         cstack.restart("projector")
     assert rep.mode == "in-process" and rep.identical, (rep.before, rep.after)

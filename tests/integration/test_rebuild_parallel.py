@@ -1,0 +1,77 @@
+"""`projections rebuild` with worker processes (real nats-server, real chdb): chunks of the stream
+projected in other processes and inserted in stream order give the very tables the one-process
+fold gives, gaps in the stream and a re-published event (a later copy of an event id) included."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats
+import pytest
+
+from bench.rebuild import result_events
+from shared.control import rebuild, rebuild_parallel
+from shared.core import events
+from shared.core.config import Settings
+from shared.runtime import bus
+from shared.store.engine import open_store
+
+
+def _stream(run_id: str, n: int) -> list[events.Envelope]:
+    ts = "2025-01-01T00:00:00+00:00"
+    out = [events.make_envelope(events.RUN_REQUESTED, run_id, events.RUN_KEY, events.RunRequested(
+        run_id=run_id, timestamp=ts, job_count=n, answer_count=n, benchmark_name="bench"), "cli/test")]
+    for i in range(n):
+        out.extend(result_events(run_id, 700 + i, ts, 1_700_000_000.0 + i))
+    return out
+
+
+async def _fill(settings: Settings, envs: list[events.Envelope]) -> tuple[int, int, events.Envelope]:
+    """Publish `envs`, then a later copy of one result's finalized event under another message id
+    (as a republish outside the duplicate window lands), and delete two messages (gaps)."""
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js, settings)
+        await bus.publish_many(js, envs)
+        final = next(e for e in envs if e.event_type == events.RESULT_FINALIZED)
+        final.occurred_at += 60.0
+        await js.publish(final.subject, events.wire(final), headers={"Nats-Msg-Id": "republished-" + final.event_id})
+        for seq in (5, 23):
+            await js.delete_msg(events.STREAM, seq)
+        info = await js.stream_info(events.STREAM)
+        return int(info.state.first_seq), int(info.state.last_seq), final
+    finally:
+        await nc.close()
+
+
+def test_plan_chunks_covers_the_range_in_order() -> None:
+    assert rebuild_parallel.plan_chunks(3, 10, 4) == [(3, 6), (7, 10)]
+    assert rebuild_parallel.plan_chunks(1, 9, 4) == [(1, 4), (5, 8), (9, 9)]
+    assert rebuild_parallel.plan_chunks(1, 0, 4) == []  # an empty stream
+
+
+def test_workers_rebuild_the_tables_the_single_process_fold_builds(
+        nats_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    settings = Settings(home=tmp_path / "home", nats_url=nats_server.url)
+    first, last, copy = asyncio.run(_fill(settings, _stream("20250103T000000-parallel", 9)))
+    assert last - first > 40
+
+    monkeypatch.setenv("VERIBUS_REBUILD_WORKERS", "0")
+    one = rebuild.rebuild_projections(settings)
+    monkeypatch.setenv("VERIBUS_REBUILD_WORKERS", "2")
+    monkeypatch.setattr(rebuild_parallel, "CHUNK", 7)  # many chunks: both workers, chunks across the gaps
+    two = rebuild.rebuild_projections(settings)
+
+    assert one.mode == two.mode == "in-process"
+    assert one.after == two.after
+    assert two.after["verification_results"][0] == 9 and two.after["runs"][0] == 1
+    assert two.after["events"][0] == last - first + 1 - 2 - 1  # gaps left out; the copy replaces its event
+    store = open_store(settings)
+    try:
+        kept = store.query("SELECT toUnixTimestamp64Micro(occurred_at) FROM events FINAL WHERE event_id = {e:String}",
+                           {"e": copy.event_id}).rows
+    finally:
+        store.close()
+    assert kept == [(round(copy.occurred_at * 1_000_000),)]  # the later copy, as the live projector keeps it
