@@ -23,8 +23,9 @@ from shared.runtime import bus
 from shared.runtime.content import BUCKET as CONTENT_BUCKET
 from shared.runtime.content import ContentStore
 from shared.store.engine import Store, open_store
-from shared.store.projection import Projector, missing_contents
+from shared.store.projection import UNCOPIED_REFS_SQL, Projector, missing_contents
 from shared.store.reads import run_query
+from shared.store.rows import Projection
 
 log = logging.getLogger("veribus.lifecycle")
 
@@ -212,36 +213,22 @@ def _fold_in_workers(settings: Settings, store: Store, workers: Any, batch: int 
     workers.run(settings, types, chunks, lambda *block: store.insert_block(*block, settings=REBUILD_INSERT), batch)
 
 
-# (key, kind, run_id) of the contents job events refer to that `contents` does not have yet, the
-# first run to mention each: what the live projector's attach_contents copies, found in SQL
-_CONTENT_REFS_SQL = (
-    "SELECT key, any(kind), min(run_id) FROM ("
-    " SELECT run_id, tupleElement(kv, 1) AS kind, tupleElement(kv, 2) AS key FROM events"
-    " ARRAY JOIN JSONExtractKeysAndValues(payload, 'job', 'refs', 'String') AS kv"
-    " WHERE event_type = 'answer.generated'"
-    " UNION ALL"
-    " SELECT run_id, tupleElement(kv, 1) AS kind, tupleElement(kv, 2) AS key FROM events"
-    " ARRAY JOIN JSONExtractArrayRaw(payload, 'jobs') AS j"
-    " ARRAY JOIN JSONExtractKeysAndValues(j, 'refs', 'String') AS kv"
-    " WHERE event_type = 'answer.requested')"
-    " WHERE key != '' AND key NOT IN (SELECT key FROM contents) GROUP BY key"
-)
-
-
-async def _copy_contents(settings: Settings, store: Store, window: int = 256) -> None:
-    """After a fold in workers (which project events, not contents): copy the contents the events
-    refer to from the content store, as the live projector does; a content the store no longer
-    has stays missing, and `missing_contents` names its run."""
-    refs = [(str(k), str(kind), str(run)) for k, kind, run in store.query(_CONTENT_REFS_SQL).rows]
+async def _copy_contents(settings: Settings, store: Store, window: int = 1000) -> None:
+    """After a fold in workers (which project events, not contents): the live projector's
+    `attach_contents` copies what the events refer to from the content store, a window of refs
+    (found in SQL) at a time; a content the store no longer has stays missing, and
+    `missing_contents` names its run."""
+    refs = {str(k): (str(kind), str(run)) for k, kind, run in store.query(UNCOPIED_REFS_SQL).rows}
     if not refs:
         return
     async with bus.session(settings) as nc:
-        content = ContentStore(lambda: nc.jetstream())
-        for i in range(0, len(refs), window):
-            part = refs[i:i + window]
-            bodies = await asyncio.gather(*(content.get_raw(k) for k, _, _ in part))
-            store.insert_contents([[k, kind, run, bytes(b)] for (k, kind, run), b in zip(part, bodies, strict=True)
-                                   if b is not None])
+        projector = Projector(settings, fetch_content=ContentStore(lambda: nc.jetstream()).get_raw)
+        projector.store = store
+        keys = list(refs)
+        for i in range(0, len(keys), window):
+            p = Projection(refs={k: refs[k] for k in keys[i:i + window]})
+            await projector.attach_contents(p)
+            projector.insert(p)
 
 
 def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: float,

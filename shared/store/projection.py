@@ -34,12 +34,29 @@ _json = msgspec.json.Encoder(enc_hook=str)
 ContentFetcher = Callable[[str], Awaitable[bytes | None]]
 MAX_KNOWN_CONTENTS = 200_000  # keys remembered as stored; past it, ClickHouse is asked again
 
+# (run_id, kind, key) of every content a job event refers to (`Job.refs`): answer.generated
+# carries one job, answer.requested a list of them (what `rows.content_refs` reads from an event)
+CONTENT_REFS_SQL = (
+    "SELECT run_id, tupleElement(kv, 1) AS kind, tupleElement(kv, 2) AS key FROM events"
+    " ARRAY JOIN JSONExtractKeysAndValues(payload, 'job', 'refs', 'String') AS kv"
+    " WHERE event_type = 'answer.generated'"
+    " UNION ALL"
+    " SELECT run_id, tupleElement(kv, 1) AS kind, tupleElement(kv, 2) AS key FROM events"
+    " ARRAY JOIN JSONExtractArrayRaw(payload, 'jobs') AS j"
+    " ARRAY JOIN JSONExtractKeysAndValues(j, 'refs', 'String') AS kv"
+    " WHERE event_type = 'answer.requested'"
+)
+
 # (run_id, content keys its job events refer to that `contents` does not have)
 MISSING_CONTENTS_SQL = (
-    "SELECT run_id, uniqExact(key) FROM (SELECT run_id, "
-    "tupleElement(arrayJoin(JSONExtractKeysAndValues(payload, 'job', 'refs', 'String')), 2) AS key "
-    "FROM events WHERE event_type = 'answer.generated') "
+    f"SELECT run_id, uniqExact(key) FROM ({CONTENT_REFS_SQL}) "
     "WHERE key != '' AND key NOT IN (SELECT key FROM contents) GROUP BY run_id ORDER BY run_id"
+)
+
+# key -> (kind, first run to mention it) of the referenced contents `contents` does not have
+UNCOPIED_REFS_SQL = (
+    f"SELECT key, any(kind), min(run_id) FROM ({CONTENT_REFS_SQL}) "
+    "WHERE key != '' AND key NOT IN (SELECT key FROM contents) GROUP BY key"
 )
 
 
