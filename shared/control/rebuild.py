@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from shared.control import processes, rebuild_parallel, stack
-from shared.control.rebuild_parallel import StreamReader
+from shared.control.rebuild_parallel import StreamReader, ephemeral_consumer
 from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
 from shared.core import events
 from shared.core.config import Settings
@@ -134,9 +134,6 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         js = nc.jetstream()
         projector = Projector(settings, fetch_content=ContentStore(lambda: js).get_raw)
         projector.store = store
-        info = await js.add_consumer(events.STREAM, ConsumerConfig(
-            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0,
-            max_ack_pending=-1))
         # one batch at a time: inserting in a thread beside the next batch's projection was slower
         # (both hold the GIL for most of their work). The cyclic collector is off meanwhile: a batch
         # keeps ~100,000 objects alive and makes no cycles, and its passes over them cost about a
@@ -145,17 +142,14 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            async for msgs in StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
-                p = projector.project_batch(msgs)
-                await projector.attach_contents(p)
-                projector.insert(p)
+            async with ephemeral_consumer(js, DeliverPolicy.ALL) as info:
+                async for msgs in StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
+                    p = projector.project_batch(msgs)
+                    await projector.attach_contents(p)
+                    projector.insert(p)
         finally:
             if gc_was_on:
                 gc.enable()
-            try:
-                await js.delete_consumer(events.STREAM, info.name)
-            except Exception as exc:  # noqa: BLE001 - it goes when inactive anyway
-                log.debug("deleting the rebuild consumer: %s", exc)
 
 
 def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
