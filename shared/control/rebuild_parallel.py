@@ -193,10 +193,8 @@ async def _work(conf: dict[str, Any], out: Any) -> None:
             p = projector.project_batch(msgs)
             blocks = []
             for table, column_names, columns in projection_columns(p):
-                try:
-                    block = arrow.to_arrow(types[table], column_names, columns)
-                except Exception:  # noqa: BLE001 - the inserting process falls back to a Native insert
-                    block = None
+                # no block: the inserting process falls back to a Native insert
+                block = arrow.block_or_none(types.__getitem__, table, column_names, columns)
                 blocks.append((table, column_names, None if block is not None else columns, block))
             pickle.dump({"messages": len(msgs), "blocks": blocks}, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()
