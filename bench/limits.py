@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import nats
 
-from shared.control.nats_nodes import nats_server_binary
-from shared.control.processes import free_port
+from shared.control.nats_nodes import standalone_nats
 from shared.core.events import ModelSpec
-from shared.runtime.bus import wait_for_port
 from shared.runtime.call_limits import LocalLimiter
 from shared.runtime.ledger_store import KVLedgerStore
 from shared.runtime.limits import Limiter
@@ -60,13 +58,10 @@ async def measure(url: str, calls: int, cap: int, callers: int, hold_s: float) -
 
 
 def main(args: argparse.Namespace) -> int:
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="veribus-bench-limits-") as store:
-        proc = subprocess.Popen([str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc, url = standalone_nats(Path(store))
         try:
-            wait_for_port("127.0.0.1", port, 10)
-            row = asyncio.run(measure(f"nats://127.0.0.1:{port}", args.limit_calls, 16, 24, 0.002))
+            row = asyncio.run(measure(url, args.limit_calls, 16, 24, 0.002))
         finally:
             proc.kill()
             proc.wait(timeout=10)

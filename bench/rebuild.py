@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-from shared.control import rebuild, stack
+from shared.control import rebuild
+from shared.control.nats_nodes import standalone_nats
 from shared.core import events
 from shared.core.config import Settings
 from shared.core.fold import fold_result
@@ -129,14 +129,6 @@ def generate(n_events: int, runs: int) -> list[events.Envelope]:
     return out
 
 
-def _spawn_nats(store: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = stack.free_port()
-    proc = subprocess.Popen([str(stack.nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js",
-                             "-sd", str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    bus.wait_for_port("127.0.0.1", port, 10)
-    return proc, f"nats://127.0.0.1:{port}"
-
-
 async def _fill(settings: Settings, envs: list[events.Envelope]) -> tuple[int, int]:
     async with bus.session(settings) as nc:
         js = nc.jetstream()
@@ -149,7 +141,7 @@ async def _fill(settings: Settings, envs: list[events.Envelope]) -> tuple[int, i
 def measure(n_events: int, runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="veribus-bench-rebuild-") as tmp:
         home = Path(tmp)
-        proc, url = _spawn_nats(home / "nats")
+        proc, url = standalone_nats(home / "nats")
         try:
             settings = Settings(home=home / "home", nats_url=url)
             t = time.perf_counter()

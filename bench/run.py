@@ -70,11 +70,8 @@ async def stream_bytes(settings: Settings) -> int:
     from shared.core import events
     from shared.runtime import bus
 
-    nc = await bus.connect(settings)
-    try:
+    async with bus.session(settings) as nc:
         return int((await nc.jetstream().stream_info(events.STREAM)).state.bytes or 0)
-    finally:
-        await nc.close()
 
 
 def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int],

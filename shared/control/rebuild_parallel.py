@@ -19,12 +19,14 @@ stdin, not the command line, as the settings may hold NATS credentials.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import logging
 import os
 import pickle
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -35,6 +37,8 @@ from shared.runtime import bus
 from shared.store import arrow
 from shared.store.engine import projection_columns
 from shared.store.projection import Projector
+
+log = logging.getLogger("veribus.lifecycle")
 
 CHUNK = 10_000  # stream sequences per chunk: one worker message, one insert per table
 
@@ -150,25 +154,31 @@ class StreamReader:
             await sub.unsubscribe()
 
 
+@contextlib.asynccontextmanager
+async def ephemeral_consumer(js: Any, deliver_policy: DeliverPolicy, **config: Any) -> AsyncIterator[Any]:
+    """An unacknowledged ephemeral consumer on the events stream (its ConsumerInfo), for reading
+    it through `StreamReader`; deleted afterwards."""
+    info = await js.add_consumer(events.STREAM, ConsumerConfig(
+        ack_policy=AckPolicy.NONE, deliver_policy=deliver_policy, inactive_threshold=30.0, max_ack_pending=-1,
+        **config))
+    try:
+        yield info
+    finally:
+        try:
+            await js.delete_consumer(events.STREAM, info.name)
+        except Exception as exc:  # noqa: BLE001 - it goes when inactive anyway
+            log.debug("deleting the rebuild consumer: %s", exc)
+
 
 # ---- the worker side ----
 
 async def _read_chunk(nc: Any, start: int, end: int, batch: int) -> list[Any]:
     """The messages with stream sequence start..end (fewer where the stream has gaps)."""
-    js = nc.jetstream()
-    info = await js.add_consumer(events.STREAM, ConsumerConfig(
-        ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
-        inactive_threshold=30.0, max_ack_pending=-1))
     out: list[Any] = []
-    try:
+    async with ephemeral_consumer(nc.jetstream(), DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start) as info:
         pending = int(info.num_pending or 0)
         async for msgs in StreamReader(nc, info.name).batches(min(pending, end - start + 1), batch, end_seq=end):
             out.extend(msgs)
-    finally:
-        try:
-            await js.delete_consumer(events.STREAM, info.name)
-        except Exception:  # noqa: BLE001 - it goes when inactive anyway
-            pass
     return out
 
 
@@ -183,10 +193,8 @@ async def _work(conf: dict[str, Any], out: Any) -> None:
             p = projector.project_batch(msgs)
             blocks = []
             for table, column_names, columns in projection_columns(p):
-                try:
-                    block = arrow.to_arrow(types[table], column_names, columns)
-                except Exception:  # noqa: BLE001 - the inserting process falls back to a Native insert
-                    block = None
+                # no block: the inserting process falls back to a Native insert
+                block = arrow.block_or_none(types.__getitem__, table, column_names, columns)
                 blocks.append((table, column_names, None if block is not None else columns, block))
             pickle.dump({"messages": len(msgs), "blocks": blocks}, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()

@@ -38,6 +38,7 @@ from shared.control.processes import (
     Proc,
     free_port,
     is_nats,
+    is_service,
     listening,
     marked_processes,
     spawn,
@@ -89,6 +90,9 @@ class StackState:
 
     def nats_procs(self) -> list[Proc]:
         return [p for p in self.procs if is_nats(p.name)]
+
+    def service_procs(self) -> list[Proc]:
+        return [p for p in self.procs if is_service(p.name)]
 
     def dead(self) -> list[Proc]:
         return [p for p in self.procs if not p.alive()]
@@ -202,7 +206,7 @@ def heal(state: StackState, *, extra_env: dict[str, str] | None = None, timeout:
         state.restarted = []
         return state
     if not any(p.alive() for p in state.nats_procs()):
-        stale = [p for p in state.procs if not is_nats(p.name) and p.name != "simulator"]
+        stale = state.service_procs()
         stop_procs(stale, timeout=10.0)  # all of them, the projector (holding chdb) included, before any start
         dead = state.dead()
     stop_orphans(home, keep=_accounted_pids(state))
@@ -217,7 +221,7 @@ def heal(state: StackState, *, extra_env: dict[str, str] | None = None, timeout:
         new = _respawn(state, old, env)
         if new.port is not None:
             wait_for_port("127.0.0.1", new.port, timeout)
-    new_services = [_respawn(state, old, env) for old in dead if not is_nats(old.name) and old.name != "simulator"]
+    new_services = [_respawn(state, old, env) for old in dead if is_service(old.name)]
     for p in new_services:
         wait_proc_ready(p, timeout)
     state.restarted = [p.name for p in dead]
@@ -242,7 +246,7 @@ def _respawn(state: StackState, old: Proc, env: dict[str, str]) -> Proc:
 def wait_ready(state: StackState, timeout: float = 60.0) -> None:
     """Wait until every service has connected (its log says ready) or one has died."""
     deadline = time.monotonic() + timeout
-    pending = [p for p in state.procs if not is_nats(p.name) and p.name != "simulator"]
+    pending = state.service_procs()
     while pending and time.monotonic() < deadline:
         pending = [p for p in pending if not p.ready()]
         if pending:
@@ -274,7 +278,7 @@ def down(settings: Settings) -> list[str]:
     state = StackState.load(home)
     stopped: list[str] = []
     if state is not None:
-        services = [p for p in state.procs if not is_nats(p.name) and p.name != "simulator"]
+        services = state.service_procs()
         stopped = [p.name for p in state.procs if p.alive()]
         for group in (services, [p for p in state.procs if p.name == "simulator"], state.nats_procs()):
             stop_procs(group)
@@ -328,7 +332,7 @@ def _stack_env(state: StackState, skip_pid: int | None = None) -> dict[str, str]
     exec is what `up` passed, extra_env included), else this process's, plus the stack's own."""
     env: dict[str, str] | None = None
     # services that call models first: the others run without provider keys (bus_auth.service_env)
-    for p in sorted(state.procs, key=lambda q: (is_nats(q.name) or q.name == "simulator",
+    for p in sorted(state.procs, key=lambda q: (not is_service(q.name),
                                                  bus_auth.role_env(q.name).get("VERIBUS_NATS_ROLE")
                                                  in bus_auth.NO_MODEL_CALLS)):
         if p.pid == skip_pid or not p.alive():

@@ -10,8 +10,11 @@ store falls back to the Native insert for anything Arrow cannot type).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger("veribus.store")
 
 _UNITS = {0: "s", 3: "ms", 6: "us", 9: "ns"}
 
@@ -63,9 +66,20 @@ def arrow_types(ch_types: dict[str, str]) -> dict[str, Any]:
     return {name: arrow_type(t) for name, t in ch_types.items()}
 
 
-def to_arrow(types: dict[str, Any], column_names: Sequence[str], columns: Sequence[Sequence[Any]]) -> Any:
+def to_arrow(types: Mapping[str, Any], column_names: Sequence[str], columns: Sequence[Sequence[Any]]) -> Any:
     """An Arrow table of `columns` (one sequence of values per column name)."""
     import pyarrow as pa  # local import: pyarrow is heavy and only the store's inserts need it
 
     arrays = [pa.array(values, type=types[name]) for name, values in zip(column_names, columns, strict=True)]
     return pa.Table.from_arrays(arrays, names=list(column_names))
+
+
+def block_or_none(types_of: Callable[[str], Mapping[str, Any]], table: str, column_names: Sequence[str],
+                  columns: Sequence[Sequence[Any]]) -> Any | None:
+    """`to_arrow` with the column types `types_of(table)` gives, or None when either fails: the
+    caller then inserts natively, so a row is never lost to the format."""
+    try:
+        return to_arrow(types_of(table), column_names, columns)
+    except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
+        log.debug("no Arrow block for %s (%s); inserting natively", table, exc)
+        return None

@@ -146,11 +146,7 @@ class Store:
         """Insert columns of values (`shared.store.arrow`); what Arrow cannot type or the engine
         does not take from it goes in by clickhouse-connect's Native insert instead, so a row is
         never lost to the format (inserts are idempotent: the tables replace by key)."""
-        try:
-            block = arrow.to_arrow(self._types_of(table), column_names, columns)
-        except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
-            log.debug("no Arrow block for %s (%s); inserting natively", table, exc)
-            block = None
+        block = arrow.block_or_none(self._types_of, table, column_names, columns)
         self.insert_block(table, column_names, columns, block)
 
     def insert_block(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]] | None,

@@ -106,15 +106,6 @@ def store_query(store: Store, sql: str, params: Mapping[str, Any] | None = None)
         raise QueryError(f"{type(exc).__name__}: {exc}") from exc
 
 
-def query_direct(settings: Settings, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
-    """Open the store in this process (server, or a chdb folder no other process holds)."""
-    store = open_store(settings, migrate=projector_first(settings))
-    try:
-        return store_query(store, sql, params)
-    finally:
-        store.close()
-
-
 def _run_coro(coro: Any) -> Any:
     """asyncio.run, also from code that already runs an event loop (in a helper thread)."""
     try:

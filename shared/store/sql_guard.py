@@ -134,10 +134,6 @@ ALLOWED_SYSTEM_TABLES = frozenset({"one", "numbers", "numbers_mt", "zeros", "zer
 _NODE = re.compile(r"^\s*(\w+)(?: (.*?))?(?: \(alias [^)]*\))?(?: \(children \d+\))?$")
 
 
-class QueryRefused(ValueError):
-    """The engine parsed the query and found something it may not do."""
-
-
 def reader_settings() -> dict[str, Any]:
     """Session settings of a read-only query handle (set before `readonly = 1`), from
     `Settings.query_*` (`VERIBUS_QUERY_TIMEOUT_S`, `_MEMORY_MB`, `_THREADS`)."""
