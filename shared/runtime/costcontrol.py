@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 
 from shared.core import events
 from shared.runtime import bus
-from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_bucket
+from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_bucket, usage_growth
 
 log = logging.getLogger("veribus.cost")
 
@@ -42,8 +42,6 @@ class _CostProbe(msgspec.Struct):
 
 
 _probe = msgspec.json.Decoder(_CostProbe)
-_COST_EVENTS = frozenset({events.ANSWER_GENERATED, events.GUARDS_CHECKED, events.TEMPLATE_PARSED,
-                          events.TEMPLATE_VERIFIED, events.RUBRIC_EVALUATED})
 
 
 def micro_usd(usage: dict[str, Any] | None) -> int:
@@ -65,17 +63,7 @@ def cost_before(payload: Any) -> int:
 
 def cost_spent(before: int, outs: Iterable[events.Envelope]) -> int:
     """Micro-dollars one handled event spent (fan-out copies count once: the max is taken)."""
-    spent = 0
-    for out in outs:
-        if out.event_type not in _COST_EVENTS:
-            continue
-        try:
-            probe = _probe.decode(out.payload)
-        except msgspec.DecodeError:
-            continue
-        if probe.state is not None:
-            spent = max(spent, micro_usd(probe.state.usage) - before)  # type: ignore[arg-type]
-    return spent
+    return usage_growth(before, outs, _probe, micro_usd)
 
 
 def set_cost_budget(run_event: events.RunRequested, usd: float | None) -> None:
