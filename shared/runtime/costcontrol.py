@@ -11,7 +11,6 @@ unknown cost nothing here: the summary names those models.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -91,13 +90,12 @@ class CostControl(RunControl):
 
     def __init__(self, js: Callable[[], JetStreamContext], **kw: Any) -> None:
         super().__init__(js, **kw)
-        self._budgets: dict[str, tuple[float, int | None]] = {}
+        self._budgets: dict[str, int | None] = {}
 
     async def budget(self, run_id: str) -> int | None:  # type: ignore[override]
         """The run's budget in micro-dollars, or None (read from its run.requested once)."""
-        cached = self._budgets.get(run_id)
-        if cached is not None:
-            return cached[1]
+        if run_id in self._budgets:
+            return self._budgets[run_id]
         budget: int | None = None
         try:
             env = await bus.last_event(self._js(), events.subject(events.RUN_REQUESTED, run_id))
@@ -109,7 +107,7 @@ class CostControl(RunControl):
             budget = round(float(b) * MICRO) if isinstance(b, int | float) and b > 0 else None
         if len(self._budgets) > self.max_runs:
             self._budgets.clear()
-        self._budgets[run_id] = (time.monotonic(), budget)
+        self._budgets[run_id] = budget
         return budget
 
     async def stop_reason(self, run_id: str, published_at: float = 0.0) -> BudgetExhausted | None:  # type: ignore[override]
