@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 
 from shared.core import events
 from shared.runtime import bus
-from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_bucket, usage_growth
+from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_growth
 
 log = logging.getLogger("veribus.cost")
 
@@ -88,6 +88,8 @@ class CostControl(RunControl):
     """The run's money budget, read and spent like `RunControl`'s token budget (its counter
     and flushing are reused, on their own bucket, in micro-dollars)."""
 
+    bucket = COST_BUCKET
+
     def __init__(self, js: Callable[[], JetStreamContext], **kw: Any) -> None:
         super().__init__(js, **kw)
         self._budgets: dict[str, int | None] = {}
@@ -119,11 +121,6 @@ class CostControl(RunControl):
             return BudgetExhausted(f"cost budget exhausted: run {run_id} has spent ${used / MICRO:.6f} of its "
                                    f"${budget / MICRO:.6f} budget; this answer was not generated")
         return None
-
-    async def _bucket(self) -> Any:
-        if self._kv is None:
-            self._kv = await usage_bucket(self._js(), COST_BUCKET)
-        return self._kv
 
 
 async def run_cost_spent(js: JetStreamContext, run_id: str) -> float:

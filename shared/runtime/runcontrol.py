@@ -156,6 +156,8 @@ class RunControl:
     server is away) never stops a run: the gate fails open and retries on the next message.
     """
 
+    bucket = USAGE_BUCKET  # the KV bucket of the run counters (`CostControl`: its own)
+
     def __init__(self, js: Callable[[], JetStreamContext], *, ttl_s: float = 1.0, usage_ttl_s: float = 0.25,
                  flush_s: float = 0.2, max_runs: int = 4096) -> None:
         self._js = js
@@ -284,7 +286,7 @@ class RunControl:
     # ---- the KV counter ----
     async def _bucket(self) -> Any:
         if self._kv is None:
-            self._kv = await usage_bucket(self._js())
+            self._kv = await usage_bucket(self._js(), self.bucket)
         return self._kv
 
     async def _read_counter(self, run_id: str) -> int:
