@@ -41,7 +41,6 @@ from shared.core.config import Settings
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository root
 MODE_ENV = "VERIBUS_SANDBOX"
 UID_ENV = "VERIBUS_SANDBOX_UID"
-BWRAP_ENV = "VERIBUS_SANDBOX_BWRAP"
 DEFAULT_UID = 65534  # nobody
 UNSAFE_WARNING = (
     "VERIBUS_SANDBOX=unsafe: template code and callable traits run WITHOUT an OS boundary "
