@@ -37,8 +37,9 @@ from shared.runtime.mcp import MCPPool, MCPTool, ToolOutcome
 
 # What the model reads of one tool result, and what the trace (and so the event) keeps of it:
 # events travel over NATS (1 MB default max payload) and land in ClickHouse rows.
-MAX_TOOL_RESULT_CHARS = Settings.from_env().mcp_max_result_chars
-MAX_TRACE_TOOL_CHARS = Settings.from_env().mcp_max_trace_chars
+_mcp = Settings.from_env("mcp_max_result_chars", "mcp_max_trace_chars")  # one read, just these fields
+MAX_TOOL_RESULT_CHARS = _mcp.mcp_max_result_chars
+MAX_TRACE_TOOL_CHARS = _mcp.mcp_max_trace_chars
 
 # A tool result "looks like" a failure (reference: suspect_failed_tool_calls). One alternation,
 # compiled once, case-insensitive, on word boundaries so "terror"/"errorless" do not match.

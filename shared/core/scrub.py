@@ -93,14 +93,6 @@ def _current(environ: os._Environ[str] | dict[str, str] | None) -> tuple[list[st
     return hit
 
 
-def secret_values(environ: os._Environ[str] | dict[str, str] | None = None) -> list[str]:
-    """Values of the credential-like variables of `environ` (this process's by default),
-    longest first (so a key that contains another is replaced whole)."""
-    env = os.environ if environ is None else environ
-    vals = {env[k] for k in _secret_names(env) if k in env}
-    return sorted((v for v in vals if len(v) >= _MIN_LEN and v.lower() not in _NOT_SECRET), key=len, reverse=True)
-
-
 def _variants(value: str) -> list[str]:
     """The value and its JSON-escaped form (different when it holds quotes, backslashes...)."""
     escaped = json.dumps(value)[1:-1]
@@ -115,14 +107,6 @@ def scrub_text(text: str, extra: list[str] | None = None) -> str:
         if v in text:
             text = text.replace(v, REDACTED)
     return _PATTERNS.sub(REDACTED, text)
-
-
-def scrub_values(text: str) -> str:
-    """Only the exact-value layer (safe on structured text such as JSON)."""
-    for v in _current(None)[0]:
-        if v in text:
-            text = text.replace(v, REDACTED)
-    return text
 
 
 def scrub_bytes(data: bytes) -> bytes:
@@ -151,12 +135,3 @@ class ScrubFilter(logging.Filter):
         if record.stack_info:
             record.stack_info = scrub_text(record.stack_info)
         return True
-
-
-def install_log_scrubber(logger: logging.Logger | None = None) -> None:
-    """Attach ScrubFilter to every handler of `logger` (the root logger by default); call after
-    logging is configured. Handlers filter records from every logger that propagates to them."""
-    target = logger or logging.getLogger()
-    for handler in target.handlers:
-        if not any(isinstance(f, ScrubFilter) for f in handler.filters):
-            handler.addFilter(ScrubFilter())

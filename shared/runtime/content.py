@@ -154,12 +154,7 @@ class ContentStore:
             self.cache.move_to_end(key)
             return hit
 
-        kv = await self._bucket()
-        self.reads += 1
-        try:
-            value = (await kv.get(key)).value
-        except KeyNotFoundError:
-            value = await self._leader_get(kv, key) if getattr(kv, "_direct", False) else None
+        value = await self._read(key)
         if value is None:
             raise ContentMissing(f"job content {key} is not in the content store (bucket {BUCKET}): it was "
                                  "deleted, or the run was published without it")
@@ -182,16 +177,17 @@ class ContentStore:
     async def get_raw(self, key: str) -> bytes | None:
         """A content's stored bytes, uncached, or None when the bucket does not have it (the
         projector copies each content into ClickHouse once: `shared.store.projection`)."""
+        value = await self._read(key)
+        return None if value is None else bytes(value)
+
+    async def _read(self, key: str) -> bytes | None:
+        """A content's value from the bucket (asking the leader on a direct-get miss), or None."""
         kv = await self._bucket()
         self.reads += 1
         try:
-            return bytes((await kv.get(key)).value or b"")
+            return (await kv.get(key)).value
         except KeyNotFoundError:
-            pass
-        if not getattr(kv, "_direct", False):
-            return None
-        value = await self._leader_get(kv, key)
-        return None if value is None else bytes(value)
+            return await self._leader_get(kv, key) if getattr(kv, "_direct", False) else None
 
     async def hydrate(self, job: events.Job) -> events.Job:
         if not job.refs:

@@ -11,7 +11,6 @@ unknown cost nothing here: the summary names those models.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,7 +19,7 @@ from nats.js import JetStreamContext
 
 from shared.core import events
 from shared.runtime import bus
-from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_bucket
+from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_growth
 
 log = logging.getLogger("veribus.cost")
 
@@ -42,8 +41,6 @@ class _CostProbe(msgspec.Struct):
 
 
 _probe = msgspec.json.Decoder(_CostProbe)
-_COST_EVENTS = frozenset({events.ANSWER_GENERATED, events.GUARDS_CHECKED, events.TEMPLATE_PARSED,
-                          events.TEMPLATE_VERIFIED, events.RUBRIC_EVALUATED})
 
 
 def micro_usd(usage: dict[str, Any] | None) -> int:
@@ -65,17 +62,7 @@ def cost_before(payload: Any) -> int:
 
 def cost_spent(before: int, outs: Iterable[events.Envelope]) -> int:
     """Micro-dollars one handled event spent (fan-out copies count once: the max is taken)."""
-    spent = 0
-    for out in outs:
-        if out.event_type not in _COST_EVENTS:
-            continue
-        try:
-            probe = _probe.decode(out.payload)
-        except msgspec.DecodeError:
-            continue
-        if probe.state is not None:
-            spent = max(spent, micro_usd(probe.state.usage) - before)  # type: ignore[arg-type]
-    return spent
+    return usage_growth(before, outs, _probe, micro_usd)
 
 
 def set_cost_budget(run_event: events.RunRequested, usd: float | None) -> None:
@@ -101,15 +88,16 @@ class CostControl(RunControl):
     """The run's money budget, read and spent like `RunControl`'s token budget (its counter
     and flushing are reused, on their own bucket, in micro-dollars)."""
 
+    bucket = COST_BUCKET
+
     def __init__(self, js: Callable[[], JetStreamContext], **kw: Any) -> None:
         super().__init__(js, **kw)
-        self._budgets: dict[str, tuple[float, int | None]] = {}
+        self._budgets: dict[str, int | None] = {}
 
     async def budget(self, run_id: str) -> int | None:  # type: ignore[override]
         """The run's budget in micro-dollars, or None (read from its run.requested once)."""
-        cached = self._budgets.get(run_id)
-        if cached is not None:
-            return cached[1]
+        if run_id in self._budgets:
+            return self._budgets[run_id]
         budget: int | None = None
         try:
             env = await bus.last_event(self._js(), events.subject(events.RUN_REQUESTED, run_id))
@@ -121,7 +109,7 @@ class CostControl(RunControl):
             budget = round(float(b) * MICRO) if isinstance(b, int | float) and b > 0 else None
         if len(self._budgets) > self.max_runs:
             self._budgets.clear()
-        self._budgets[run_id] = (time.monotonic(), budget)
+        self._budgets[run_id] = budget
         return budget
 
     async def stop_reason(self, run_id: str, published_at: float = 0.0) -> BudgetExhausted | None:  # type: ignore[override]
@@ -133,11 +121,6 @@ class CostControl(RunControl):
             return BudgetExhausted(f"cost budget exhausted: run {run_id} has spent ${used / MICRO:.6f} of its "
                                    f"${budget / MICRO:.6f} budget; this answer was not generated")
         return None
-
-    async def _bucket(self) -> Any:
-        if self._kv is None:
-            self._kv = await usage_bucket(self._js(), COST_BUCKET)
-        return self._kv
 
 
 async def run_cost_spent(js: JetStreamContext, run_id: str) -> float:

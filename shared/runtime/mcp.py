@@ -41,8 +41,9 @@ from shared.core.config import Settings
 
 log = logging.getLogger("veribus.mcp")
 
-DEFAULT_CONNECT_TIMEOUT_S = Settings.from_env().mcp_connect_timeout_s
-DEFAULT_CALL_TIMEOUT_S = Settings.from_env().mcp_tool_timeout_s
+_timeouts = Settings.from_env("mcp_connect_timeout_s", "mcp_tool_timeout_s")  # one read, just these fields
+DEFAULT_CONNECT_TIMEOUT_S = _timeouts.mcp_connect_timeout_s
+DEFAULT_CALL_TIMEOUT_S = _timeouts.mcp_tool_timeout_s
 CLOSE_TIMEOUT_S = 10.0
 MAX_TOOL_PAGES = 100
 TOOL_NAME_MAX = 64  # OpenAI function names: ^[a-zA-Z0-9_-]{1,64}$

@@ -35,7 +35,6 @@ from shared.core.scrub import ScrubFilter
 log = logging.getLogger("veribus.observability")
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-OUTCOMES = ("handled", "failed", "gave_up", "dead_letter", "stopped")
 
 
 def _labels(pairs: Sequence[tuple[str, str]]) -> str:

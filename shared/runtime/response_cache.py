@@ -22,11 +22,11 @@ from typing import Any
 
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from shared.runtime.llm.cache import CACHE_SCOPE, NatsKVCache, ResponseCache
+from shared.runtime.llm.cache import BUCKET, CACHE_SCOPE, NatsKVCache, ResponseCache
 
 SHARED_SCOPE = "shared"
 SHARED_BUCKET = "vb_llm_cache_shared"
-RUN_BUCKET = "vb_llm_cache"
+RUN_BUCKET = BUCKET
 DEFAULT_TTL_S = 7 * 24 * 3600.0
 
 CACHE_TTL: ContextVar[float] = ContextVar("veribus_response_cache_ttl", default=DEFAULT_TTL_S)

@@ -69,8 +69,9 @@ class _UsageProbe(msgspec.Struct):
 
 _usage_probe = msgspec.json.Decoder(_UsageProbe)
 _control_dec = msgspec.json.Decoder(events.RunControlChange)
-_TOKEN_EVENTS = frozenset({events.ANSWER_GENERATED, events.GUARDS_CHECKED, events.TEMPLATE_PARSED,
-                           events.TEMPLATE_VERIFIED, events.RUBRIC_EVALUATED})
+USAGE_EVENTS = frozenset({events.ANSWER_GENERATED, events.GUARDS_CHECKED, events.TEMPLATE_PARSED,
+                          events.TEMPLATE_VERIFIED, events.RUBRIC_EVALUATED})
+"""The stage events whose state carries the usage a handled event added (tokens and cost)."""
 
 
 def _entry_tokens(e: Any) -> int:
@@ -95,21 +96,28 @@ def tokens_before(payload: Any) -> int:
     return usage_tokens(payload.state.usage) if isinstance(payload, events.StageEvent) else 0
 
 
-def tokens_spent(before: int, outs: Iterable[events.Envelope]) -> int:
-    """Tokens one handled event spent: the growth of the state's usage from the input event
-    (`before`, see `tokens_before`) to its outputs. Fan-out copies (one answer for several
-    judges) count once: the max is taken."""
+def usage_growth(before: int, outs: Iterable[events.Envelope], probe: msgspec.json.Decoder[Any],
+                 measure: Callable[[Any], int]) -> int:
+    """How much `measure` of the state's usage grew from the input event (`before`) to its
+    outputs, each decoded with `probe` (a struct holding `state.usage`). Fan-out copies (one
+    answer for several judges) count once: the max is taken."""
     spent = 0
     for out in outs:
-        if out.event_type not in _TOKEN_EVENTS:
+        if out.event_type not in USAGE_EVENTS:
             continue
         try:
-            probe = _usage_probe.decode(out.payload)
+            decoded = probe.decode(out.payload)
         except msgspec.DecodeError:
             continue
-        if probe.state is not None:
-            spent = max(spent, usage_tokens(probe.state.usage) - before)  # type: ignore[arg-type]
+        if decoded.state is not None:
+            spent = max(spent, measure(decoded.state.usage) - before)
     return spent
+
+
+def tokens_spent(before: int, outs: Iterable[events.Envelope]) -> int:
+    """Tokens one handled event spent: the growth of the state's usage from the input event
+    (`before`, see `tokens_before`) to its outputs."""
+    return usage_growth(before, outs, _usage_probe, usage_tokens)
 
 
 def _kv_key(run_id: str) -> str:
@@ -147,6 +155,8 @@ class RunControl:
     process adds its spent tokens to the run's KV counter every `flush_s`. A read that fails (the
     server is away) never stops a run: the gate fails open and retries on the next message.
     """
+
+    bucket = USAGE_BUCKET  # the KV bucket of the run counters (`CostControl`: its own)
 
     def __init__(self, js: Callable[[], JetStreamContext], *, ttl_s: float = 1.0, usage_ttl_s: float = 0.25,
                  flush_s: float = 0.2, max_runs: int = 4096) -> None:
@@ -276,7 +286,7 @@ class RunControl:
     # ---- the KV counter ----
     async def _bucket(self) -> Any:
         if self._kv is None:
-            self._kv = await usage_bucket(self._js())
+            self._kv = await usage_bucket(self._js(), self.bucket)
         return self._kv
 
     async def _read_counter(self, run_id: str) -> int:

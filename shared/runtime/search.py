@@ -180,7 +180,7 @@ class LocalCorpusSearch:
     def _root(self) -> Path:
         if self.path is not None:
             return self.path
-        corpus = Settings.from_env().search_corpus
+        corpus = Settings.from_env("search_corpus").search_corpus  # per search call: just this field
         if corpus is None:
             raise SearchToolError(f"local search tool: set {CORPUS_ENV} to a corpus directory or file")
         return corpus

@@ -41,7 +41,6 @@ from shared.core.config import Settings
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository root
 MODE_ENV = "VERIBUS_SANDBOX"
 UID_ENV = "VERIBUS_SANDBOX_UID"
-BWRAP_ENV = "VERIBUS_SANDBOX_BWRAP"
 DEFAULT_UID = 65534  # nobody
 UNSAFE_WARNING = (
     "VERIBUS_SANDBOX=unsafe: template code and callable traits run WITHOUT an OS boundary "
@@ -238,17 +237,18 @@ def plan(tmp_mb: int = 64) -> JailPlan:
         return JailPlan(mode="jail", error=str(exc))
     mode = conf.sandbox.strip().lower() or "auto"
     key = (mode, tmp_mb, conf.sandbox_bwrap or "", conf.sandbox_uid)
-    if key in _plan_cache:
-        return _plan_cache[key]
+    if key not in _plan_cache:
+        _plan_cache[key] = _decide(mode, tmp_mb, conf)
+    return _plan_cache[key]
+
+
+def _decide(mode: str, tmp_mb: int, conf: Settings) -> JailPlan:
+    """The plan for one mode and setting: unsafe, or a jail probed here (its error says why not)."""
     if mode == "unsafe":
-        result = JailPlan(mode="unsafe", layers=["separate process", "scrubbed environment", "rlimits",
-                                                 "audit hook (not a boundary)"])
-        _plan_cache[key] = result
-        return result
+        return JailPlan(mode="unsafe", layers=["separate process", "scrubbed environment", "rlimits",
+                                               "audit hook (not a boundary)"])
     if mode not in ("auto", "jail"):
-        result = JailPlan(mode="jail", error=f"{MODE_ENV}={mode!r} is not one of auto, jail, unsafe")
-        _plan_cache[key] = result
-        return result
+        return JailPlan(mode="jail", error=f"{MODE_ENV}={mode!r} is not one of auto, jail, unsafe")
     hint = (" (install bubblewrap: apt-get install bubblewrap; run as root or enable unprivileged user "
             "namespaces; or set VERIBUS_SANDBOX=unsafe to run template code without an OS boundary)")
     result = JailPlan(mode="jail")
@@ -284,7 +284,6 @@ def plan(tmp_mb: int = 64) -> JailPlan:
                       if result.landlock_abi else []),
                     "fresh process per call (fork from a clean zygote)",
                 ]
-    _plan_cache[key] = result
     return result
 
 

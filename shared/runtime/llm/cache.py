@@ -49,10 +49,13 @@ class MemoryCache:
         return len(self._data)
 
 
+BUCKET = "vb_llm_cache"  # the run-scoped replies (`shared.runtime.response_cache` adds a shared one)
+
+
 class NatsKVCache:
     """Cache shared by all service replicas, on a JetStream key-value bucket (entries expire)."""
 
-    def __init__(self, js: Any, bucket: str = "vb_llm_cache", ttl_s: float = 7 * 24 * 3600,
+    def __init__(self, js: Any, bucket: str = BUCKET, ttl_s: float = 7 * 24 * 3600,
                  max_value_bytes: int = 900_000) -> None:
         self.js = js
         self.bucket = bucket
