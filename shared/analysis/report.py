@@ -240,23 +240,6 @@ def _rate(num: float, den: int, pct: bool = False, nd: int = 4) -> float:
     return round((100.0 if pct else 1.0) * num / den, 2 if pct else nd)
 
 
-def metric_summary(samples: Sequence[Sample], name: str, criterion: PassCriterion = DEFAULT_PASS) -> dict[str, Any]:
-    """avg scores, pass rate (%) with its Wilson interval, passed/failed attempts for one metric,
-    over the attempted samples that have it."""
-    vals = [s.metrics[name] for s in samples if s.attempted and name in s.metrics]
-    passed = sum(1 for v in vals if criterion(v))
-    p = Proportion.of(passed, len(vals))
-    return {
-        "samples": len(vals),
-        "avg_score_attempted": round(sum(vals) / len(vals), 4) if vals else 0.0,
-        "avg_score_total": round(sum(vals) / len(samples), 4) if samples else 0.0,
-        "pass_rate": _rate(passed, len(vals), pct=True),
-        "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
-        "passed_attempts": passed,
-        "failed_attempts": len(vals) - passed,
-    }
-
-
 class _Tally:
     """Counts of samples: total, attempted, sum of scores, passed (by one criterion)."""
 
