@@ -36,7 +36,7 @@ from shared.analysis.report import (
     OPS,
     PassCriterion,
     Sample,
-    metric_scores,
+    sample_of,
     score_of,
 )
 from shared.analysis.stats import model_matches
@@ -367,12 +367,7 @@ class GateEvaluator:
     def add(self, item: VerificationResult | Sample) -> None:
         if not self.tallies:
             return
-        if isinstance(item, Sample):
-            s = item
-        else:
-            sc = score_of(item, self.trait_ranges)
-            s = Sample(item, sc is not None, sc if sc is not None else 0.0,
-                       metric_scores(item, self.trait_ranges) if sc is not None else {})
+        s = item if isinstance(item, Sample) else sample_of(item, self.trait_ranges)
         self.known.update(s.metrics)
         m = s.result.metadata
         for whole, split in self.tallies:

@@ -147,14 +147,10 @@ class Sample:
         return self.result.metadata.answering_model
 
 
-def samples_of(results: Iterable[VerificationResult],
-               trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> list[Sample]:
-    out = []
-    for r in results:
-        s = score_of(r, trait_ranges)
-        out.append(Sample(r, s is not None, s if s is not None else 0.0,
-                          metric_scores(r, trait_ranges) if s is not None else {}))
-    return out
+def sample_of(r: VerificationResult, trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> Sample:
+    """One result scored once (overall score and per-metric scores), for every tally that reads it."""
+    s = score_of(r, trait_ranges)
+    return Sample(r, s is not None, s if s is not None else 0.0, metric_scores(r, trait_ranges) if s is not None else {})
 
 
 def rationale_of(r: VerificationResult) -> str:
@@ -272,15 +268,15 @@ class SummaryTally:
         self.cost = 0.0
         self.unknown: set[str] = set()
 
-    def add(self, r: VerificationResult) -> None:
-        s = score_of(r, self.trait_ranges)
-        attempted = s is not None
-        score = s if s is not None else 0.0
+    def add(self, item: VerificationResult | Sample) -> None:
+        """One result, or its `Sample` when the caller scored it already (with these trait ranges)."""
+        s = item if isinstance(item, Sample) else sample_of(item, self.trait_ranges)
+        r, attempted, score = s.result, s.attempted, s.score
         passed = attempted and self.criterion(score)
         self.all.add(attempted, score, passed)
         self.models[r.metadata.answering_model].add(attempted, score, passed)
         if attempted:
-            for name, v in metric_scores(r, self.trait_ranges).items():
+            for name, v in s.metrics.items():
                 self.metrics[name].add(True, v, self.criteria.get(name, DEFAULT_PASS)(v))
         kind = error_kind(r)
         if kind is not None:

@@ -248,8 +248,9 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     gate_eval = GateEvaluator(gates, ranges)
     digest, page_tally = (RunDigest.for_results(data.results), report.SummaryTally()) if args.html else (None, None)
     for r in data.results:
-        tally.add(r)
-        gate_eval.add(r)
+        s = report.sample_of(r, ranges)  # scored once for the summary and the gates
+        tally.add(s)
+        gate_eval.add(s)
         if digest is not None and page_tally is not None:
             digest.add(r)
             page_tally.add(r)
