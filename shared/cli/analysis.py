@@ -26,22 +26,13 @@ if TYPE_CHECKING:
     from shared.analysis.html_report import RunData
     from shared.core.models import VerificationResult
 
-from shared.cli.common import deployment_settings
-from shared.control.runref import resolve
+from shared.cli.common import deployment_settings, resolve_run_arg
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, MaxErrors, judge
 from shared.store.reads import ResultFilter, run_query
 
 __all__ = ["EXIT_GATE_FAILED", "EXIT_INPUT", "EXIT_OK", "add_run_options", "apply_gates", "register",
            "validate_run_gates"]
-
-
-def _resolve(settings: Any, run: str) -> str:
-    """A run id or name -> the run id in the store (most recent of a name; ambiguity noted)."""
-    picked = resolve(settings, run, stream=False)
-    if picked.note:
-        print(f"note: {picked.note}", file=sys.stderr)
-    return picked.run_id
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +136,7 @@ def load_run_arg(run: str) -> RunData:
         return RunData(run_id=Path(run).stem, results=results,
                        run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric)
     settings = deployment_settings()
-    return load_run(settings, _resolve(settings, run))
+    return load_run(settings, resolve_run_arg(settings, run, stream=False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +162,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
     else:
         settings = deployment_settings()
-        stats = export_run(settings, _resolve(settings, args.run), fmt, args.output, page_size=args.page_size,
+        stats = export_run(settings, resolve_run_arg(settings, args.run, stream=False), fmt, args.output, page_size=args.page_size,
                            where=where)
     print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
           f"{stats.seconds:.2f} s)")
