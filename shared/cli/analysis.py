@@ -178,19 +178,24 @@ def _format_from_suffix(output: str) -> str:
     raise ValueError(f"cannot tell the export format from {output!r}: pass --format json|jsonl|csv|parquet")
 
 
-def _metrics_of(data: RunData) -> set[str]:
-    """Metric names a gate may use on this run: run metrics, the rubric's traits, and every
-    metric its results carry."""
+def _gate_inputs(data: RunData) -> tuple[set[str], list[tuple[str, str]]]:
+    """What a gate may name on this run, from one pass over its results: the metrics (run
+    metrics, the rubric's traits, every metric its results carry) and the (answering model,
+    model name) pairs."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import known_metrics
     from shared.analysis.report import metric_scores
 
-    names = {n for r in data.results for n in metric_scores(r)}
+    names: set[str] = set()
+    models: set[tuple[str, str]] = set()
+    for r in data.results:
+        names.update(metric_scores(r))
+        models.add((r.metadata.answering_model, r.metadata.answering.model_name))
     rub = data.rubric_definition or {}
     for key, traits in rub.items():
         if key.endswith("traits") and isinstance(traits, list):
             names.update(str(t.get("name")) for t in traits if isinstance(t, dict) and t.get("name"))
-    return known_metrics(names)
+    return known_metrics(names), sorted(models)
 
 
 def _job_count(run_id: str) -> int | None:
@@ -227,8 +232,7 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     if not data.results:
         raise ValueError(f"run {args.run!r} has no results")
     if gates:
-        models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
-        check_gates(gates, _metrics_of(data), models)
+        check_gates(gates, *_gate_inputs(data))
     for g in gates:
         if not args.quiet or g.note:
             print(g.understood(), file=sys.stderr)
