@@ -17,7 +17,7 @@ class ResultAggregator(Protocol):
 
 def _numeric(series: Any) -> Any:
     # local import: pandas takes ~2 s to import; only DataFrame output needs it
-    import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
+    import pandas as pd
 
     return pd.to_numeric(series.map(lambda v: float(v) if isinstance(v, bool) else v), errors="coerce")
 

@@ -233,7 +233,7 @@ def csv_row(result: VerificationResult, blob: str, ours: list[Any], ref_layout: 
 
 def _arrow_schema(columns: Sequence[str]) -> Any:
     # local import: pyarrow is heavy; only Parquet export needs it
-    import pyarrow as pa  # pyarrow: heavy; only the Parquet export needs it
+    import pyarrow as pa
 
     types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
              "list": pa.list_(pa.string())}
@@ -257,8 +257,8 @@ def _arrow_value(value: Any, column: str) -> Any:
 def write_parquet(path: Path, columns: Sequence[str], pages: Iterable[list[list[Any]]]) -> int:
     """One row group per page (rows as lists in `columns` order), written as it arrives."""
     # local import: pyarrow is heavy; only Parquet export needs it
-    import pyarrow as pa  # pyarrow: heavy; only the Parquet export needs it
-    import pyarrow.parquet as pq  # pyarrow: heavy; only the Parquet export needs it
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     schema = _arrow_schema(columns)
     n = 0

@@ -36,7 +36,7 @@ from shared.analysis.report import (
     OPS,
     PassCriterion,
     Sample,
-    metric_scores,
+    sample_of,
     score_of,
 )
 from shared.analysis.stats import model_matches
@@ -356,23 +356,15 @@ class GateEvaluator:
     def __init__(self, gates: Sequence[Gate], trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> None:
         self.trait_ranges = trait_ranges
         self.tallies: list[tuple[_GateTally, _GateTally | None]] = []
-        for g in gates:
-            split = None
-            if g.metric not in RUN_METRICS and ":" in g.metric:
-                base, model = g.metric.split(":", 1)
-                split = _GateTally(g, base, model)
-            self.tallies.append((_GateTally(g, g.metric, None), split))
+        for g in gates:  # each gate read whole and, when it has a `:model` part, split (`report` picks)
+            base, model = _split_model(g.metric, set())
+            self.tallies.append((_GateTally(g, g.metric, None), None if model is None else _GateTally(g, base, model)))
         self.known: set[str] = set()
 
     def add(self, item: VerificationResult | Sample) -> None:
         if not self.tallies:
             return
-        if isinstance(item, Sample):
-            s = item
-        else:
-            sc = score_of(item, self.trait_ranges)
-            s = Sample(item, sc is not None, sc if sc is not None else 0.0,
-                       metric_scores(item, self.trait_ranges) if sc is not None else {})
+        s = item if isinstance(item, Sample) else sample_of(item, self.trait_ranges)
         self.known.update(s.metrics)
         m = s.result.metadata
         for whole, split in self.tallies:

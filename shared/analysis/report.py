@@ -147,14 +147,10 @@ class Sample:
         return self.result.metadata.answering_model
 
 
-def samples_of(results: Iterable[VerificationResult],
-               trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> list[Sample]:
-    out = []
-    for r in results:
-        s = score_of(r, trait_ranges)
-        out.append(Sample(r, s is not None, s if s is not None else 0.0,
-                          metric_scores(r, trait_ranges) if s is not None else {}))
-    return out
+def sample_of(r: VerificationResult, trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> Sample:
+    """One result scored once (overall score and per-metric scores), for every tally that reads it."""
+    s = score_of(r, trait_ranges)
+    return Sample(r, s is not None, s if s is not None else 0.0, metric_scores(r, trait_ranges) if s is not None else {})
 
 
 def rationale_of(r: VerificationResult) -> str:
@@ -240,23 +236,6 @@ def _rate(num: float, den: int, pct: bool = False, nd: int = 4) -> float:
     return round((100.0 if pct else 1.0) * num / den, 2 if pct else nd)
 
 
-def metric_summary(samples: Sequence[Sample], name: str, criterion: PassCriterion = DEFAULT_PASS) -> dict[str, Any]:
-    """avg scores, pass rate (%) with its Wilson interval, passed/failed attempts for one metric,
-    over the attempted samples that have it."""
-    vals = [s.metrics[name] for s in samples if s.attempted and name in s.metrics]
-    passed = sum(1 for v in vals if criterion(v))
-    p = Proportion.of(passed, len(vals))
-    return {
-        "samples": len(vals),
-        "avg_score_attempted": round(sum(vals) / len(vals), 4) if vals else 0.0,
-        "avg_score_total": round(sum(vals) / len(samples), 4) if samples else 0.0,
-        "pass_rate": _rate(passed, len(vals), pct=True),
-        "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
-        "passed_attempts": passed,
-        "failed_attempts": len(vals) - passed,
-    }
-
-
 class _Tally:
     """Counts of samples: total, attempted, sum of scores, passed (by one criterion)."""
 
@@ -289,15 +268,15 @@ class SummaryTally:
         self.cost = 0.0
         self.unknown: set[str] = set()
 
-    def add(self, r: VerificationResult) -> None:
-        s = score_of(r, self.trait_ranges)
-        attempted = s is not None
-        score = s if s is not None else 0.0
+    def add(self, item: VerificationResult | Sample) -> None:
+        """One result, or its `Sample` when the caller scored it already (with these trait ranges)."""
+        s = item if isinstance(item, Sample) else sample_of(item, self.trait_ranges)
+        r, attempted, score = s.result, s.attempted, s.score
         passed = attempted and self.criterion(score)
         self.all.add(attempted, score, passed)
         self.models[r.metadata.answering_model].add(attempted, score, passed)
         if attempted:
-            for name, v in metric_scores(r, self.trait_ranges).items():
+            for name, v in s.metrics.items():
                 self.metrics[name].add(True, v, self.criteria.get(name, DEFAULT_PASS)(v))
         kind = error_kind(r)
         if kind is not None:

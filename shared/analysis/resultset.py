@@ -130,7 +130,7 @@ class VerificationResultSet(_View):
     def to_dataframe(self) -> pd.DataFrame:
         """One flat row per result (the CSV export's columns)."""
         # local import: pandas takes ~2 s to import; only DataFrame output needs it
-        import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
+        import pandas as pd
 
 
         cols = flat_columns_for(self.results)
@@ -197,7 +197,7 @@ class VerificationResultSet(_View):
         """The flat rows of `to_dataframe`, `batch_size` results per DataFrame, read page by page
         (a batch's trait columns are those its results carry)."""
         # local import: pandas takes ~2 s to import; only DataFrame output needs it
-        import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
+        import pandas as pd
 
         batch: list[VerificationResult] = []
         stream = VerificationResultSet.stream(settings, run_id, run_name, page_size=min(batch_size, 1000), **filters)

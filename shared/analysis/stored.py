@@ -4,7 +4,7 @@ whole run into memory).
 `StoredResults` looks like a sequence of `VerificationResult`s to the report code (`len`, `for r
 in ...`, truthiness) but holds none: every iteration runs keyset-paged queries of at most
 `page_size` rows (`shared.store.reads.iter_pages`) and parses one page at a time, so a pass over a
-100k-result run keeps one page in memory. Counts and the distinct models come from SQL.
+100k-result run keeps one page in memory. Counts come from SQL.
 
 `iter_sorted` streams in the report's file order (question, answering model, judge, replicate),
 also keyset-paged; `for_questions` streams the results of a few questions (the appendix).
@@ -64,15 +64,6 @@ class StoredResults:
 
     def __repr__(self) -> str:
         return f"StoredResults({self.where.run_id or self.where.run_name or 'all runs'}, page_size={self.page_size})"
-
-    def distinct(self, column: str) -> list[str]:
-        """Sorted distinct values of one identifying column (answering_model, parsing_model, ...)."""
-        if column not in ("answering_model", "parsing_model", "question_id", "answering_model_name"):
-            raise ValueError(f"no distinct values of {column!r}")
-        cond, params = self.where.sql()
-        res = self._query(f"SELECT DISTINCT {column} FROM verification_results FINAL WHERE {cond} "
-                          f"ORDER BY {column}", params)
-        return [str(r[0]) for r in res.rows]
 
     def execution_time_by_model(self) -> list[tuple[str, int, float | None, float | None, float | None]]:
         """(answering model, results, p50, p95, max) of execution_time, aggregated in SQL."""
@@ -139,9 +130,3 @@ def for_questions(results: Iterable[VerificationResult], question_ids: Sequence[
     wanted = set(question_ids)
     return iter(sorted((r for r in results if r.metadata.question_id in wanted), key=_sort_key))
 
-
-def distinct_models(results: Iterable[VerificationResult], judge: bool = False) -> list[str]:
-    """Sorted answering models (or judges) of the results; from SQL for `StoredResults`."""
-    if isinstance(results, StoredResults):
-        return results.distinct("parsing_model" if judge else "answering_model")
-    return sorted({r.metadata.parsing_model if judge else r.metadata.answering_model for r in results})

@@ -186,7 +186,7 @@ class TemplateResults(_View):
     def pass_rate_table(self, by: str = "answering_model", confidence: float = 0.95) -> pd.DataFrame:
         """Pass rate per group with its Wilson interval: by, passed, n, pass_rate, ci_low, ci_high."""
         # local import: pandas takes ~2 s to import; only DataFrame output needs it
-        import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
+        import pandas as pd
 
         by = _by(by)
         counts = _group_dict(self._per_result(), by, "verify_result",

@@ -54,7 +54,7 @@ def _tail(r: VerificationResult) -> dict[str, Any]:
 
 def _frame(rows: list[dict[str, Any]], columns: Sequence[str]) -> pd.DataFrame:
     # local import: pandas takes ~2 s to import; only DataFrame output needs it
-    import pandas as pd  # pandas: heavy (~0.4 s); only the DataFrame paths need it
+    import pandas as pd
 
     return pd.DataFrame(rows, columns=list(columns))
 

@@ -26,22 +26,13 @@ if TYPE_CHECKING:
     from shared.analysis.html_report import RunData
     from shared.core.models import VerificationResult
 
-from shared.cli.common import deployment_settings
-from shared.control.runref import resolve
+from shared.cli.common import deployment_settings, resolve_run_arg
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, MaxErrors, judge
 from shared.store.reads import ResultFilter, run_query
 
 __all__ = ["EXIT_GATE_FAILED", "EXIT_INPUT", "EXIT_OK", "add_run_options", "apply_gates", "register",
            "validate_run_gates"]
-
-
-def _resolve(settings: Any, run: str) -> str:
-    """A run id or name -> the run id in the store (most recent of a name; ambiguity noted)."""
-    picked = resolve(settings, run, stream=False)
-    if picked.note:
-        print(f"note: {picked.note}", file=sys.stderr)
-    return picked.run_id
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +136,7 @@ def load_run_arg(run: str) -> RunData:
         return RunData(run_id=Path(run).stem, results=results,
                        run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric)
     settings = deployment_settings()
-    return load_run(settings, _resolve(settings, run))
+    return load_run(settings, resolve_run_arg(settings, run, stream=False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +162,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
     else:
         settings = deployment_settings()
-        stats = export_run(settings, _resolve(settings, args.run), fmt, args.output, page_size=args.page_size,
+        stats = export_run(settings, resolve_run_arg(settings, args.run, stream=False), fmt, args.output, page_size=args.page_size,
                            where=where)
     print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
           f"{stats.seconds:.2f} s)")
@@ -187,19 +178,24 @@ def _format_from_suffix(output: str) -> str:
     raise ValueError(f"cannot tell the export format from {output!r}: pass --format json|jsonl|csv|parquet")
 
 
-def _metrics_of(data: RunData) -> set[str]:
-    """Metric names a gate may use on this run: run metrics, the rubric's traits, and every
-    metric its results carry."""
+def _gate_inputs(data: RunData) -> tuple[set[str], list[tuple[str, str]]]:
+    """What a gate may name on this run, from one pass over its results: the metrics (run
+    metrics, the rubric's traits, every metric its results carry) and the (answering model,
+    model name) pairs."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import known_metrics
     from shared.analysis.report import metric_scores
 
-    names = {n for r in data.results for n in metric_scores(r)}
+    names: set[str] = set()
+    models: set[tuple[str, str]] = set()
+    for r in data.results:
+        names.update(metric_scores(r))
+        models.add((r.metadata.answering_model, r.metadata.answering.model_name))
     rub = data.rubric_definition or {}
     for key, traits in rub.items():
         if key.endswith("traits") and isinstance(traits, list):
             names.update(str(t.get("name")) for t in traits if isinstance(t, dict) and t.get("name"))
-    return known_metrics(names)
+    return known_metrics(names), sorted(models)
 
 
 def _job_count(run_id: str) -> int | None:
@@ -236,8 +232,7 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     if not data.results:
         raise ValueError(f"run {args.run!r} has no results")
     if gates:
-        models = sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in data.results})
-        check_gates(gates, _metrics_of(data), models)
+        check_gates(gates, *_gate_inputs(data))
     for g in gates:
         if not args.quiet or g.note:
             print(g.understood(), file=sys.stderr)
@@ -248,8 +243,9 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     gate_eval = GateEvaluator(gates, ranges)
     digest, page_tally = (RunDigest.for_results(data.results), report.SummaryTally()) if args.html else (None, None)
     for r in data.results:
-        tally.add(r)
-        gate_eval.add(r)
+        s = report.sample_of(r, ranges)  # scored once for the summary and the gates
+        tally.add(s)
+        gate_eval.add(s)
         if digest is not None and page_tally is not None:
             digest.add(r)
             page_tally.add(r)

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from typing import Any
 
 import msgspec
 
-from shared.cli.common import deployment_settings, err
+from shared.cli.common import deployment_settings, err, resolve_run_arg
 from shared.control import lifecycle, rebuild, retention, streams, wait
 from shared.control.credentials import base_reachable, missing_key
 from shared.control.runner import RunInputError
-from shared.control.runref import next_regrade_name, resolve, runs_in_stream
+from shared.control.runref import next_regrade_name, runs_in_stream
 from shared.core.benchmark.question import BenchmarkError
 from shared.core.config import ModelConfig
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
@@ -25,29 +24,9 @@ from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_RUN_ERROR
 from shared.store.reads import run_query
 
 
-def _resolve_run_arg(settings: Any, args: argparse.Namespace) -> bool:
-    """Replace `args.run` (an id or a name) by the run id; False (said on stderr) when no run has it."""
-    try:
-        args.run = _run_id(settings, args.run)
-    except LookupError as exc:  # RunNotFound
-        err(str(exc).strip("'\""))
-        return False
-    return True
-
-
-def _run_id(settings: Any, ref: str) -> str:
-    """A run id or name -> the run id, read from the stream (the most recent run of a name; a
-    note on stderr when the name is ambiguous). Raises RunNotFound (exit 2)."""
-    picked = resolve(settings, ref, stream=True)
-    if picked.note:
-        print(f"note: {picked.note}", file=sys.stderr)
-    return picked.run_id
-
-
 def cmd_resume(args: argparse.Namespace) -> int:
     settings = deployment_settings()
-    if not _resolve_run_arg(settings, args):
-        return EXIT_INPUT
+    args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
         if args.dry_run:
@@ -126,8 +105,7 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
 
 def cmd_regrade(args: argparse.Namespace) -> int:
     settings = deployment_settings()
-    if not _resolve_run_arg(settings, args):
-        return EXIT_INPUT
+    args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
         plan = asyncio.run(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
@@ -180,8 +158,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
 
     settings = deployment_settings()
-    if not _resolve_run_arg(settings, args):
-        return EXIT_INPUT
+    args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
     except streams.LifecycleError as exc:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
-from shared.cli.common import deployment_settings, say
+from shared.cli.common import deployment_settings, resolve_run_arg
 from shared.control import stack
 from shared.control.deployment import select
-from shared.control.runref import RunNotFound, format_runs, list_runs, resolve
+from shared.control.runref import RunNotFound, format_runs, list_runs
 from shared.control.status import format_run_problems, run_problems
 from shared.core.config import Settings
 from shared.core.outcome import EXIT_OK
@@ -92,14 +91,6 @@ def cmd_status(args: argparse.Namespace) -> int:
               + state)
         print(format_run_problems(run_problems(settings, run_id)))
     return EXIT_OK
-
-
-def resolve_run_arg(settings: Any, ref: str, *, stream: bool) -> str:
-    """A run id or name -> the run id (the most recent run of a name; said when it is ambiguous)."""
-    picked = resolve(settings, ref, stream=stream)
-    if picked.note:
-        say(f"note: {picked.note}")
-    return picked.run_id
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -97,12 +97,11 @@ async def runs(src: AsyncSource, q: str = "", page: int = 0, page_size: int = PA
     last: dict[str, Any] = {}
     stopped: set[str] = set()
     if ids:
-        ev = await src.query("SELECT run_id, max(occurred_at), dateDiff('second', max(occurred_at), now64(6)) "
-                             "FROM events WHERE run_id IN {ids:Array(String)} GROUP BY run_id", {"ids": ids})
+        ev = await src.query("SELECT run_id, max(occurred_at), dateDiff('second', max(occurred_at), now64(6)), "
+                             "countIf(event_type = 'run.cancelled') FROM events WHERE run_id IN {ids:Array(String)} "
+                             "GROUP BY run_id", {"ids": ids})
         last = {r[0]: (r[1], r[2]) for r in ev.rows}
-        cancelled = await src.query("SELECT DISTINCT run_id FROM events WHERE run_id IN {ids:Array(String)} "
-                                    "AND event_type = 'run.cancelled'", {"ids": ids})
-        stopped = {r[0] for r in cancelled.rows}
+        stopped = {r[0] for r in ev.rows if r[3]}
     out = []
     for r in rows:
         jobs = int(r["job_count"] or 0)
