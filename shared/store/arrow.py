@@ -74,6 +74,18 @@ def to_arrow(types: Mapping[str, Any], column_names: Sequence[str], columns: Seq
     return pa.Table.from_arrays(arrays, names=list(column_names))
 
 
+def ipc_bytes(table: Any) -> bytes:
+    """An Arrow table as the bytes of an Arrow IPC file: what clickhouse-connect's
+    `insert_arrow` sends (format `Arrow`, uncompressed), made where the table is (a rebuild
+    worker) so the inserting process hands the bytes over as they are (`Store.insert_block`)."""
+    import pyarrow as pa  # local import: pyarrow is heavy and only the store's inserts need it
+
+    sink = pa.BufferOutputStream()
+    with pa.RecordBatchFileWriter(sink, table.schema) as writer:
+        writer.write(table)
+    return sink.getvalue().to_pybytes()
+
+
 def block_or_none(types_of: Callable[[str], Mapping[str, Any]], table: str, column_names: Sequence[str],
                   columns: Sequence[Sequence[Any]]) -> Any | None:
     """`to_arrow` with the column types `types_of(table)` gives, or None when either fails: the
