@@ -31,9 +31,9 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from shared.control.stream_read import StreamReader
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
@@ -175,95 +175,6 @@ class Workers:
             for f in (proc.stdin, proc.stdout):
                 if f is not None and not f.closed:
                     f.close()
-
-
-class RawMsg:
-    """A stream message as the rebuild reads it: subject and data (all `Projector.project_batch`
-    uses) and the JetStream reply subject its stream sequence is read from when needed."""
-
-    __slots__ = ("subject", "data", "reply")
-
-    def __init__(self, subject: str, data: bytes, reply: str) -> None:
-        self.subject, self.data, self.reply = subject, data, reply
-
-    @property
-    def metadata(self) -> Any:
-        return Msg.Metadata._from_reply(self.reply)
-
-
-class StreamReader:
-    """Reads a whole stream through an ephemeral pull consumer, a batch per pull request.
-
-    nats-py turns every message into a `Msg` (its headers parsed into a dict), queues it for
-    the subscription's task and calls a callback: ~8 us of Python per message, as much as
-    projecting half an event. This reader takes the messages of its own inbox straight from
-    the connection's protocol parser instead (the client's `_process_msg`, wrapped on this
-    connection only while the reader runs; every other subscription goes through it as
-    before), keeping subject, data and reply subject: ~2 us. The connection itself (auth, TLS,
-    pings) stays nats-py's. (`PullSubscription.fetch` awaits each message with its own timeout:
-    slower still.)"""
-
-    def __init__(self, nc: Any, consumer: str, max_bytes: int = 32 * 2**20) -> None:
-        self.nc, self.consumer, self.max_bytes = nc, consumer, max_bytes
-        self.inbox = nc.new_inbox()
-        self.msgs: list[RawMsg] = []
-        self.want = 0
-        self.ended = asyncio.Event()
-
-    def _take(self, data: bytes, headers: bytes | None, subject: bytes, reply: bytes) -> None:
-        # a status and no data ends the pull request: expired (408), over max_bytes (409),
-        # nothing left (404); a message's own headers start "NATS/1.0\r\n"
-        if not data and headers and headers[8:9] == b" ":
-            self.ended.set()
-            return
-        self.msgs.append(RawMsg(subject.decode(), data, reply.decode()))
-        if len(self.msgs) >= self.want:
-            self.ended.set()
-
-    async def batches(self, remaining: int, batch: int, end_seq: int | None = None) -> Any:
-        """Yield lists of messages until `remaining` (the consumer's pending count) are read, or,
-        with `end_seq`, until stream sequence `end_seq` (the messages after it are left out)."""
-        sub = await self.nc.subscribe(self.inbox, cb=self._slow, pending_msgs_limit=4 * batch,
-                                      pending_bytes_limit=4 * self.max_bytes)
-        sid, process = sub._id, self.nc._process_msg
-        take = self._take
-
-        async def fast(sid_: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
-            if sid_ != sid:
-                await process(sid_, subject, reply, data, headers)
-            else:
-                take(data, headers, subject, reply)
-
-        self.nc._process_msg = fast  # this connection only; removed below
-        subject = f"$JS.API.CONSUMER.MSG.NEXT.{events.STREAM}.{self.consumer}"
-        try:
-            while remaining > 0:
-                self.msgs, self.want = [], min(batch, remaining)
-                self.ended.clear()
-                req = {"batch": self.want, "max_bytes": self.max_bytes, "expires": 5_000_000_000}
-                await self.nc.publish(subject, events.to_json(req), reply=self.inbox)
-                await self.ended.wait()
-                msgs = self.msgs
-                if not msgs:
-                    continue
-                meta = msgs[-1].metadata
-                remaining = meta.num_pending
-                if end_seq is not None:
-                    last = meta.sequence.stream
-                    if last > end_seq:
-                        msgs = [m for m in msgs if m.metadata.sequence.stream <= end_seq]
-                    remaining = min(remaining, max(0, end_seq - last))
-                yield msgs
-        finally:
-            if self.nc.__dict__.get("_process_msg") is fast:
-                del self.nc._process_msg
-            await sub.unsubscribe()
-
-    async def _slow(self, msg: Any) -> None:
-        """Where a message of the inbox would go without the fast path (the wrapper is
-        installed right after subscribing, before any request is sent: nothing arrives here)."""
-        self._take(msg.data, b"NATS/1.0 " if msg.headers and msg.headers.get("Status") else None,
-                   msg.subject.encode(), (msg.reply or "").encode())
 
 
 @contextlib.asynccontextmanager

@@ -52,8 +52,9 @@ def test_plan_chunks_covers_the_range_in_order() -> None:
     assert rebuild_parallel.plan_chunks(1, 0, 4) == []  # an empty stream
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "spawned"])
 def test_workers_rebuild_the_tables_the_single_process_fold_builds(
-        nats_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+        nats_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fork: bool) -> None:  # noqa: ANN001
     settings = Settings(home=tmp_path / "home", nats_url=nats_server.url)
     first, last, copy = asyncio.run(_fill(settings, _stream("20250103T000000-parallel", 9)))
     assert last - first > 40
@@ -62,7 +63,17 @@ def test_workers_rebuild_the_tables_the_single_process_fold_builds(
     one = rebuild.rebuild_projections(settings)
     monkeypatch.setenv("VERIBUS_REBUILD_WORKERS", "2")
     monkeypatch.setattr(rebuild_parallel, "CHUNK", 7)  # many chunks: both workers, chunks across the gaps
+    monkeypatch.setattr(rebuild_parallel, "_can_fork", lambda: fork)  # workers forked from this process, or spawned
+    made: list[bool] = []
+
+    class Recorded(rebuild_parallel.Workers):
+        def __init__(self, n: int) -> None:
+            super().__init__(n)
+            made.append(self.forked)
+
+    monkeypatch.setattr(rebuild_parallel, "Workers", Recorded)
     two = rebuild.rebuild_projections(settings)
+    assert made == [fork]
 
     assert one.mode == two.mode == "in-process"
     assert one.after == two.after
