@@ -43,7 +43,8 @@ from shared.store.projection import Projector
 
 log = logging.getLogger("veribus.lifecycle")
 
-CHUNK = 10_000  # stream sequences per chunk: one worker message, one insert per table
+CHUNK = 10_000  # stream sequences per chunk: one worker message
+JOIN_CHUNKS = 4  # chunks per insert (per table)
 
 
 def plan_chunks(first_seq: int, last_seq: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
@@ -59,6 +60,39 @@ def default_workers() -> int:
     17.4k events/s for the fold; 1 worker 8.8k, 21.2k, 16.9k; 2 workers 11.3k, 26.8k, 23.1k."""
     n = Settings.from_env("rebuild_workers").rebuild_workers
     return n if n is not None else max(1, os.cpu_count() or 1)
+
+
+class _Joined:
+    """Consecutive chunks' Arrow record batches joined into one insert per table: each insert
+    makes a part that ClickHouse merges later (re-reading and re-compressing it), and one part
+    of 40,000 events instead of four of 10,000 costs about 3 us an event less, merges
+    included. Rows keep their stream order inside an insert as across inserts (the insert
+    sorts stably; a later copy of an event still replaces the earlier one)."""
+
+    def __init__(self, insert: Any) -> None:
+        self.insert = insert
+        self.pending: dict[str, tuple[Sequence[str], bytes, list[bytes]]] = {}
+
+    def add(self, table: str, column_names: Sequence[str], columns: Any, parts: tuple[bytes, list[bytes]] | None) -> None:
+        held = self.pending.get(table)
+        if parts is None or (held is not None and (held[0] != column_names or held[1] != parts[0])):
+            self._flush(table)  # what came before goes in first
+        if parts is None:
+            self.insert(table, column_names, columns, None)
+        elif table in self.pending:
+            self.pending[table][2].extend(parts[1])
+        else:
+            self.pending[table] = (column_names, parts[0], list(parts[1]))
+
+    def _flush(self, table: str) -> None:
+        held = self.pending.pop(table, None)
+        if held is not None:
+            column_names, schema, batches = held
+            self.insert(table, column_names, None, arrow.ipc_stream(schema, batches))
+
+    def flush(self) -> None:
+        for table in list(self.pending):
+            self._flush(table)
 
 
 def _can_fork() -> bool:
@@ -141,9 +175,9 @@ class Workers:
 
     def run(self, settings: Any, column_types: dict[str, dict[str, str]], chunks: Sequence[tuple[int, int]],
             insert: Any, batch: int) -> int:
-        """Hand out the chunks and call `insert(table, column_names, columns, block)` for every
-        block, in chunk order (`block`: an Arrow IPC file's bytes, or None with the columns to
-        insert natively); returns the messages read."""
+        """Hand out the chunks and call `insert(table, column_names, columns, block)` in chunk
+        order (`block`: the bytes of an Arrow IPC stream of one or more chunks' rows, or None
+        with the columns to insert natively); returns the messages read."""
         n = len(self.procs)
         for k, proc in enumerate(self.procs):
             assert proc.stdin is not None
@@ -152,6 +186,7 @@ class Workers:
             proc.stdin.write(pickle.dumps(conf, protocol=pickle.HIGHEST_PROTOCOL))
             proc.stdin.close()
         read = 0
+        joined = _Joined(insert)
         for i in range(len(chunks)):
             proc = self.procs[i % n]
             assert proc.stdout is not None
@@ -163,8 +198,13 @@ class Workers:
             if "error" in msg:
                 raise RuntimeError(f"rebuild worker {proc.pid}: {msg['error']}")
             read += msg["messages"]
-            for table, column_names, columns, block in msg["blocks"]:
-                insert(table, column_names, columns, block)
+            if i == len(chunks) - 1:
+                joined.flush()  # the last chunk alone: the insert after the workers end is a short one
+            for table, column_names, columns, parts in msg["blocks"]:
+                joined.add(table, column_names, columns, parts)
+            if i % JOIN_CHUNKS == JOIN_CHUNKS - 1:
+                joined.flush()
+        joined.flush()
         return read
 
     def close(self) -> None:
@@ -219,8 +259,8 @@ async def _work(conf: dict[str, Any], out: Any) -> None:
                 # the block as the bytes the insert reads (no unpickling and re-encoding in the
                 # inserting process); none: it falls back to a Native insert of the columns
                 block = arrow.block_or_none(types.__getitem__, table, column_names, columns)
-                data = arrow.ipc_bytes(block) if block is not None else None
-                blocks.append((table, column_names, None if data is not None else columns, data))
+                parts = arrow.ipc_parts(block) if block is not None else None
+                blocks.append((table, column_names, None if parts is not None else columns, parts))
             pickle.dump({"messages": len(msgs), "blocks": blocks}, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()
             del msgs, p, blocks

@@ -152,14 +152,14 @@ class Store:
     def insert_block(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]] | None,
                      block: Any | None, settings: Mapping[str, Any] | None = None) -> None:
         """Insert `columns`, given as the Arrow `block` made from them when there is one (a
-        table, or the bytes of its IPC file, `arrow.ipc_bytes`, as the rebuild's worker processes
-        make them); Native insert when there is none or the engine refuses it (with no `columns`
-        to fall back on, the refusal is raised)."""
+        table, or the bytes of an IPC stream, `arrow.ipc_stream`, as the rebuild's worker
+        processes make them); Native insert when there is none or the engine refuses it (with no
+        `columns` to fall back on, the refusal is raised)."""
         if block is not None:
             try:
-                if isinstance(block, bytes):  # what insert_arrow sends, made elsewhere
+                if isinstance(block, bytes):  # the Arrow data as the engine reads it, made elsewhere
                     self.client.raw_insert(f"{self.database}.{table}", column_names, block,
-                                           settings=dict(settings or {}), fmt="Arrow")
+                                           settings=dict(settings or {}), fmt="ArrowStream")
                 else:
                     self.client.insert_arrow(f"{self.database}.{table}", block, settings=dict(settings or {}))
                 return
