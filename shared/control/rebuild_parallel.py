@@ -1,19 +1,23 @@
 """`projections rebuild` across processes: worker processes read, decode and project slices of the
-stream and build the Arrow blocks; this process only inserts them, in stream order.
+stream and build the Arrow record batches; this process only inserts them, in stream order.
 
-Why: a rebuild is CPU-bound Python (decoding events, building rows, filling Arrow columns: ~40 us
+Why: a rebuild is CPU-bound Python (decoding events, building rows, filling Arrow columns: ~30 us
 an event) and one process holds the GIL for all of it, so a thread beside it did not help. Each
 worker takes every n-th chunk of consecutive stream sequences (its own ephemeral consumer per
-chunk) and sends one pickled message per chunk on its stdout; this process takes the chunks in
-sequence order (worker 0's first, worker 1's first, worker 0's second, ...), so the inserts happen
-in the order the live projector makes them and a later copy of an event replaces an earlier one
-exactly as it does there. The rows are `Projector.project_batch`'s, the blocks
-`shared.store.arrow.to_arrow`'s and the inserts `Store.insert_block`'s: the same code as the live
-projector's, split over processes.
+chunk, read by `shared.control.stream_read`) and sends one pickled message per chunk on a pipe:
+per table the Arrow IPC messages of its rows (`arrow.ipc_parts`). This process takes the chunks
+in sequence order (worker 0's first, worker 1's first, worker 0's second, ...) and joins
+`JOIN_CHUNKS` consecutive chunks' batches into one insert per table, as bytes ClickHouse reads
+(`ArrowStream`) without this process decoding them, so the rows go in in the order the live
+projector inserts them and a later copy of an event replaces an earlier one exactly as it does
+there. The rows are `Projector.project_batch`'s and the Arrow columns `shared.store.arrow`'s: the
+same code as the live projector's, split over processes.
 
-Workers are `python -m shared.control.rebuild_parallel` (not multiprocessing: nothing of the
-calling program is re-imported); their configuration (settings, column types, chunks) arrives on
-stdin, not the command line, as the settings may hold NATS credentials.
+Workers are forked from this process after its imports when that is safe (`_can_fork`: Linux, no
+other Python thread, no event loop running): they start in milliseconds. Otherwise they are
+`python -m shared.control.rebuild_parallel` (not multiprocessing: nothing of the calling program
+is re-imported; ~0.9 s of start-up each). Either way their configuration (settings, column types,
+chunks) arrives on a pipe, not the command line, as the settings may hold NATS credentials.
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ def plan_chunks(first_seq: int, last_seq: int, chunk: int = CHUNK) -> list[tuple
 
 
 def default_workers() -> int:
-    """`VERIBUS_REBUILD_WORKERS` (0: fold in this process), else one worker per core. On two
-    shared cores (load 4-6), 120,010 events, three alternating rounds: 0 workers 8.7k, 18.7k,
-    17.4k events/s for the fold; 1 worker 8.8k, 21.2k, 16.9k; 2 workers 11.3k, 26.8k, 23.1k."""
+    """`VERIBUS_REBUILD_WORKERS` (0: fold in this process), else one worker per core. (Measured
+    with spawned workers, before the lean reader: on two shared cores (load 4-6), 120,010
+    events, three alternating rounds: 0 workers 8.7k, 18.7k, 17.4k events/s for the fold;
+    1 worker 8.8k, 21.2k, 16.9k; 2 workers 11.3k, 26.8k, 23.1k.)"""
     n = Settings.from_env("rebuild_workers").rebuild_workers
     return n if n is not None else max(1, os.cpu_count() or 1)
 

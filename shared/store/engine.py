@@ -12,6 +12,7 @@ read-only query may run is decided in `shared.store.sql_guard`.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import queue
 import threading
@@ -72,6 +73,9 @@ class QueryResult:
 _chdb_lock = threading.Lock()
 
 
+_result_values = operator.itemgetter(*RESULT_COLUMNS)  # a result row dict -> its values in column order (in C)
+
+
 def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Sequence[Any]]]]:
     """(table, column names, columns) of a projection's rows, in insert order: contents, results
     and runs first, events last (the store's inserts and the rebuild's workers share this)."""
@@ -79,7 +83,7 @@ def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Seq
     if p.contents:
         out.append(("contents", CONTENT_COLUMNS, list(zip(*p.contents, strict=True))))
     if p.results:
-        out.append(("verification_results", RESULT_COLUMNS, [[row[c] for row in p.results] for c in RESULT_COLUMNS]))
+        out.append(("verification_results", RESULT_COLUMNS, list(zip(*map(_result_values, p.results), strict=True))))
     if p.runs:
         out.append(("runs", RUN_COLUMNS, list(zip(*p.runs, strict=True))))
     if p.events:
@@ -183,7 +187,7 @@ class Store:
     def insert_results(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Insert `result_to_row` dicts (many per call)."""
         if rows:
-            self._insert("verification_results", RESULT_COLUMNS, [[row[c] for row in rows] for c in RESULT_COLUMNS])
+            self._insert("verification_results", RESULT_COLUMNS, list(zip(*map(_result_values, rows), strict=True)))
 
     def insert_runs(self, runs: Sequence[RunRequested | Mapping[str, Any] | Sequence[Any]]) -> None:
         """Insert runs: RunRequested payloads (or dicts of one), or ready `run_row` lists."""
