@@ -71,8 +71,10 @@ class _Joined:
     """Consecutive chunks' Arrow record batches joined into one insert per table: each insert
     makes a part that ClickHouse merges later (re-reading and re-compressing it), and one part
     of 40,000 events instead of four of 10,000 costs about 3 us an event less, merges
-    included. Rows keep their stream order inside an insert as across inserts (the insert
-    sorts stably; a later copy of an event still replaces the earlier one)."""
+    included. Rows keep their stream order inside an insert as across inserts: the insert
+    sorts stably, so a later copy of an event still replaces the earlier one (checked on 100,000
+    rows, 50,000 keys twice, in one `ArrowStream` insert of 15 batches: FINAL and a merge kept
+    every later row)."""
 
     def __init__(self, insert: Any) -> None:
         self.insert = insert
