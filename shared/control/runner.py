@@ -155,21 +155,44 @@ def public_config(config: VerificationConfig) -> dict:
     return data
 
 
+SUBMIT_FIRST_CHUNK = 32
+"""Answer requests in the first published chunk; each next chunk is twice the last."""
+SUBMIT_MAX_CHUNK = 1024
+
+
+def submit_chunks(n: int, first: int = SUBMIT_FIRST_CHUNK, largest: int = SUBMIT_MAX_CHUNK) -> list[slice]:
+    """Slices of `n` requests in publishing order: small first, doubling up to `largest`.
+    Why: the first jobs reach generation while the rest of the run's contents are still being
+    stored, instead of after all of them (about 0.15 s of idle models for 1,000 questions)."""
+    out, i, size = [], 0, max(1, first)
+    while i < n:
+        out.append(slice(i, min(n, i + size)))
+        i += size
+        size = min(max(1, largest), size * 2)
+    return out
+
+
 async def submit(settings: Settings, plan: RunPlan) -> int:
-    """Publish the run and its answer requests; returns how many requests were new."""
+    """Publish the run and its answer requests; returns how many requests were new. Requests go
+    out in chunks (`submit_chunks`), each chunk's contents stored before its jobs are published
+    (a job never refers to content the store does not have yet)."""
     async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js, settings)
         producer = "cli/0.1.0"
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))
-        requests = plan.requests
-        answer_ids = [r.jobs[0].answer_id for r in requests]  # a lean job leaves its answer id to the subject
-        if settings.lean_events:  # contents once, by hash; events carry the hashes
-            requests = await lean_requests(ContentStore(lambda: js), requests)
-        envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, aid, r, producer)
-                for aid, r in zip(answer_ids, requests, strict=True)]
-        return await bus.publish_many(js, envs)
+        store = ContentStore(lambda: js)  # one store: contents shared by chunks are written once
+        new = 0
+        for part in submit_chunks(len(plan.requests)):
+            requests = plan.requests[part]
+            answer_ids = [r.jobs[0].answer_id for r in requests]  # a lean job leaves its answer id to the subject
+            if settings.lean_events:  # contents once, by hash; events carry the hashes
+                requests = await lean_requests(store, requests)
+            envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, aid, r, producer)
+                    for aid, r in zip(answer_ids, requests, strict=True)]
+            new += await bus.publish_many(js, envs)
+        return new
 
 
 async def retrying_now(js: JetStreamContext) -> int:
