@@ -168,7 +168,8 @@ def timeline_line(tl: dict[str, Any]) -> str:
         if tl.get(key):
             first, last = tl[key]
             parts.append(f"{key} {first}..{last}")
-    parts.append(f"all collected {tl.get('collected_s')}, all rows queryable {tl.get('queryable_s')}")
+    parts.append(f"last result seen by the client {tl.get('last_arrival_s')}, collect returned {tl.get('collected_s')}, "
+                 f"all rows queryable {tl.get('queryable_s')}")
     if tl.get("ideal_s"):
         parts.append(f"ideal whole run N*2L/C+L {tl['ideal_s']} s")
     return "  timeline (s from the start of submit, first..last event): " + ", ".join(parts)
@@ -233,6 +234,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             stream_delta = asyncio.run(stream_bytes(settings)) - bytes0
             tl = timeline(asyncio.run(event_times(settings, plan.run_id)), wall0, submit_s, n, latency_ms,
                           concurrency)
+            tl["last_arrival_s"] = round(arrivals[-1] - t0, 3) if arrivals else None
             tl["collected_s"] = round(elapsed, 3)
             tl["queryable_s"] = round(projected_s, 3) if projected else None
             per_service = {name: round(1000 * max(0.0, cpu1[name] - cpu0.get(name, 0.0)) / max(done, 1), 3)

@@ -208,12 +208,19 @@ async def retrying_now(js: JetStreamContext) -> int:
     return n
 
 
-@dataclass
+@dataclass(repr=False)
 class RunOutcome:
     results: dict[str, VerificationResult]
     dead_letters: list[events.DeadLetter]
     elapsed_s: float
     timed_out: bool = False
+
+    def __repr__(self) -> str:
+        """A summary, not every result: `asyncio.run` (Python 3.11, main thread) formats the repr of
+        its finished task, result included, when it restores the SIGINT handler, so a dataclass
+        repr of 1,000 results cost 0.1-0.3 s after the last one arrived (`collect`'s caller waits)."""
+        return (f"RunOutcome({len(self.results)} results, {len(self.dead_letters)} dead letters, "
+                f"elapsed_s={self.elapsed_s:.3f}, timed_out={self.timed_out})")
 
 
 async def collect(

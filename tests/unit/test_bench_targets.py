@@ -76,7 +76,7 @@ def test_timeline_spans_each_stage_from_the_start_of_submit() -> None:
     assert tl["requested"] == (0.02, 0.1) and tl["finalized"] == (0.75, 9.6) and tl["submit_s"] == 0.12
     assert tl["ideal_s"] == 9.675  # 1000 * 0.6 / 64 + 0.3
     assert "ideal_s" not in timeline(times, 100.0, 0.1, 1000, 0.0, 64)
-    line = timeline_line({**tl, "collected_s": 9.7, "queryable_s": 10.1})
+    line = timeline_line({**tl, "last_arrival_s": 9.61, "collected_s": 9.7, "queryable_s": 10.1})
     assert "finalized 0.75..9.6" in line and "all rows queryable 10.1" in line
 
 
