@@ -312,7 +312,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     def ratio(key: str) -> float | None:
         return round(two[key] / one[key], 3) if one.get(key) and two.get(key) else None
 
-    return {"latency_ms": lat, "workers_per_replica": workers, "model_limit": 4 * workers,
+    return {"latency_ms": lat, **_dist(args), "workers_per_replica": workers, "model_limit": 4 * workers,
             "stages": list(SCALED), "one": one, "two": two, "ratio": ratio("steady_results_per_s"),
             "ratio_whole_run": ratio("results_per_s")}
 
@@ -395,7 +395,9 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
                              "                  (until `veribus run` returns: the projector wrote every row)")
         lines.append(f"    stream bytes per result         {row['stream_bytes_per_result']:>10}   target <= 6144")
     if scaling is not None:
-        lines.append(f"  replica scaling ({' and '.join(scaling['stages'])}, latency {scaling['latency_ms']:g} ms, "
+        lat_label = latency_label(scaling["latency_ms"], scaling.get("latency_dist") or "fixed",
+                                  scaling.get("latency_sigma") or 0.5)
+        lines.append(f"  replica scaling ({' and '.join(scaling['stages'])}, {lat_label}, "
                      f"model limit {scaling['model_limit']}):")
         lines.append(f"    2 replicas / 1 replica, steady  {scaling['ratio']!s:>10}   target >= 1.8   "
                      f"({scaling['two']['steady_results_per_s']} vs {scaling['one']['steady_results_per_s']} results/s,"
