@@ -175,6 +175,43 @@ def timeline_line(tl: dict[str, Any]) -> str:
     return "  timeline (s from the start of submit, first..last event): " + ", ".join(parts)
 
 
+async def _ceiling(url: str, concurrency: int, latency_ms: float, seconds: float, skip_s: float) -> float:
+    calls_per_model = max(1, concurrency // 2)
+    done: list[float] = []
+    # local import: aiohttp is heavy and only this calibration needs an async HTTP client
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async def caller(model: str, i: int) -> None:
+            body = {"model": model, "messages": [{"role": "user", "content": f"Calibration call {i}: what is 1 plus 1?"}]}
+            while True:
+                async with session.post(url + "/chat/completions", json=body) as resp:
+                    await resp.read()
+                done.append(time.perf_counter())
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(caller(m, i)) for m in ("bench-answerer", "bench-judge")
+                 for i in range(calls_per_model)]
+        await asyncio.sleep(skip_s + seconds)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    in_window = sum(1 for t in done if t0 + skip_s <= t < t0 + skip_s + seconds)
+    # calls/s over the window, as results/s (two calls a result) over the bound C/(2L)
+    return round(in_window / seconds / 2 / (concurrency / (2 * latency_ms / 1000)), 3)
+
+
+def simulator_ceiling(url: str, concurrency: int, latency_ms: float, seconds: float = 4.0,
+                      skip_s: float = 1.0) -> float | None:
+    """The fraction of C/(2L) the simulator itself allows right now: C/2 minimal callers per model
+    calling back to back (no veribus), completions counted over `seconds` after `skip_s`. On a
+    shared machine the simulator's and the client's event loops wait for a core too, so this
+    ceiling moves with the load: veribus's figure over it is what veribus itself costs."""
+    if latency_ms <= 0:
+        return None
+    return asyncio.run(_ceiling(url, concurrency, latency_ms, seconds, skip_s))
+
+
 def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int],
              api_base: str | None = None, model: str | None = None, judge: str | None = None, *,
              extra_env: dict[str, str] | None = None, model_limit: int | None = None,
@@ -192,7 +229,9 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                          extra_env=extra_env)
         settings.nats_url = state.nats_url
         try:
+            ceiling = None
             if api_base is None:
+                ceiling = simulator_ceiling(state.simulator_url, concurrency, latency_ms)
                 httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
             # C is the total number of model calls in flight: each result makes two sequential
             # calls (answer, then parse) in two services, so each model gets C/2.
@@ -251,6 +290,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "bound_results_per_s": round(bound, 1) if bound else None,
                 "fraction_of_bound": round(rate / bound, 3) if bound else None,
                 "steady_fraction_of_bound": round(steady / bound, 3) if bound and steady else None,
+                "simulator_ceiling_fraction": ceiling,
                 "queryable_results_per_s": round(done / projected_s, 1) if projected and projected_s else None,
                 "queryable_fraction_of_bound": (round(done / projected_s / bound, 3)
                                                 if bound and projected and projected_s else None),
@@ -337,6 +377,10 @@ def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                  if row["bound_results_per_s"] else ""))
         print(f"  steady state (10th to 90th percentile of results): {row['steady_results_per_s']} results/s"
               + (f", {100 * row['steady_fraction_of_bound']:.1f}% of the bound" if row["steady_fraction_of_bound"] else ""))
+        if row.get("simulator_ceiling_fraction"):
+            c = row["simulator_ceiling_fraction"]
+            print(f"  the simulator itself allows {c} of C/(2L) now (minimal callers, no veribus): whole run "
+                  f"{row['fraction_of_bound'] / c:.3f} of that, steady {(row['steady_fraction_of_bound'] or 0) / c:.3f}")
         print(timeline_line(row["timeline"]))
         print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
         print(f"  event stream: {row['stream_bytes_per_result']} bytes per result (target <= 6144)")
@@ -390,6 +434,9 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
             if row.get("steady_fraction_of_bound") is not None:
                 lines.append(f"    fraction of C/(2L), steady      {row['steady_fraction_of_bound']:>10}   target >= 0.90"
                              "   (10th to 90th percentile of results)")
+            if row.get("simulator_ceiling_fraction"):
+                lines.append(f"    simulator's own ceiling         {row['simulator_ceiling_fraction']:>10}"
+                             "                  (C/2 minimal callers per model, same sitting: the load's share)")
             if row.get("queryable_fraction_of_bound") is not None:
                 lines.append(f"    fraction of C/(2L), queryable   {row['queryable_fraction_of_bound']:>10}"
                              "                  (until `veribus run` returns: the projector wrote every row)")

@@ -84,12 +84,13 @@ def test_all_shows_the_rebuild_and_the_queryable_figures_beside_the_run() -> Non
     row = {**_row(0.0, 118.0, 9.8, None), "steady_results_per_s": 125.0, "queryable_results_per_s": 114.0,
            "results": 1000, "concurrency": 64}
     lat = {**_row(300.0, 96.0, 9.0, 0.9), "latency_dist": "lognormal", "latency_sigma": 0.5,
-           "steady_fraction_of_bound": 0.95, "queryable_fraction_of_bound": 0.88}
+           "steady_fraction_of_bound": 0.95, "queryable_fraction_of_bound": 0.88, "simulator_ceiling_fraction": 0.97}
     text = targets_block([row, lat], rebuilt={"events": 120010, "fold_events_per_s": 51000, "events_per_s": 40000})
     assert "results/s, steady                    125.0   target >= 120" in text
     assert "results/s, rows queryable            114.0" in text
     assert "latency 300 ms lognormal (mean; sigma 0.5)" in text
     assert "fraction of C/(2L), queryable         0.88" in text
+    assert "simulator's own ceiling               0.97" in text
     assert "rebuild events/s, fold               51000   target >= 50,000" in text
     assert "rebuild events/s (>= 50,000" not in text, "measured, so not listed as unmeasured"
     assert "replica scaling (>= 1.8x" in text
