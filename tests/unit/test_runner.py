@@ -102,3 +102,8 @@ def test_a_run_outcome_repr_is_a_summary_not_every_result() -> None:
     dead = [events.DeadLetter(subject="vb.x", consumer="c", error="e", deliveries=1, data="d")]
     text = repr(RunOutcome(results, dead, 12.5))
     assert text == "RunOutcome(500 results, 1 dead letters, elapsed_s=12.500, timed_out=False)"
+
+
+def test_a_run_plan_repr_is_a_summary_not_every_job() -> None:
+    plan = plan_run(Benchmark.load(CHECKPOINTS / "multi_question.jsonld"), config())
+    assert repr(plan) == f"RunPlan({plan.run_id!r}, 8 requests, 16 jobs, 1 unfinished)"
