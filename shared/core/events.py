@@ -6,6 +6,7 @@ subscribe by type (`vb.answer.generated.*.*`) and one result's history is `vb.*.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal, TypeVar
 
@@ -13,7 +14,7 @@ import msgspec
 
 from shared.core.compact import compact, expand, is_empty_template_default
 from shared.core.ids import event_id_for
-from shared.core.limits import MAX_EVENT_BYTES, InvalidEvent, check_envelope, check_job
+from shared.core.limits import MAX_EVENT_BYTES, MAX_NAME_CHARS, InvalidEvent, check_envelope, check_job
 from shared.core.scrub import scrub_bytes
 from shared.core.signals import Signals
 
@@ -346,12 +347,35 @@ def _from_subject(env: Envelope, subject: str | None) -> None:
         env.event_id = _derived_id(env)
 
 
+# a subject whose tokens pass `check_envelope`'s id and event type checks (`_from_wire_subject`)
+_WIRE_SUBJECT = re.compile(r"vb\.([a-z]{1,32}\.[a-z_]{1,32})\.([A-Za-z0-9_\-]{1,64})\.([A-Za-z0-9_\-]{1,64})")
+
+
+def _from_wire_subject(env: Envelope, subject: str) -> bool:
+    """The common case of `decode` in one regex: a `wire` envelope (no ids of its own) within
+    the limits on a well-formed subject passes every check, as its ids are the subject's tokens
+    (a rebuild decodes every event of the stream: ~2 us an event saved). False, with `env`
+    untouched, for anything else: the full checks then raise their precise errors."""
+    if (env.event_type or env.run_id or env.result_id or env.event_id or env.attempt_key
+            or env.schema_version != SCHEMA_VERSION or not 0 < env.attempt < 1_000_000
+            or len(env.producer) > MAX_NAME_CHARS or len(env.payload) > MAX_EVENT_BYTES):
+        return False
+    m = _WIRE_SUBJECT.fullmatch(subject)
+    if m is None:
+        return False
+    env.event_type, env.run_id, env.result_id = m.groups()
+    env.event_id = _derived_id(env)
+    return True
+
+
 def decode(data: bytes, subject: str | None = None) -> Envelope:
     """Decode and validate an envelope (ids, sizes; with `subject`, that it arrived where it
     says it belongs): raises for a bad one, which is then dead-lettered, never handled."""
     if len(data) > MAX_EVENT_BYTES + 65_536:
         raise InvalidEvent(f"message is {len(data):,} bytes")
     env = _env_decoder.decode(data)
+    if subject is not None and _from_wire_subject(env, subject):
+        return env
     if not env.event_type:  # published by `wire`: its subject names it
         _from_subject(env, subject)
     if env.schema_version != SCHEMA_VERSION:
