@@ -104,12 +104,17 @@ class _StateProbe(msgspec.Struct):
     log: list[tuple[str, str, str, float, float]] = []  # the compact stage log (events.State)
 
 
+_NULL = msgspec.Raw(b"null")
+
+
 class _StageProbe(msgspec.Struct):
-    """The few fields of a StageEvent payload the events table needs; the job is skipped."""
+    """The few fields of a StageEvent payload the events table needs, and the job's bytes (the
+    content keys of answer.generated are read from them: a small decode instead of the payload's)."""
 
     status: str = "performed"
     reason: str = ""
     state: _StateProbe | None = None
+    job: msgspec.Raw = _NULL
 
 
 _stage_probe = msgspec.json.Decoder(_StageProbe)
@@ -120,9 +125,14 @@ _result_dec = msgspec.json.Decoder(ResultFinalized)  # expands a compact result
 
 
 def _base_event_row(env: Envelope) -> list[Any]:
+    """The envelope's columns, the rest at their empty values (written out: every event pays it)."""
+    attempt, version = env.attempt, env.schema_version
     return [
-        env.event_id, env.event_type, env.run_id, env.result_id, env.subject, _us(env.occurred_at),
-        env.producer, min(max(env.attempt, 0), 65535), min(max(env.schema_version, 0), 65535),
+        env.event_id, env.event_type, env.run_id, env.result_id,
+        f"vb.{env.event_type}.{env.run_id}.{env.result_id}",  # Envelope.subject
+        int(round(env.occurred_at * 1_000_000)),  # _us
+        env.producer, attempt if 0 <= attempt <= 65535 else min(max(attempt, 0), 65535),
+        version if 0 <= version <= 65535 else min(max(version, 0), 65535),
         "", "", "", "", "", None, None, None, [], [], [], [],
         bytes(env.payload), None,
     ]
@@ -152,7 +162,7 @@ _EVENT_USAGE_KEYS = {
 }
 
 
-def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
+def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:
     """Status, error, tokens and the stage log of a StageEvent payload.
 
     The stage log in `state.stages` holds the records of the stage that published the event
@@ -165,14 +175,16 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     row[_REASON] = probe.reason
     state = probe.state
     if state is None:
-        return
-    if state.log and not state.stages:  # the lean wire: the columns straight from the compact log
+        return probe
+    log = state.log
+    if log and not state.stages:  # the lean wire: the columns straight from the compact log
         base = state.started_at
-        starts = [round(base + e[3], 6) for e in state.log]
-        row[_SNAMES] = [e[0] for e in state.log]
-        row[_SSTATUS] = [e[1] for e in state.log]
+        names, statuses, _reasons, offsets, took = zip(*log, strict=True)
+        starts = [round(base + o, 6) for o in offsets]
+        row[_SNAMES] = list(names)
+        row[_SSTATUS] = list(statuses)
         row[_SSTART] = starts
-        row[_SEND] = [round(b + e[4], 6) for b, e in zip(starts, state.log, strict=True)]
+        row[_SEND] = [round(b + t, 6) for b, t in zip(starts, took, strict=True)]
     else:
         stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
         if stages:
@@ -180,8 +192,8 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
             row[_SSTATUS] = [s.status for s in stages]
             row[_SSTART] = [s.started_at for s in stages]
             row[_SEND] = [s.ended_at for s in stages]
-    keys = _EVENT_USAGE_KEYS.get(event_type, ())
-    entries = [state.usage[k] for k in keys if isinstance(state.usage.get(k), dict)]
+    usage = state.usage
+    entries = [usage[k] for k in _EVENT_USAGE_KEYS.get(event_type, ()) if isinstance(usage.get(k), dict)]
     if entries:
         row[_IN] = sum(_tokens(e, "input_tokens") for e in entries)
         row[_OUT] = sum(_tokens(e, "output_tokens") for e in entries)
@@ -190,6 +202,7 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> None:
     if state.error is not None:
         row[_ETYPE] = state.error.type
         row[_EMSG] = state.error.message
+    return probe
 
 
 def event_row(env: Envelope, result: Mapping[str, Any] | None = None) -> list[Any]:
@@ -198,13 +211,20 @@ def event_row(env: Envelope, result: Mapping[str, Any] | None = None) -> list[An
     `result` is the already-decoded VerificationResult dict of a result.finalized event, if the
     caller has it (the projector does), so the payload is not decoded twice.
     """
+    return _event_row(env, result)[0]
+
+
+def _event_row(env: Envelope, result: Mapping[str, Any] | None = None) -> tuple[list[Any], msgspec.Raw | None]:
+    """`event_row`, and a stage payload's job as bytes when the payload decoded (None: not a
+    stage event, or a malformed one)."""
     row = _base_event_row(env)
     et = env.event_type
     payload = env.payload
     row[_STAGE] = _EVENT_STAGE.get(et, "")
+    job = None
     try:
         if et in STAGE_EVENT_TYPES:
-            _fill_stage(row, et, payload)
+            job = _fill_stage(row, et, payload).job
         elif et == STAGE_FAILED:
             err = _failed_dec.decode(payload).error
             row[_STAGE], row[_STATUS] = err.stage, "failed"
@@ -228,7 +248,7 @@ def event_row(env: Envelope, result: Mapping[str, Any] | None = None) -> list[An
             row[_STATUS] = "performed"
     except Exception as exc:  # noqa: BLE001 - a malformed payload is recorded, never raised
         _mark_invalid(row, exc)
-    return row
+    return row, job
 
 
 def _mark_invalid(row: list[Any], exc: BaseException) -> None:
@@ -478,6 +498,9 @@ class _JobRefs(msgspec.Struct):
     refs: dict[str, str] = {}
 
 
+_job_refs = msgspec.json.Decoder(_JobRefs | None)
+
+
 class _GeneratedRefs(msgspec.Struct):
     """The content keys of an answer.generated payload's job; the rest is skipped."""
 
@@ -535,9 +558,16 @@ def project_envelope(env: Envelope, out: Projection) -> None:
         _mark_invalid(row, exc)
         out.events.append(row)
         return
-    out.events.append(event_row(env))
+    row, job = _event_row(env)
+    out.events.append(row)
     try:
-        for kind, key in content_refs(env):
+        # answer.generated's keys came with its row's decode; answer.requested's are read here
+        if job is not None and env.event_type == ANSWER_GENERATED:
+            refs = _job_refs.decode(job)
+            items = refs.refs.items() if refs is not None else ()
+        else:
+            items = content_refs(env)
+        for kind, key in items:
             if key and key not in out.refs:
                 out.refs[key] = (kind, env.run_id)
     except (msgspec.DecodeError, msgspec.ValidationError):
