@@ -363,8 +363,8 @@ def _from_wire_subject(env: Envelope, subject: str) -> bool:
     m = _WIRE_SUBJECT.fullmatch(subject)
     if m is None:
         return False
-    env.event_type, env.run_id, env.result_id = m.groups()
-    env.event_id = _derived_id(env)
+    env.event_type, env.run_id, env.result_id = et, run_id, result_id = m.groups()
+    env.event_id = f"{result_id if result_id != RUN_KEY else run_id}:{et}"  # _derived_id, without an attempt key
     return True
 
 

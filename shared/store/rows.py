@@ -195,7 +195,12 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:
             row[_SEND] = [s.ended_at for s in stages]
     usage = state.usage
     entries = [usage[k] for k in _EVENT_USAGE_KEYS.get(event_type, ()) if isinstance(usage.get(k), dict)]
-    if entries:
+    if len(entries) == 1:  # the common case, without the generators (the same sums)
+        e = entries[0]
+        row[_IN], row[_OUT] = _tokens(e, "input_tokens"), _tokens(e, "output_tokens")
+        if "cost_usd" in e:
+            row[_COST] = 0 + float(e["cost_usd"] or 0.0)
+    elif entries:
         row[_IN] = sum(_tokens(e, "input_tokens") for e in entries)
         row[_OUT] = sum(_tokens(e, "output_tokens") for e in entries)
         if all("cost_usd" in e for e in entries):
