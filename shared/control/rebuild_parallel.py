@@ -5,8 +5,8 @@ Why: a rebuild is CPU-bound Python (decoding events, building rows, filling Arro
 an event) and one process holds the GIL for all of it, so a thread beside it did not help. Each
 worker takes every n-th chunk of consecutive stream sequences (its own ephemeral consumer per
 chunk, read by `shared.control.stream_read`) and sends one pickled message per chunk on a pipe:
-per table the Arrow IPC messages of its rows (`arrow.ipc_parts`). This process takes the chunks
-in sequence order (worker 0's first, worker 1's first, worker 0's second, ...) and joins
+per table the Arrow IPC messages of its rows (`arrow.ipc_parts`, pickled from `arrow.ipc_buffers`).
+This process takes the chunks in sequence order (worker 0's first, worker 1's first, worker 0's second, ...) and joins
 `JOIN_CHUNKS` consecutive chunks' batches into one insert per table, as bytes ClickHouse reads
 (`ArrowStream`) without this process decoding them, so the rows go in in the order the live
 projector inserts them and a later copy of an event replaces an earlier one exactly as it does
@@ -266,7 +266,7 @@ async def _work(conf: dict[str, Any], out: Any) -> None:
                 # the block as the bytes the insert reads (no unpickling and re-encoding in the
                 # inserting process); none: it falls back to a Native insert of the columns
                 block = arrow.block_or_none(types.__getitem__, table, column_names, columns)
-                parts = arrow.ipc_parts(block) if block is not None else None
+                parts = arrow.ipc_buffers(block) if block is not None else None  # bytes once unpickled
                 blocks.append((table, column_names, None if parts is not None else columns, parts))
             pickle.dump({"messages": len(msgs), "blocks": blocks}, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()

@@ -11,6 +11,7 @@ store falls back to the Native insert for anything Arrow cannot type).
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -83,6 +84,16 @@ def ipc_parts(table: Any) -> tuple[bytes, list[bytes]]:
     ClickHouse's `ArrowStream` input reads: a rebuild worker makes them, the inserting process
     joins several chunks' into one insert without decoding them (`ipc_stream`)."""
     return table.schema.serialize().to_pybytes(), [b.serialize().to_pybytes() for b in table.to_batches()]
+
+
+def ipc_buffers(table: Any) -> tuple[pickle.PickleBuffer, list[pickle.PickleBuffer]]:
+    """`ipc_parts` for pickling: the messages' Arrow buffers, read-only, which pickle writes
+    straight from Arrow's memory (no `to_pybytes` copy first: ~1 us an event of a rebuild's
+    worker) and which unpickle as the same `bytes` as `ipc_parts`'."""
+    def view(buf: Any) -> pickle.PickleBuffer:
+        return pickle.PickleBuffer(memoryview(buf).toreadonly())
+
+    return view(table.schema.serialize()), [view(b.serialize()) for b in table.to_batches()]
 
 
 def ipc_stream(schema: bytes, batches: Sequence[bytes]) -> bytes:
