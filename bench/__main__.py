@@ -2,7 +2,7 @@
 the real stack, by default on issue 12's workload (1,000 generated questions, template-only,
 64 model calls in flight, latency 0 and 300 ms lognormal); `--all` adds the replica scaling and
 the projections rebuild and prints every issue-12 figure beside its target; `--backpressure`,
-`--analysis`, `--limits`, `--sandbox`, `--scaling` and `--rebuild` select the other benchmarks.
+`--analysis`, `--limits`, `--sandbox`, `--scaling`, `--rebuild` and `--projection-rows` select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
 module as a child process and passes its exit code through.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import analysis, backpressure, limits, rebuild, run, sandbox
+from bench import analysis, backpressure, limits, rebuild, rows, run, sandbox
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     analysis.add_arguments(b)
     sandbox.add_arguments(b)
     rebuild.add_arguments(b)
+    rows.add_arguments(b)
     return b
 
 
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return sandbox.main(args)
     if args.rebuild:
         return rebuild.main(args)
+    if args.projection_rows:
+        return rows.main(args)
     return run.main(args)
 
 
