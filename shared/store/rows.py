@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -37,11 +37,6 @@ from shared.core.events import (
 )
 from shared.core.models import VerificationResult
 from shared.core.scrub import scrub_bytes, scrub_text
-
-if TYPE_CHECKING:
-
-    pass
-
 
 UNDECODABLE = "undecodable"
 PROJECTION_FAILED = "projection_failed"
