@@ -381,7 +381,12 @@ async def publish(js: JetStreamContext, env: events.Envelope) -> bool:
     """Publish one event; returns False when the server deduplicated it. While a cluster fails
     over (a node died, a new stream leader is being elected) the publish is retried: the message
     id makes a retry after a lost ack harmless."""
-    ack = await _retry_cluster(lambda: _publish_one(js, env), "publish", PUBLISH_RETRY_S)
+    try:  # the first try outside the retry loop: every handled message publishes (issue 12)
+        ack = await _publish_one(js, env)
+    except Exception as exc:  # noqa: BLE001 - filtered: only what a failing-over cluster says is retried
+        if not _cluster_not_ready(exc):
+            raise
+        ack = await _retry_cluster(lambda: _publish_one(js, env), "publish", PUBLISH_RETRY_S)
     return not ack.duplicate
 
 

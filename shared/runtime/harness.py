@@ -85,6 +85,7 @@ class Subscription:
     batch_size: int = 32
     config: ConsumerConfig | None = None
     skip: Callable[[Any], bool] | None = None
+    needs_question: Callable[[events.Job], bool] | None = None
 
 
 class Delivery:
@@ -399,12 +400,15 @@ class StageService:
         batch_size: int = 32,
         give_up: GiveUp | None = None,
         skip: Callable[[Any], bool] | None = None,
+        needs_question: Callable[[events.Job], bool] | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register `fn(envelope, payload) -> [envelopes to publish]` for one event type.
 
         `skip(payload)`: a cheap check on the decoded (lean) payload; True means the handler would
         publish nothing (a branch this job's mode does not have), so the message is acked without
-        reading the job's contents or calling the handler."""
+        reading the job's contents or calling the handler. `needs_question(job)`: asked with the
+        job's options and models filled in; False means the handler does not use the question's
+        content, which is then not read (`ContentStore.hydrate_payload`)."""
         workers = max_workers or int(getattr(self.settings, f"{self.name}_workers", 64))
         max_deliver = self.settings.consumer_max_deliver
         config = ConsumerConfig(
@@ -421,7 +425,8 @@ class StageService:
         def decorator(fn: Handler) -> Handler:
             self.subscriptions[event_type] = Subscription(
                 event_type, fn, payload_type, give_up, max_deliver, durable=durable or self.name,
-                workers=workers, batch_size=min(batch_size, workers), config=config, skip=skip)
+                workers=workers, batch_size=min(batch_size, workers), config=config, skip=skip,
+                needs_question=needs_question)
             return fn
 
         return decorator
@@ -473,7 +478,7 @@ class StageService:
         before = await self._spent_before(env, payload, self.control, tokens_before, "usage")
         cost_before_ = await self._spent_before(env, payload, self.cost_control, cost_before, "cost")
         try:
-            payload = await self.content.hydrate_payload(payload)
+            payload = await self.content.hydrate_payload(payload, sub.needs_question)
             CACHE_SCOPE.set(scope_for(env.run_id, payload))  # the run's options are in the content
             outs = await fn(env, payload)
             await self.publish(carry_attempt_key(key, outs))
