@@ -545,14 +545,18 @@ def _int_answer(value: int) -> str:
 
 
 def test_worker_class_cache_drops_the_modules_it_evicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker's class cache (which scans sys.modules only when a class left it) removes exactly
-    the modules no cached class lives in any more (trusted code, run in-process on purpose)."""
+    """The worker's class cache (which counts the entries per module instead of scanning
+    sys.modules) removes exactly the modules no cached class lives in any more, and no other
+    module (trusted code, run in-process on purpose)."""
     import sys
+    import types
 
     from shared.templates import calls
 
     monkeypatch.setattr(calls, "_CACHE_MAX", 2)
     monkeypatch.setattr(calls, "_CLASSES", type(calls._CLASSES)())
+    monkeypatch.setattr(calls, "_MODULE_USERS", {})
+    monkeypatch.setitem(sys.modules, "veribus_template_not_cached", types.ModuleType("veribus_template_not_cached"))
     before = {m for m in sys.modules if m.startswith("veribus_template_")}
     first = calls._template_class(_int_answer(1), "t1")
     shared_code = calls._template_class(_int_answer(1), "t1-copy")  # same code, other id: same module
@@ -564,5 +568,7 @@ def test_worker_class_cache_drops_the_modules_it_evicts(monkeypatch: pytest.Monk
     assert gone == {first.__module__, replaced.__module__}
     calls._template_class(_int_answer(4), "t4")  # evicts t1-copy: nothing lives in t1's module now
     assert first.__module__ not in sys.modules
+    assert "veribus_template_not_cached" in sys.modules  # not the cache's to drop
+    assert calls._MODULE_USERS == {c.__module__: 1 for _, c, _ in calls._CLASSES.values()}
     for name in {m for m in sys.modules if m.startswith("veribus_template_")} - before:
         del sys.modules[name]
