@@ -41,7 +41,7 @@ class Answer(BaseAnswer):
         return self.value == self.correct["value"]
 '''
 TRAIT = "def evaluate(trace: str) -> bool:\n    return len(trace) < 500\n"
-_CASES = ("ping", "verify", "callable_trait", "verify_in_run", "trait_in_run", "validate_new", "verify_new")
+_CASES = ("ping", "ping_in_run", "verify", "callable_trait", "verify_in_run", "trait_in_run", "validate_new", "verify_new")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +96,7 @@ async def _measure(mode: str, calls: int, which: tuple[str, ...] = _CASES) -> di
         out["worker_start_ms"] = round((time.perf_counter() - t) * 1e3, 1)
         cases = {
             "ping": lambda: sb.call("ping"),
+            "ping_in_run": lambda: sb.call("ping", scope="bench-run"),  # the relay's own cost
             "verify": lambda: run_verify(TEMPLATE, {"value": 4}, "q", template_id="t", sandbox=sb),
             "callable_trait": lambda: run_callable_trait(TRAIT, "some answer", "boolean", sandbox=sb),
             # what the services do: the run id as scope, one process per run (templates compile once)
