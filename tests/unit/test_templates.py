@@ -572,3 +572,56 @@ def test_worker_class_cache_drops_the_modules_it_evicts(monkeypatch: pytest.Monk
     assert calls._MODULE_USERS == {c.__module__: 1 for _, c, _ in calls._CLASSES.values()}
     for name in {m for m in sys.modules if m.startswith("veribus_template_")} - before:
         del sys.modules[name]
+
+
+_SCHEMA_TEMPLATES = [
+    ("defaults", "import datetime, enum\nfrom typing import Literal\n\nclass Kind(enum.Enum):\n    A = 'a'\n    B = 'b'\n\n"
+                 "class Inner(BaseModel):\n    x: float = float('inf')\n\n"
+                 "class Answer(BaseAnswer):\n    n: int = 3\n    f: float = float('nan')\n    s: str = 'x'\n"
+                 "    b: bool = True\n    when: datetime.date = datetime.date(2020, 1, 2)\n    kind: Kind = Kind.B\n"
+                 "    lit: Literal['p', 'q'] = 'q'\n    items: list[Inner] = [Inner()]\n    opt: int | None = None\n"
+                 "    big: int = 10 ** 30\n    tags: set[str] = {'t'}\n\n"
+                 "    def verify(self) -> bool:\n        return True\n"),
+    ("aliases", "class Answer(BaseAnswer):\n    model_config = ConfigDict(json_schema_mode_override='serialization')\n"
+                "    value: int = Field(2, alias='Value', description='d')\n\n"
+                "    def verify(self) -> bool:\n        return True\n"),
+]
+
+
+@pytest.mark.parametrize("name,code", [*REFERENCE_TEMPLATES, *_SCHEMA_TEMPLATES])
+def test_judge_schema_is_pydantics(name: str, code: str) -> None:
+    """The judge's schema (built with a cheaper generator) is the one pydantic's own generator
+    builds, minus our internal fields (trusted templates, compiled in-process on purpose)."""
+    import sys
+
+    from pydantic.json_schema import GenerateJsonSchema
+
+    from shared.templates import answer, calls
+
+    answer.install_karenina_aliases()
+    code = "from pydantic import BaseModel, ConfigDict\n" + code
+    cls = calls._compile_template(code, "veribus_template_schema_test")
+    try:
+        got = cls.judge_json_schema()
+        with pytest.MonkeyPatch.context() as mp:  # the same method, with pydantic's default generator
+            mp.setattr(answer, "_MODEL_JSON_SCHEMA", None)
+            expected = cls.judge_json_schema()
+        assert json.dumps(got, sort_keys=True) == json.dumps(expected, sort_keys=True)
+        assert json.dumps(got, sort_keys=True) == json.dumps(
+            _without_internal(cls.model_json_schema(schema_generator=GenerateJsonSchema)), sort_keys=True)
+    finally:
+        sys.modules.pop("veribus_template_schema_test", None)
+
+
+def _without_internal(schema: dict[str, Any]) -> dict[str, Any]:
+    from shared.templates.answer import _VERIFICATION_KEY, INTERNAL_FIELDS, _strip_key
+
+    for name in INTERNAL_FIELDS:
+        schema.get("properties", {}).pop(name, None)
+    if "required" in schema:
+        schema["required"] = [r for r in schema["required"] if r not in INTERNAL_FIELDS] or None
+        if schema["required"] is None:
+            del schema["required"]
+    schema.pop("additionalProperties", None)
+    _strip_key(schema, _VERIFICATION_KEY)
+    return schema
