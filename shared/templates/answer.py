@@ -21,10 +21,12 @@ import string
 import sys
 import types
 import typing
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import GenerateJsonSchema, SkipJsonSchema
+from pydantic_core import CoreSchema, core_schema
 
 # Attributes of a template instance that are ours, not answers the judge fills in.
 INTERNAL_FIELDS = frozenset({"id", "correct"})
@@ -306,7 +308,29 @@ class _JudgeJsonSchema(GenerateJsonSchema):
         return super().encode_default(dft)
 
 
-_JSON_NATIVE = frozenset({type(None), bool, int, str})  # exact types; float is not (inf/nan become null)
+# exact types; not float: a template's ser_json_inf_nan config may rewrite inf/nan
+_JSON_NATIVE = frozenset({type(None), bool, int, str})
+
+
+class _CoreSchemaOf:
+    """Annotation: the core schema pydantic generates for the annotated type, built directly.
+    pydantic regenerates an inherited field's schema for every subclass, and every question's
+    template is a new subclass of BaseAnswer: its two fields cost about as much as a template's
+    own. A fresh schema per call (pydantic adds metadata to the schema it is given)."""
+
+    def __init__(self, make: Callable[[], CoreSchema]) -> None:
+        self.make = make
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> CoreSchema:
+        return self.make()
+
+
+def _optional_str() -> CoreSchema:
+    return core_schema.nullable_schema(core_schema.str_schema())
+
+
+def _optional_dict() -> CoreSchema:
+    return core_schema.nullable_schema(core_schema.dict_schema(core_schema.str_schema(), core_schema.any_schema()))
 
 
 class BaseAnswer(BaseModel):
@@ -319,8 +343,10 @@ class BaseAnswer(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    id: str | None = None
-    correct: SkipJsonSchema[dict[str, Any] | None] = Field(default=None, exclude=True)
+    # = `id: str | None` and `correct: SkipJsonSchema[dict[str, Any] | None]`, cheaper to subclass
+    id: Annotated[str | None, _CoreSchemaOf(_optional_str)] = None
+    correct: Annotated[dict[str, Any] | None, _CoreSchemaOf(_optional_dict), SkipJsonSchema()] = Field(
+        default=None, exclude=True)
 
     # Optional named regex checks against the raw response, as a ClassVar on the subclass or set
     # on the instance in model_post_init / ground_truth():
