@@ -588,8 +588,26 @@ _SCHEMA_TEMPLATES = [
 ]
 
 
+@pytest.fixture
+def karenina_aliases() -> Iterator[None]:
+    """The reference's import names, in this process for one test only (other tests check that
+    a service process never has them)."""
+    import sys
+
+    from shared.templates import answer
+
+    before = set(sys.modules)
+    answer.install_karenina_aliases()
+    try:
+        yield
+    finally:
+        for name in set(sys.modules) - before:
+            if name == "karenina" or name.startswith("karenina."):
+                del sys.modules[name]
+
+
 @pytest.mark.parametrize("name,code", [*REFERENCE_TEMPLATES, *_SCHEMA_TEMPLATES])
-def test_judge_schema_is_pydantics(name: str, code: str) -> None:
+def test_judge_schema_is_pydantics(name: str, code: str, karenina_aliases: None) -> None:
     """The judge's schema (built with a cheaper generator) is the one pydantic's own generator
     builds, minus our internal fields (trusted templates, compiled in-process on purpose)."""
     import sys
@@ -598,7 +616,6 @@ def test_judge_schema_is_pydantics(name: str, code: str) -> None:
 
     from shared.templates import answer, calls
 
-    answer.install_karenina_aliases()
     code = "from pydantic import BaseModel, ConfigDict\n" + code
     cls = calls._compile_template(code, "veribus_template_schema_test")
     try:
