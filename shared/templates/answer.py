@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import GenerateJsonSchema, SkipJsonSchema
-from pydantic_core import CoreSchema, core_schema
+from pydantic_core import CoreSchema
 
 # Attributes of a template instance that are ours, not answers the judge fills in.
 INTERNAL_FIELDS = frozenset({"id", "correct"})
@@ -326,11 +326,13 @@ class _CoreSchemaOf:
 
 
 def _optional_str() -> CoreSchema:
-    return core_schema.nullable_schema(core_schema.str_schema())
+    """`core_schema.nullable_schema(core_schema.str_schema())`, as a literal (the helpers cost more)."""
+    return {"type": "nullable", "schema": {"type": "str"}}
 
 
 def _optional_dict() -> CoreSchema:
-    return core_schema.nullable_schema(core_schema.dict_schema(core_schema.str_schema(), core_schema.any_schema()))
+    """`nullable_schema(dict_schema(str_schema(), any_schema()))`, as a literal."""
+    return {"type": "nullable", "schema": {"type": "dict", "keys_schema": {"type": "str"}, "values_schema": {"type": "any"}}}
 
 
 class BaseAnswer(BaseModel):
@@ -537,13 +539,17 @@ COMPOSITION_NAMES = ("AllOf", "AnyOf", "AtLeastN", "FieldCheck")
 
 
 def template_namespace() -> dict[str, Any]:
-    """Globals a template is executed with: the names the reference pre-binds for templates."""
-    ns: dict[str, Any] = {"BaseAnswer": BaseAnswer, "Field": Field, "VerifiedField": VerifiedField,
-                          "List": list, "Dict": dict}
-    ns.update({n: getattr(typing, n) for n in _TYPING_NAMES})
-    ns.update({n: _PRIMITIVES[n] for n in PRIMITIVE_NAMES})
-    ns.update({n: globals()[n] for n in COMPOSITION_NAMES})
-    return ns
+    """Globals a template is executed with: the names the reference pre-binds for templates
+    (our own primitives, even after a template defined a Primitive of the same name)."""
+    return dict(_TEMPLATE_NAMESPACE)
+
+
+_TEMPLATE_NAMESPACE: dict[str, Any] = {
+    "BaseAnswer": BaseAnswer, "Field": Field, "VerifiedField": VerifiedField, "List": list, "Dict": dict,
+    **{n: getattr(typing, n) for n in _TYPING_NAMES},
+    **{n: _PRIMITIVES[n] for n in PRIMITIVE_NAMES},
+    **{n: globals()[n] for n in COMPOSITION_NAMES},
+}
 
 
 def install_karenina_aliases() -> None:

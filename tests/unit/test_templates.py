@@ -687,3 +687,23 @@ def test_base_answer_fields_are_what_pydantic_builds() -> None:
             except ValidationError as exc:
                 errors.append(exc.errors(include_url=False))
         assert errors[0] == errors[1], bad
+
+
+def test_a_template_does_not_rebind_the_next_ones_names() -> None:
+    """A template defining a Primitive named like one of ours (it registers itself) leaves the
+    names the next template of the same sandbox process starts with as they were (trusted code,
+    in-process on purpose)."""
+    import sys
+
+    from shared.templates import answer, calls
+
+    ours = answer.template_namespace()["ExactMatch"]
+    shadow = ("class ExactMatch(ExactMatch):\n    def check(self, extracted, expected):\n        return True\n\n"
+              "class Answer(BaseAnswer):\n    value: int\n\n    def verify(self) -> bool:\n        return True\n")
+    try:
+        calls._compile_template(shadow, "veribus_template_shadow_test")
+        assert answer._PRIMITIVES["ExactMatch"] is not ours  # what the attack changes
+        assert answer.template_namespace()["ExactMatch"] is ours
+    finally:
+        answer._PRIMITIVES["ExactMatch"] = ours
+        sys.modules.pop("veribus_template_shadow_test", None)
