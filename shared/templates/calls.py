@@ -305,6 +305,28 @@ def _release_module(module_name: str | None) -> None:
         sys.modules.pop(module_name, None)
 
 
+_WARM_UP = (  # trusted: what a template's first validation and verify() make pydantic load and cache
+    "class Answer(BaseAnswer):\n    value: int = Field(description='n')\n\n"
+    "    def model_post_init(self, __context):\n        self.correct = {'value': 1}\n\n"
+    "    def verify(self) -> bool:\n        return self.value == self.correct['value']\n"
+)
+
+
+def warm_up() -> None:
+    """(zygote, before it forks) Do once what every call process would otherwise do on its first
+    template: pydantic's lazy imports and caches. Nothing of it is cached here or left in
+    sys.modules: the class cache starts empty in every call process."""
+    module_name = "veribus_template_warm_up"
+    try:
+        worker_validate(_WARM_UP, "q", module_name)
+        worker_verify(_WARM_UP, {"value": 1}, "q", "1", module_name)
+    finally:
+        _CLASSES.clear()
+        _MODULE_USERS.clear()
+        for name in [m for m in sys.modules if m.startswith("veribus_template_")]:
+            del sys.modules[name]
+
+
 def _placeholder(ann: Any, depth: int = 0) -> Any:
     """A value of type `ann` good enough to instantiate a template (to read its `correct`)."""
     origin, args = get_origin(ann), get_args(ann)

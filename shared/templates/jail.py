@@ -64,7 +64,9 @@ def _worker_main() -> None:
     sys.dont_write_bytecode = True
     install_karenina_aliases()
     for mod in cfg["preload"]:
-        importlib.import_module(mod)
+        warm = getattr(importlib.import_module(mod), "warm_up", None)
+        if warm is not None:
+            warm()  # our own code, before any user code: the call processes start warm
     if not cfg.get("scratch"):
         cfg["scratch"] = os.path.realpath(tempfile.mkdtemp(prefix="veribus-sandbox-"))
     if cfg.get("seccomp_zygote"):

@@ -707,3 +707,12 @@ def test_a_template_does_not_rebind_the_next_ones_names() -> None:
     finally:
         answer._PRIMITIVES["ExactMatch"] = ours
         sys.modules.pop("veribus_template_shadow_test", None)
+
+
+async def test_call_processes_start_with_no_template(sb: Sandbox) -> None:
+    """The zygote warms pydantic up with a template of its own before it forks; a call process
+    inherits none of it: an empty class cache and no template module."""
+    probe = ("import sys\nimport shared.templates.calls as c\n"
+             "result = [len(c._CLASSES), len(c._MODULE_USERS), sorted(m for m in sys.modules if m.startswith('veribus_template_'))]")
+    assert await sb.call("exec", code=probe) == {"ok": True, "value": [0, 0, []]}
+    assert await sb.call("exec", code=probe, scope="fresh-run") == {"ok": True, "value": [0, 0, []]}
