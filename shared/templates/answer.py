@@ -302,6 +302,16 @@ class _JudgeJsonSchema(GenerateJsonSchema):
     def build_schema_type_to_method(self) -> Any:
         return _LazyMethods(self)
 
+    @property
+    def mode(self) -> Any:
+        """pydantic's `mode` (read ~40 times per schema), without its KeyError per read when the
+        config does not set `json_schema_mode_override` (the usual case)."""
+        try:
+            override = self._config_wrapper_stack.tail.effective_config.get("json_schema_mode_override")
+        except AttributeError:  # a pydantic without these internals: its own way
+            return super().mode
+        return self._mode if override is None else override
+
     def encode_default(self, dft: Any) -> Any:
         if type(dft) in _JSON_NATIVE:  # what TypeAdapter(type(dft)).dump_python(dft, mode="json") returns
             return dft
