@@ -25,8 +25,10 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic.json_schema import GenerateJsonSchema, SkipJsonSchema
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import CoreSchema
+
+from shared.templates.judge_schema import JudgeJsonSchema
 
 # Attributes of a template instance that are ours, not answers the judge fills in.
 INTERNAL_FIELDS = frozenset({"id", "correct"})
@@ -280,48 +282,6 @@ def _strip_key(obj: Any, key: str) -> None:
 # --------------------------------------------------------------------------- BaseAnswer
 
 
-class _LazyMethods(dict):  # type: ignore[type-arg]
-    """Core schema type -> bound generator method, bound on first use (see `_JudgeJsonSchema`)."""
-
-    def __init__(self, owner: GenerateJsonSchema) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __missing__(self, key: str) -> Any:
-        method = getattr(self.owner, key.replace("-", "_") + "_schema")
-        self[key] = method
-        return method
-
-
-class _JudgeJsonSchema(GenerateJsonSchema):
-    """pydantic's JSON schema generator, same output, less fixed cost per schema: a template's
-    schema is built once per question (every one new), and pydantic's generator binds all ~60
-    of its per-type methods up front and builds a TypeAdapter to encode even a `None` default,
-    together about as much as the rest of the schema."""
-
-    def build_schema_type_to_method(self) -> Any:
-        return _LazyMethods(self)
-
-    @property
-    def mode(self) -> Any:
-        """pydantic's `mode` (read ~40 times per schema), without its KeyError per read when the
-        config does not set `json_schema_mode_override` (the usual case)."""
-        try:
-            override = self._config_wrapper_stack.tail.effective_config.get("json_schema_mode_override")
-        except AttributeError:  # a pydantic without these internals: its own way
-            return super().mode
-        return self._mode if override is None else override
-
-    def encode_default(self, dft: Any) -> Any:
-        if type(dft) in _JSON_NATIVE:  # what TypeAdapter(type(dft)).dump_python(dft, mode="json") returns
-            return dft
-        return super().encode_default(dft)
-
-
-# exact types; not float: a template's ser_json_inf_nan config may rewrite inf/nan
-_JSON_NATIVE = frozenset({type(None), bool, int, str})
-
-
 class _CoreSchemaOf:
     """Annotation: the core schema pydantic generates for the annotated type, built directly.
     pydantic regenerates an inherited field's schema for every subclass, and every question's
@@ -469,7 +429,7 @@ class BaseAnswer(BaseModel):
     def judge_json_schema(cls) -> dict[str, Any]:
         """JSON schema of the judge-filled fields: no id/correct, no hidden verification data."""
         if getattr(cls.model_json_schema, "__func__", None) is _MODEL_JSON_SCHEMA:
-            schema = cls.model_json_schema(schema_generator=_JudgeJsonSchema)
+            schema = cls.model_json_schema(schema_generator=JudgeJsonSchema)
         else:  # the template overrides model_json_schema: call it as it expects
             schema = cls.model_json_schema()
         props = schema.get("properties", {})
