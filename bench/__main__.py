@@ -1,6 +1,8 @@
 """`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
-the real stack; `--backpressure`, `--analysis`, `--limits`, `--sandbox`, `--scaling` and `--rebuild`
-select the other benchmarks.
+the real stack, by default on issue 12's workload (1,000 generated questions, template-only,
+64 model calls in flight, latency 0 and 300 ms lognormal); `--all` adds the replica scaling and
+the projections rebuild and prints every issue-12 figure beside its target; `--backpressure`,
+`--analysis`, `--limits`, `--sandbox`, `--scaling` and `--rebuild` select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
 module as a child process and passes its exit code through.
@@ -16,9 +18,16 @@ from bench import analysis, backpressure, limits, rebuild, run, sandbox
 
 def build_parser() -> argparse.ArgumentParser:
     b = argparse.ArgumentParser(prog="veribus bench", description=__doc__)
-    b.add_argument("--questions", type=int, default=300)
-    b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0])
-    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--all", action="store_true",
+                   help="the main runs, --scaling and --rebuild, then every issue-12 figure beside its target")
+    b.add_argument("--questions", type=int, default=1000, help="generated questions (template-only)")
+    b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0],
+                   help="the simulator's mean model latency, one run each")
+    b.add_argument("--latency-dist", choices=run.LATENCY_DISTS, default="lognormal",
+                   help="the simulator's latency distribution (lognormal: its mean is --latency-ms)")
+    b.add_argument("--latency-sigma", type=float, default=0.5, help="sigma of the lognormal latency")
+    b.add_argument("--concurrency", type=int, default=64,
+                   help="C, model calls in flight in total (each of the two models gets C/2)")
     b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
     b.add_argument("--api-base", help="measure against this OpenAI-compatible server instead of the simulator")
     b.add_argument("--bench-model", help="answering model at --api-base (default openai/bench-answerer)")
@@ -37,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "parsing) at the first non-zero --latency-ms, the model limit set not to cap them")
     b.add_argument("--scaling-workers", type=int, default=8,
                    help="handlers per replica of each scaled stage for --scaling (a replica's capacity)")
+    b.add_argument("--scaling-questions", type=int,
+                   help="questions for each --scaling run (default: --questions)")
     b.add_argument("--sandbox", action="store_true",
                    help="instead: the template sandbox's cost per call (jail vs unsafe)")
     analysis.add_arguments(b)
@@ -47,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.all:
+        return run.main(args)
     if args.backpressure:
         return backpressure.main(args)
     if args.analysis:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 
 from shared.control import rebuild
 from shared.control.nats_nodes import standalone_nats
@@ -138,6 +140,12 @@ async def _fill(settings: Settings, envs: list[events.Envelope]) -> tuple[int, i
         return int(info.state.messages), int(info.state.bytes)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended (the rebuild's workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def measure(n_events: int, runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="veribus-bench-rebuild-") as tmp:
         home = Path(tmp)
@@ -151,12 +159,18 @@ def measure(n_events: int, runs: int) -> dict[str, Any]:
             messages, nbytes = asyncio.run(_fill(settings, envs))
             fill_s = time.perf_counter() - t
             del envs
+            server = psutil.Process(proc.pid)
+            server_cpu, cpu = sum(server.cpu_times()[:2]), _cpu_s()
             rep = rebuild.rebuild_projections(settings, timeout=1800)
+            # CPU per event is the figure to compare on a shared machine (rates follow the load)
+            cpu_us = 1e6 * (_cpu_s() - cpu) / messages
+            server_us = 1e6 * (sum(server.cpu_times()[:2]) - server_cpu) / messages
             return {"events": messages, "stream_bytes": nbytes, "generate_s": round(gen_s, 2),
                     "publish_s": round(fill_s, 2), "rebuild_s": round(rep.elapsed_s, 3),
                     "events_per_s": round(messages / rep.elapsed_s) if rep.elapsed_s else None,
                     "fold_s": round(rep.fold_s, 3),
                     "fold_events_per_s": round(messages / rep.fold_s) if rep.fold_s else None,
+                    "cpu_us_per_event": round(cpu_us, 1), "nats_server_cpu_us_per_event": round(server_us, 1),
                     "rows": {k: v[0] for k, v in rep.after.items()}, "mode": rep.mode}
         finally:
             proc.terminate()
@@ -169,6 +183,8 @@ def main(args: argparse.Namespace) -> int:
           f"{row['mode']} into a fresh chdb")
     print(f"  of which folding the stream (read, project, insert): {row['fold_s']} s; the rest opens chdb, "
           "drops and creates the tables and fingerprints them before and after")
+    print(f"  CPU per event, the whole command (its process and the workers): {row['cpu_us_per_event']} us; "
+          f"nats-server: {row['nats_server_cpu_us_per_event']} us")
     print(f"  rows after: {row['rows']}")
     print(f"  (generated in {row['generate_s']} s, published in {row['publish_s']} s; not part of the figure)")
     print("\nIssue 12 figures vs targets (on a shared machine figures vary from run to run):")

@@ -19,7 +19,7 @@ from shared.cli import scale as cli_scale
 from shared.cli.common import err, say
 from shared.cli.progress import ProgressPrinter, RunProgress
 from shared.cli.stack import simulator_args
-from shared.control import deployment, runner, stack
+from shared.control import deployment, runner, stack, wait
 from shared.control.credentials import config_problems
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
@@ -29,7 +29,6 @@ from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErrors, judge
 from shared.runtime.costcontrol import set_cost_budget
 from shared.runtime.runcontrol import pop_budget, set_budget
-from shared.store.reads import run_query
 
 
 def _read_config_file(args: argparse.Namespace) -> dict[str, Any]:
@@ -380,14 +379,5 @@ async def _interruptible(coro: Any) -> Any:
 
 def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> None:  # noqa: ANN001
     """Wait until the projector has written this run's rows, so queries right after see them."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            res = run_query(settings, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}",
-                            {"r": run_id})
-            if int(res.rows[0][0]) >= expected:
-                return
-        except Exception:  # noqa: BLE001 - projector still starting
-            pass
-        time.sleep(0.2)
-    err(f"the projector has not written all {expected} rows of run {run_id} to ClickHouse yet")
+    if not wait.wait_projected(settings, run_id, expected, timeout=timeout):
+        err(f"the projector has not written all {expected} rows of run {run_id} to ClickHouse yet")

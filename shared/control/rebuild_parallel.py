@@ -1,19 +1,23 @@
 """`projections rebuild` across processes: worker processes read, decode and project slices of the
-stream and build the Arrow blocks; this process only inserts them, in stream order.
+stream and build the Arrow record batches; this process only inserts them, in stream order.
 
-Why: a rebuild is CPU-bound Python (decoding events, building rows, filling Arrow columns: ~40 us
+Why: a rebuild is CPU-bound Python (decoding events, building rows, filling Arrow columns: ~30 us
 an event) and one process holds the GIL for all of it, so a thread beside it did not help. Each
 worker takes every n-th chunk of consecutive stream sequences (its own ephemeral consumer per
-chunk) and sends one pickled message per chunk on its stdout; this process takes the chunks in
-sequence order (worker 0's first, worker 1's first, worker 0's second, ...), so the inserts happen
-in the order the live projector makes them and a later copy of an event replaces an earlier one
-exactly as it does there. The rows are `Projector.project_batch`'s, the blocks
-`shared.store.arrow.to_arrow`'s and the inserts `Store.insert_block`'s: the same code as the live
-projector's, split over processes.
+chunk, read by `shared.control.stream_read`) and sends one pickled message per chunk on a pipe:
+per table the Arrow IPC messages of its rows (`arrow.ipc_parts`). This process takes the chunks
+in sequence order (worker 0's first, worker 1's first, worker 0's second, ...) and joins
+`JOIN_CHUNKS` consecutive chunks' batches into one insert per table, as bytes ClickHouse reads
+(`ArrowStream`) without this process decoding them, so the rows go in in the order the live
+projector inserts them and a later copy of an event replaces an earlier one exactly as it does
+there. The rows are `Projector.project_batch`'s and the Arrow columns `shared.store.arrow`'s: the
+same code as the live projector's, split over processes.
 
-Workers are `python -m shared.control.rebuild_parallel` (not multiprocessing: nothing of the
-calling program is re-imported); their configuration (settings, column types, chunks) arrives on
-stdin, not the command line, as the settings may hold NATS credentials.
+Workers are forked from this process after its imports when that is safe (`_can_fork`: Linux, no
+other Python thread, no event loop running): they start in milliseconds. Otherwise they are
+`python -m shared.control.rebuild_parallel` (not multiprocessing: nothing of the calling program
+is re-imported; ~0.9 s of start-up each). Either way their configuration (settings, column types,
+chunks) arrives on a pipe, not the command line, as the settings may hold NATS credentials.
 """
 
 from __future__ import annotations
@@ -24,13 +28,16 @@ import gc
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from shared.control.stream_read import StreamReader
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
@@ -40,7 +47,8 @@ from shared.store.projection import Projector
 
 log = logging.getLogger("veribus.lifecycle")
 
-CHUNK = 10_000  # stream sequences per chunk: one worker message, one insert per table
+CHUNK = 10_000  # stream sequences per chunk: one worker message
+JOIN_CHUNKS = 4  # chunks per insert (per table)
 
 
 def plan_chunks(first_seq: int, last_seq: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
@@ -51,17 +59,120 @@ def plan_chunks(first_seq: int, last_seq: int, chunk: int = CHUNK) -> list[tuple
 
 
 def default_workers() -> int:
-    """`VERIBUS_REBUILD_WORKERS` (0: fold in this process), else one worker per core. On two
-    shared cores (load 4-6), 120,010 events, three alternating rounds: 0 workers 8.7k, 18.7k,
-    17.4k events/s for the fold; 1 worker 8.8k, 21.2k, 16.9k; 2 workers 11.3k, 26.8k, 23.1k."""
+    """`VERIBUS_REBUILD_WORKERS` (0: fold in this process), else one worker per core. (Measured
+    with spawned workers, before the lean reader: on two shared cores (load 4-6), 120,010
+    events, three alternating rounds: 0 workers 8.7k, 18.7k, 17.4k events/s for the fold;
+    1 worker 8.8k, 21.2k, 16.9k; 2 workers 11.3k, 26.8k, 23.1k.)"""
     n = Settings.from_env("rebuild_workers").rebuild_workers
     return n if n is not None else max(1, os.cpu_count() or 1)
 
 
-class Workers:
-    """Worker processes started early (their imports overlap opening chdb), given work later."""
+class _Joined:
+    """Consecutive chunks' Arrow record batches joined into one insert per table: each insert
+    makes a part that ClickHouse merges later (re-reading and re-compressing it), and one part
+    of 40,000 events instead of four of 10,000 costs about 3 us an event less, merges
+    included. Rows keep their stream order inside an insert as across inserts: the insert
+    sorts stably, so a later copy of an event still replaces the earlier one (checked on 100,000
+    rows, 50,000 keys twice, in one `ArrowStream` insert of 15 batches: FINAL and a merge kept
+    every later row)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, insert: Any) -> None:
+        self.insert = insert
+        self.pending: dict[str, tuple[Sequence[str], bytes, list[bytes]]] = {}
+
+    def add(self, table: str, column_names: Sequence[str], columns: Any, parts: tuple[bytes, list[bytes]] | None) -> None:
+        held = self.pending.get(table)
+        if parts is None or (held is not None and (held[0] != column_names or held[1] != parts[0])):
+            self._flush(table)  # what came before goes in first
+        if parts is None:
+            self.insert(table, column_names, columns, None)
+        elif table in self.pending:
+            self.pending[table][2].extend(parts[1])
+        else:
+            self.pending[table] = (column_names, parts[0], list(parts[1]))
+
+    def _flush(self, table: str) -> None:
+        held = self.pending.pop(table, None)
+        if held is not None:
+            column_names, schema, batches = held
+            self.insert(table, column_names, None, arrow.ipc_stream(schema, batches))
+
+    def flush(self) -> None:
+        for table in list(self.pending):
+            self._flush(table)
+
+
+def _can_fork() -> bool:
+    """Whether worker processes may be forked from this one: on Linux, with no thread of
+    Python's but this one (a forked child has only the forking thread: a lock another thread
+    held would stay held in it) and no event loop running. The native threads pyarrow starts
+    (jemalloc's, Arrow's pools) re-initialise themselves in a child (at-fork handlers)."""
+    if sys.platform != "linux" or threading.active_count() != 1:
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return True
+    return False
+
+
+class _Forked:
+    """A worker forked from this process, after its imports: it starts in milliseconds, where a
+    fresh interpreter importing everything (`python -m shared.control.rebuild_parallel`) takes
+    ~0.9 s of CPU, a sixth of a 120,000-event fold on two cores. Same pipes, same protocol as
+    the spawned worker's stdin and stdout; the subprocess.Popen calls the pool makes."""
+
+    def __init__(self, inherited: list[Any]) -> None:
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                for f in inherited:  # the other workers' pipe ends: their EOF must not wait on this one
+                    f.close()
+                os.close(in_w)
+                os.close(out_r)
+                code = _serve(os.fdopen(in_r, "rb"), os.fdopen(out_w, "wb"))
+            finally:
+                os._exit(code)
+        os.close(in_r)
+        os.close(out_w)
+        self.pid = pid
+        self.stdin: Any = os.fdopen(in_w, "wb")
+        self.stdout: Any = os.fdopen(out_r, "rb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Blocks until the child ends (it is killed first by `Workers.close` when still running)."""
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+class Workers:
+    """Worker processes started early (forked after the imports, or spawned: their start-up
+    overlaps opening chdb), given work later."""
+
+    def __init__(self, n: int, fork: bool | None = None) -> None:
+        self.forked = _can_fork() if fork is None else fork
+        if self.forked:
+            _warm_up()  # once here, not once per worker
+            self.procs: list[Any] = []
+            for _ in range(n):
+                self.procs.append(_Forked([f for p in self.procs for f in (p.stdin, p.stdout)]))
+            return
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -71,8 +182,9 @@ class Workers:
 
     def run(self, settings: Any, column_types: dict[str, dict[str, str]], chunks: Sequence[tuple[int, int]],
             insert: Any, batch: int) -> int:
-        """Hand out the chunks and call `insert(table, column_names, columns, block)` for every
-        block, in chunk order; returns the messages read."""
+        """Hand out the chunks and call `insert(table, column_names, columns, block)` in chunk
+        order (`block`: the bytes of an Arrow IPC stream of one or more chunks' rows, or None
+        with the columns to insert natively); returns the messages read."""
         n = len(self.procs)
         for k, proc in enumerate(self.procs):
             assert proc.stdin is not None
@@ -81,6 +193,7 @@ class Workers:
             proc.stdin.write(pickle.dumps(conf, protocol=pickle.HIGHEST_PROTOCOL))
             proc.stdin.close()
         read = 0
+        joined = _Joined(insert)
         for i in range(len(chunks)):
             proc = self.procs[i % n]
             assert proc.stdout is not None
@@ -92,8 +205,13 @@ class Workers:
             if "error" in msg:
                 raise RuntimeError(f"rebuild worker {proc.pid}: {msg['error']}")
             read += msg["messages"]
-            for table, column_names, columns, block in msg["blocks"]:
-                insert(table, column_names, columns, block)
+            if i == len(chunks) - 1:
+                joined.flush()  # the last chunk alone: the insert after the workers end is a short one
+            for table, column_names, columns, parts in msg["blocks"]:
+                joined.add(table, column_names, columns, parts)
+            if i % JOIN_CHUNKS == JOIN_CHUNKS - 1:
+                joined.flush()
+        joined.flush()
         return read
 
     def close(self) -> None:
@@ -104,54 +222,6 @@ class Workers:
             for f in (proc.stdin, proc.stdout):
                 if f is not None and not f.closed:
                     f.close()
-
-
-class StreamReader:
-    """Reads a whole stream through an ephemeral pull consumer, a batch per pull request, the
-    messages collected by a subscription callback. (`PullSubscription.fetch` awaits each message
-    with its own timeout: about five times slower, and a rebuild reads every event there is.)"""
-
-    def __init__(self, nc: Any, consumer: str, max_bytes: int = 32 * 2**20) -> None:
-        self.nc, self.consumer, self.max_bytes = nc, consumer, max_bytes
-        self.inbox = nc.new_inbox()
-        self.msgs: list[Any] = []
-        self.want = 0
-        self.ended = asyncio.Event()
-
-    async def _on_msg(self, msg: Any) -> None:
-        if not msg.data and msg.headers and msg.headers.get("Status"):
-            self.ended.set()  # the request ended: expired (408), over max_bytes (409), nothing left (404)
-            return
-        self.msgs.append(msg)
-        if len(self.msgs) >= self.want:
-            self.ended.set()
-
-    async def batches(self, remaining: int, batch: int, end_seq: int | None = None) -> Any:
-        """Yield lists of messages until `remaining` (the consumer's pending count) are read, or,
-        with `end_seq`, until stream sequence `end_seq` (the messages after it are left out)."""
-        sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=4 * batch,
-                                      pending_bytes_limit=4 * self.max_bytes)
-        subject = f"$JS.API.CONSUMER.MSG.NEXT.{events.STREAM}.{self.consumer}"
-        try:
-            while remaining > 0:
-                self.msgs, self.want = [], min(batch, remaining)
-                self.ended.clear()
-                req = {"batch": self.want, "max_bytes": self.max_bytes, "expires": 5_000_000_000}
-                await self.nc.publish(subject, events.to_json(req), reply=self.inbox)
-                await self.ended.wait()
-                msgs = self.msgs
-                if not msgs:
-                    continue
-                meta = msgs[-1].metadata
-                remaining = meta.num_pending if meta is not None else remaining - len(msgs)
-                if end_seq is not None and meta is not None:
-                    last = meta.sequence.stream
-                    if last > end_seq:
-                        msgs = [m for m in msgs if m.metadata.sequence.stream <= end_seq]
-                    remaining = min(remaining, max(0, end_seq - last))
-                yield msgs
-        finally:
-            await sub.unsubscribe()
 
 
 @contextlib.asynccontextmanager
@@ -193,9 +263,11 @@ async def _work(conf: dict[str, Any], out: Any) -> None:
             p = projector.project_batch(msgs)
             blocks = []
             for table, column_names, columns in projection_columns(p):
-                # no block: the inserting process falls back to a Native insert
+                # the block as the bytes the insert reads (no unpickling and re-encoding in the
+                # inserting process); none: it falls back to a Native insert of the columns
                 block = arrow.block_or_none(types.__getitem__, table, column_names, columns)
-                blocks.append((table, column_names, None if block is not None else columns, block))
+                parts = arrow.ipc_parts(block) if block is not None else None
+                blocks.append((table, column_names, None if parts is not None else columns, parts))
             pickle.dump({"messages": len(msgs), "blocks": blocks}, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()
             del msgs, p, blocks
@@ -209,15 +281,11 @@ def _warm_up() -> None:
     pa.array([b""], type=pa.binary())
 
 
-def worker_main() -> int:
-    # nothing but the pickled chunks goes to the pipe: it moves to a descriptor of its own, and
-    # whatever else writes to stdout (Python or C) goes to stderr
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    _warm_up()
+def _serve(conf_in: Any, out: Any) -> int:
+    """A worker's life: one pickled configuration in, a pickled message per chunk out (or one
+    with the error, which fails the rebuild)."""
     try:
-        conf = pickle.load(sys.stdin.buffer)
+        conf = pickle.load(conf_in)
     except EOFError:
         return 0  # not needed after all
     try:
@@ -226,7 +294,21 @@ def worker_main() -> int:
         pickle.dump({"error": f"{type(exc).__name__}: {exc}"}, out)
         out.flush()
         return 1
+    finally:
+        conf_in.close()
+    out.close()
     return 0
+
+
+def worker_main() -> int:
+    """A spawned worker (`python -m shared.control.rebuild_parallel`)."""
+    # nothing but the pickled chunks goes to the pipe: it moves to a descriptor of its own, and
+    # whatever else writes to stdout (Python or C) goes to stderr
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _warm_up()
+    return _serve(sys.stdin.buffer, out)
 
 
 if __name__ == "__main__":

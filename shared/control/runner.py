@@ -30,7 +30,7 @@ class RunInputError(ValueError):
     """Input refused before publishing; the message names the question/field."""
 
 
-@dataclass
+@dataclass(repr=False)
 class RunPlan:
     run_id: str
     timestamp: str
@@ -38,6 +38,12 @@ class RunPlan:
     requests: list[events.AnswerRequested]
     run_event: events.RunRequested
     unfinished: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        """A summary: `asyncio.run` formats the repr of the plan a coroutine returns (see
+        `RunOutcome.__repr__`); every job of 1,000 questions took 0.2 s to format."""
+        return (f"RunPlan({self.run_id!r}, {len(self.requests)} requests, {self.job_count} jobs, "
+                f"{len(self.unfinished)} unfinished)")
 
     @property
     def result_ids(self) -> list[str]:
@@ -155,21 +161,44 @@ def public_config(config: VerificationConfig) -> dict:
     return data
 
 
+SUBMIT_FIRST_CHUNK = 32
+"""Answer requests in the first published chunk; each next chunk is twice the last."""
+SUBMIT_MAX_CHUNK = 1024
+
+
+def submit_chunks(n: int, first: int = SUBMIT_FIRST_CHUNK, largest: int = SUBMIT_MAX_CHUNK) -> list[slice]:
+    """Slices of `n` requests in publishing order: small first, doubling up to `largest`.
+    Why: the first jobs reach generation while the rest of the run's contents are still being
+    stored, instead of after all of them (about 0.15 s of idle models for 1,000 questions)."""
+    out, i, size = [], 0, max(1, first)
+    while i < n:
+        out.append(slice(i, min(n, i + size)))
+        i += size
+        size = min(max(1, largest), size * 2)
+    return out
+
+
 async def submit(settings: Settings, plan: RunPlan) -> int:
-    """Publish the run and its answer requests; returns how many requests were new."""
+    """Publish the run and its answer requests; returns how many requests were new. Requests go
+    out in chunks (`submit_chunks`), each chunk's contents stored before its jobs are published
+    (a job never refers to content the store does not have yet)."""
     async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js, settings)
         producer = "cli/0.1.0"
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))
-        requests = plan.requests
-        answer_ids = [r.jobs[0].answer_id for r in requests]  # a lean job leaves its answer id to the subject
-        if settings.lean_events:  # contents once, by hash; events carry the hashes
-            requests = await lean_requests(ContentStore(lambda: js), requests)
-        envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, aid, r, producer)
-                for aid, r in zip(answer_ids, requests, strict=True)]
-        return await bus.publish_many(js, envs)
+        store = ContentStore(lambda: js)  # one store: contents shared by chunks are written once
+        new = 0
+        for part in submit_chunks(len(plan.requests)):
+            requests = plan.requests[part]
+            answer_ids = [r.jobs[0].answer_id for r in requests]  # a lean job leaves its answer id to the subject
+            if settings.lean_events:  # contents once, by hash; events carry the hashes
+                requests = await lean_requests(store, requests)
+            envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, aid, r, producer)
+                    for aid, r in zip(answer_ids, requests, strict=True)]
+            new += await bus.publish_many(js, envs)
+        return new
 
 
 async def retrying_now(js: JetStreamContext) -> int:
@@ -185,12 +214,19 @@ async def retrying_now(js: JetStreamContext) -> int:
     return n
 
 
-@dataclass
+@dataclass(repr=False)
 class RunOutcome:
     results: dict[str, VerificationResult]
     dead_letters: list[events.DeadLetter]
     elapsed_s: float
     timed_out: bool = False
+
+    def __repr__(self) -> str:
+        """A summary, not every result: `asyncio.run` (Python 3.11, main thread) formats the repr of
+        its finished task, result included, when it restores the SIGINT handler, so a dataclass
+        repr of 1,000 results cost 0.1-0.3 s after the last one arrived (`collect`'s caller waits)."""
+        return (f"RunOutcome({len(self.results)} results, {len(self.dead_letters)} dead letters, "
+                f"elapsed_s={self.elapsed_s:.3f}, timed_out={self.timed_out})")
 
 
 async def collect(

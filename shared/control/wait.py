@@ -1,4 +1,5 @@
-"""Waiting for a run's finalized results, counted on the stream (one result.finalized subject per result)."""
+"""Waiting for a run: its finalized results, counted on the stream (one result.finalized subject per
+result), and its rows in the store (`wait_projected`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from shared.control.streams import subject_counts
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
+from shared.store.reads import run_query
 
 log = logging.getLogger("veribus.lifecycle")
 
@@ -55,3 +57,27 @@ async def finalized_counts(settings: Settings, run_id: str) -> dict[str, int]:
     async with bus.session(settings) as nc:
         counts = await subject_counts(nc.jetstream(), events.subject(events.RESULT_FINALIZED, run_id, "*"))
     return {s.rsplit(".", 1)[-1]: n for s, n in counts.items()}
+
+
+PROJECTED_SQL = "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}"
+
+
+def wait_projected(settings: Settings, run_id: str, expected: int, *, timeout: float = 30.0,
+                   first_poll_s: float = 0.02, max_poll_s: float = 0.25) -> bool:
+    """Wait until the store has `expected` result rows of the run (what `veribus run` does before
+    its summary, so queries right after see them); False when `timeout` ran out. Polls soon and
+    then less often: the projector usually inserts the last rows within its batch timeout
+    (0.5 s), and a fixed 0.2 s poll added up to 0.2 s to every run a user waits for."""
+    deadline = time.monotonic() + timeout
+    poll = first_poll_s
+    while True:
+        try:
+            res = run_query(settings, PROJECTED_SQL, {"r": run_id})
+            if int(res.rows[0][0]) >= expected:
+                return True
+        except Exception as exc:  # noqa: BLE001 - the projector is still starting: ask again
+            log.debug("wait_projected: %s", exc)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        poll = min(max_poll_s, poll * 1.5)

@@ -74,6 +74,22 @@ def to_arrow(types: Mapping[str, Any], column_names: Sequence[str], columns: Seq
     return pa.Table.from_arrays(arrays, names=list(column_names))
 
 
+STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end-of-stream marker
+
+
+def ipc_parts(table: Any) -> tuple[bytes, list[bytes]]:
+    """An Arrow table as IPC messages: its schema's and its record batches'. Concatenated, the
+    schema, the batches of any tables of that schema and `STREAM_END` are one IPC stream, what
+    ClickHouse's `ArrowStream` input reads: a rebuild worker makes them, the inserting process
+    joins several chunks' into one insert without decoding them (`ipc_stream`)."""
+    return table.schema.serialize().to_pybytes(), [b.serialize().to_pybytes() for b in table.to_batches()]
+
+
+def ipc_stream(schema: bytes, batches: Sequence[bytes]) -> bytes:
+    """One IPC stream of a schema's message and record batch messages (`ipc_parts`)."""
+    return b"".join((schema, *batches, STREAM_END))
+
+
 def block_or_none(types_of: Callable[[str], Mapping[str, Any]], table: str, column_names: Sequence[str],
                   columns: Sequence[Sequence[Any]]) -> Any | None:
     """`to_arrow` with the column types `types_of(table)` gives, or None when either fails: the

@@ -12,6 +12,7 @@ read-only query may run is decided in `shared.store.sql_guard`.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import queue
 import threading
@@ -72,6 +73,9 @@ class QueryResult:
 _chdb_lock = threading.Lock()
 
 
+_result_values = operator.itemgetter(*RESULT_COLUMNS)  # a result row dict -> its values in column order (in C)
+
+
 def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Sequence[Any]]]]:
     """(table, column names, columns) of a projection's rows, in insert order: contents, results
     and runs first, events last (the store's inserts and the rebuild's workers share this)."""
@@ -79,7 +83,7 @@ def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Seq
     if p.contents:
         out.append(("contents", CONTENT_COLUMNS, list(zip(*p.contents, strict=True))))
     if p.results:
-        out.append(("verification_results", RESULT_COLUMNS, [[row[c] for row in p.results] for c in RESULT_COLUMNS]))
+        out.append(("verification_results", RESULT_COLUMNS, list(zip(*map(_result_values, p.results), strict=True))))
     if p.runs:
         out.append(("runs", RUN_COLUMNS, list(zip(*p.runs, strict=True))))
     if p.events:
@@ -151,12 +155,17 @@ class Store:
 
     def insert_block(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]] | None,
                      block: Any | None, settings: Mapping[str, Any] | None = None) -> None:
-        """Insert `columns`, given as the Arrow `block` made from them when there is one (the
-        rebuild makes them in worker processes); Native insert when there is none or the engine
-        refuses it (with no `columns` to fall back on, the refusal is raised)."""
+        """Insert `columns`, given as the Arrow `block` made from them when there is one (a
+        table, or the bytes of an IPC stream, `arrow.ipc_stream`, as the rebuild's worker
+        processes make them); Native insert when there is none or the engine refuses it (with no
+        `columns` to fall back on, the refusal is raised)."""
         if block is not None:
             try:
-                self.client.insert_arrow(f"{self.database}.{table}", block, settings=dict(settings or {}))
+                if isinstance(block, bytes):  # the Arrow data as the engine reads it, made elsewhere
+                    self.client.raw_insert(f"{self.database}.{table}", column_names, block,
+                                           settings=dict(settings or {}), fmt="ArrowStream")
+                else:
+                    self.client.insert_arrow(f"{self.database}.{table}", block, settings=dict(settings or {}))
                 return
             except Exception as exc:  # noqa: BLE001 - any Arrow problem: the slower, general insert
                 if columns is None:
@@ -178,7 +187,7 @@ class Store:
     def insert_results(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Insert `result_to_row` dicts (many per call)."""
         if rows:
-            self._insert("verification_results", RESULT_COLUMNS, [[row[c] for row in rows] for c in RESULT_COLUMNS])
+            self._insert("verification_results", RESULT_COLUMNS, list(zip(*map(_result_values, rows), strict=True)))
 
     def insert_runs(self, runs: Sequence[RunRequested | Mapping[str, Any] | Sequence[Any]]) -> None:
         """Insert runs: RunRequested payloads (or dicts of one), or ready `run_row` lists."""

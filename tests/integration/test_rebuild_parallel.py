@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 
@@ -28,16 +29,18 @@ def _stream(run_id: str, n: int) -> list[events.Envelope]:
 
 
 async def _fill(settings: Settings, envs: list[events.Envelope]) -> tuple[int, int, events.Envelope]:
-    """Publish `envs`, then a later copy of one result's finalized event under another message id
-    (as a republish outside the duplicate window lands), and delete two messages (gaps)."""
+    """Publish `envs` with, two results before their end, a later copy of the first result's
+    finalized event under another message id (as a republish outside the duplicate window
+    lands), and delete two messages (gaps)."""
     nc = await nats.connect(settings.nats_url)
     try:
         js = nc.jetstream()
         await bus.ensure_stream(js, settings)
-        await bus.publish_many(js, envs)
-        final = next(e for e in envs if e.event_type == events.RESULT_FINALIZED)
+        await bus.publish_many(js, envs[:-12])
+        final = msgspec.structs.replace(next(e for e in envs if e.event_type == events.RESULT_FINALIZED))
         final.occurred_at += 60.0
         await js.publish(final.subject, events.wire(final), headers={"Nats-Msg-Id": "republished-" + final.event_id})
+        await bus.publish_many(js, envs[-12:])
         for seq in (5, 23):
             await js.delete_msg(events.STREAM, seq)
         info = await js.stream_info(events.STREAM)
@@ -52,8 +55,11 @@ def test_plan_chunks_covers_the_range_in_order() -> None:
     assert rebuild_parallel.plan_chunks(1, 0, 4) == []  # an empty stream
 
 
+# forked workers, all chunks but the last joined into one insert (the event and its later copy in
+# one insert); spawned workers, two chunks per insert (the two in different inserts)
+@pytest.mark.parametrize(("fork", "join"), [(True, 100), (False, 2)], ids=["forked", "spawned"])
 def test_workers_rebuild_the_tables_the_single_process_fold_builds(
-        nats_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+        nats_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fork: bool, join: int) -> None:  # noqa: ANN001
     settings = Settings(home=tmp_path / "home", nats_url=nats_server.url)
     first, last, copy = asyncio.run(_fill(settings, _stream("20250103T000000-parallel", 9)))
     assert last - first > 40
@@ -62,7 +68,18 @@ def test_workers_rebuild_the_tables_the_single_process_fold_builds(
     one = rebuild.rebuild_projections(settings)
     monkeypatch.setenv("VERIBUS_REBUILD_WORKERS", "2")
     monkeypatch.setattr(rebuild_parallel, "CHUNK", 7)  # many chunks: both workers, chunks across the gaps
+    monkeypatch.setattr(rebuild_parallel, "_can_fork", lambda: fork)  # workers forked from this process, or spawned
+    monkeypatch.setattr(rebuild_parallel, "JOIN_CHUNKS", join)
+    made: list[bool] = []
+
+    class Recorded(rebuild_parallel.Workers):
+        def __init__(self, n: int) -> None:
+            super().__init__(n)
+            made.append(self.forked)
+
+    monkeypatch.setattr(rebuild_parallel, "Workers", Recorded)
     two = rebuild.rebuild_projections(settings)
+    assert made == [fork]
 
     assert one.mode == two.mode == "in-process"
     assert one.after == two.after

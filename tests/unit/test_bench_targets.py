@@ -3,8 +3,11 @@ replica-scaling figure from `--scaling` (no stack is started here)."""
 
 from __future__ import annotations
 
+import math
+
 from bench.__main__ import build_parser
-from bench.run import SCALED, steady_rate, targets_block
+from bench.run import SCALED, simulator_latency, steady_rate, targets_block, timeline, timeline_line
+from shared.core import events
 
 
 def _row(lat: float, rate: float, cpu: float, frac: float | None) -> dict:
@@ -48,3 +51,46 @@ def test_steady_rate_leaves_out_the_fill_and_the_drain() -> None:
     arrivals = [0.5 * i for i in range(10)] + [5.0 + 0.1 * i for i in range(90)]
     assert steady_rate(arrivals) == 10.0
     assert steady_rate(arrivals[:5]) is None, "too few results for percentiles"
+
+
+def test_defaults_are_issue_12s_workload() -> None:
+    args = build_parser().parse_args([])
+    assert (args.questions, args.concurrency, args.latency_ms) == (1000, 64, [0.0, 300.0])
+    assert args.latency_dist == "lognormal" and not args.all
+    assert build_parser().parse_args(["--all"]).all
+
+
+def test_a_lognormal_latency_has_the_requested_mean() -> None:
+    argv = simulator_latency(300.0, "lognormal", 0.5)
+    median, sigma = float(argv[argv.index("--latency-ms") + 1]), float(argv[argv.index("--latency-sigma") + 1])
+    assert argv[argv.index("--latency-dist") + 1] == "lognormal"
+    assert abs(median * math.exp(sigma * sigma / 2) - 300.0) < 0.01, "C/(2L) is a bound only with L the mean"
+    assert simulator_latency(300.0, "fixed") == ["--latency-ms", "300"]
+    assert simulator_latency(0.0) == ["--latency-ms", "0"]
+
+
+def test_timeline_spans_each_stage_from_the_start_of_submit() -> None:
+    times = {events.ANSWER_REQUESTED: [100.02, 100.1], events.ANSWER_GENERATED: [100.4, 109.0],
+             events.TEMPLATE_PARSED: [100.7, 109.5], events.RESULT_FINALIZED: [100.75, 109.6]}
+    tl = timeline(times, 100.0, 0.12, 1000, 300.0, 64)
+    assert tl["requested"] == (0.02, 0.1) and tl["finalized"] == (0.75, 9.6) and tl["submit_s"] == 0.12
+    assert tl["ideal_s"] == 9.675  # 1000 * 0.6 / 64 + 0.3
+    assert "ideal_s" not in timeline(times, 100.0, 0.1, 1000, 0.0, 64)
+    line = timeline_line({**tl, "last_arrival_s": 9.61, "collected_s": 9.7, "queryable_s": 10.1})
+    assert "finalized 0.75..9.6" in line and "all rows queryable 10.1" in line
+
+
+def test_all_shows_the_rebuild_and_the_queryable_figures_beside_the_run() -> None:
+    row = {**_row(0.0, 118.0, 9.8, None), "steady_results_per_s": 125.0, "queryable_results_per_s": 114.0,
+           "results": 1000, "concurrency": 64}
+    lat = {**_row(300.0, 96.0, 9.0, 0.9), "latency_dist": "lognormal", "latency_sigma": 0.5,
+           "steady_fraction_of_bound": 0.95, "queryable_fraction_of_bound": 0.88, "simulator_ceiling_fraction": 0.97}
+    text = targets_block([row, lat], rebuilt={"events": 120010, "fold_events_per_s": 51000, "events_per_s": 40000})
+    assert "results/s, steady                    125.0   target >= 120" in text
+    assert "results/s, rows queryable            114.0" in text
+    assert "latency 300 ms lognormal (mean; sigma 0.5)" in text
+    assert "fraction of C/(2L), queryable         0.88" in text
+    assert "simulator's own ceiling               0.97" in text
+    assert "rebuild events/s, fold               51000   target >= 50,000" in text
+    assert "rebuild events/s (>= 50,000" not in text, "measured, so not listed as unmeasured"
+    assert "replica scaling (>= 1.8x" in text

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.control.runner import RunInputError, plan_run
+from shared.control.runner import RunInputError, RunOutcome, plan_run
+from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, VerificationConfig
 from tests.conftest import CHECKPOINTS, EXAMPLE
+from tests.support.results import make
 
 
 def config(**kw: object) -> VerificationConfig:
@@ -91,3 +93,17 @@ def test_modes_carry_the_right_inputs() -> None:
 def test_config_requires_models() -> None:
     with pytest.raises(ValueError, match="answering_models"):
         VerificationConfig(parsing_models=[ModelConfig(model_name="j")])
+
+
+def test_a_run_outcome_repr_is_a_summary_not_every_result() -> None:
+    """`asyncio.run` formats its finished task's repr, result included (Python 3.11, restoring the
+    SIGINT handler): the outcome of `collect` must not format every result there."""
+    results = {f"r{i}": make(f"q{i}", "gpt-4o", i % 2 == 0) for i in range(500)}
+    dead = [events.DeadLetter(subject="vb.x", consumer="c", error="e", deliveries=1, data="d")]
+    text = repr(RunOutcome(results, dead, 12.5))
+    assert text == "RunOutcome(500 results, 1 dead letters, elapsed_s=12.500, timed_out=False)"
+
+
+def test_a_run_plan_repr_is_a_summary_not_every_job() -> None:
+    plan = plan_run(Benchmark.load(CHECKPOINTS / "multi_question.jsonld"), config())
+    assert repr(plan) == f"RunPlan({plan.run_id!r}, 8 requests, 16 jobs, 1 unfinished)"
