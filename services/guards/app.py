@@ -25,6 +25,6 @@ async def on_answer_generated(env: events.Envelope, ev: events.StageEvent) -> li
     job = ev.job
     schema = None
     if job.options.get("sufficiency_enabled") and job.template_code and not ev.state.error:
-        schema = await templates.schema(job.template_id, job.template_code)
+        schema = await templates.schema(job.template_id, job.template_code, scope=job.run_id)  # the run's process
     state = await check_guards(job, ev.state, llm, schema)
     return [service.emit(events.GUARDS_CHECKED, job, events.StageEvent(job, state))]
