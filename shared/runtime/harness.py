@@ -52,10 +52,17 @@ from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
 from shared.runtime.limits import deployment_limiter
 from shared.runtime.llm.cache import CACHE_SCOPE
-from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.client import CALL_GATE, LLMClient
 from shared.runtime.llm.transport import close_transports
 from shared.runtime.response_cache import scope_for, service_cache
-from shared.runtime.runcontrol import RunControl, attempt_key, carry_attempt_key, tokens_before, tokens_spent
+from shared.runtime.runcontrol import (
+    RunControl,
+    RunStopped,
+    attempt_key,
+    carry_attempt_key,
+    tokens_before,
+    tokens_spent,
+)
 
 log = logging.getLogger("veribus.service")
 
@@ -463,18 +470,15 @@ class StageService:
         CACHE_SCOPE.set(env.run_id)
         key = attempt_key(env)
         ATTEMPT_KEY.set(key)
-        if give_up is not None and env.event_type in self.gated_event_types:
-            try:
-                stop = (await self.control.stop_reason(env.run_id, env.occurred_at)
-                        or await self.cost_control.stop_reason(env.run_id, env.occurred_at))
-            except Exception as exc:  # noqa: BLE001 - the gate fails open
-                log.warning("%s: run control check failed: %r", self.name, exc)
-                stop = None
+        gated = give_up is not None and env.event_type in self.gated_event_types
+        if gated:
+            stop = await self._stop_reason(env)
             if stop is not None:
                 await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
                 await msg.ack()
                 OUTCOME.set("stopped")
                 return
+        CALL_GATE.set(functools.partial(self._stop_reason, env) if gated else None)  # asked again at each call
         before = await self._spent_before(env, payload, self.control, tokens_before, "usage")
         cost_before_ = await self._spent_before(env, payload, self.cost_control, cost_before, "cost")
         try:
@@ -485,6 +489,12 @@ class StageService:
             await msg.ack()
         except asyncio.CancelledError:
             raise
+        except RunStopped as stop:  # CALL_GATE: the run stopped while the job waited for its model slot
+            if give_up is None:
+                raise
+            await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
+            await msg.ack()
+            OUTCOME.set("stopped")
         except Exception as exc:
             log.warning("%s: handling %s failed (delivery %d): %r", self.name, env.event_id, delivered, exc)
             if delivered < max_deliver:
@@ -519,6 +529,16 @@ class StageService:
             return measure(payload)
         except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
             log.warning("%s: %s accounting for run %s failed: %r", self.name, what, env.run_id, exc)
+            return None
+
+    async def _stop_reason(self, env: events.Envelope) -> RunStopped | None:
+        """Why the run's next answer must not be generated (cancelled, token or money budget spent),
+        or None; a check that fails lets the job go on (the gate fails open)."""
+        try:
+            return (await self.control.stop_reason(env.run_id, env.occurred_at)
+                    or await self.cost_control.stop_reason(env.run_id, env.occurred_at))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("%s: run control check failed: %r", self.name, exc)
             return None
 
     def _stage_failed(self, env: events.Envelope, exc: BaseException, delivered: int) -> events.Envelope:

@@ -400,3 +400,50 @@ def test_a_temporary_stack_is_its_own_step(tmp_path: Path) -> None:
     finally:
         stack.down(Settings(home=home))  # only if the CLI left something behind
     assert not (home / "stack.json").exists()
+
+
+@pytest.fixture
+def slow_model(tmp_path: Path) -> Iterator[str]:
+    """An OpenAI-compatible server of our own (a simulator process) whose every call takes 40 ms,
+    so a budget can run out while a run's jobs are still being dispatched one at a time."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port),
+                             "--latency-ms", "40"], cwd=REPO, env=cli_env(tmp_path / "simhome"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 30)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(("flag", "value", "says", "not_says"), [
+    ("--max-tokens-budget", "1", "the token budget stopped the run", "--max-cost-usd"),
+    ("--max-cost-usd", "0.000001", "the cost budget (--max-cost-usd) stopped the run", "--max-tokens-budget"),
+])
+def test_a_run_its_budget_stopped_is_not_reported_as_passed(live, slow_model: str, tmp_path: Path, flag: str,
+                                                            value: str, says: str, not_says: str) -> None:
+    """Issue 9 through the real CLI: every job that completes passes, but the budget stopped the
+    rest before their answers: exit 4, the reason named (token or money budget), never PASSED."""
+    settings, _ = live
+    price = {"api_base": slow_model, "max_concurrency": 1, "input_cost_per_million_tokens": 1000.0,
+             "output_cost_per_million_tokens": 1000.0}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "openai/own-model", **price}],
+                                   "parsing_models": [{"model_name": "openai/own-judge", **price}]}))
+    from infra.simulator.from_benchmark import simulator_script_for
+    from shared.core.benchmark.model import Benchmark
+
+    bench = write_bench(tmp_path / "b.yaml", 30, prefix="Budgeted" + flag.strip("-").replace("-", ""))
+    httpx.post(slow_model.removesuffix("/v1") + "/simulator/script", json=simulator_script_for(Benchmark.load(bench)),
+               timeout=10).raise_for_status()
+    out_dir = tmp_path / "out"
+    out = veribus(local_env(settings), "run", str(bench), "--config", str(cfg), flag, value, "--output", str(out_dir))
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "✓ PASSED" not in out.stdout and "Outcome: ✗" in out.stdout, out.stdout
+    assert says in out.stdout and not_says not in out.stdout.split("Outcome:", 1)[1], out.stdout
+    body = summary_of(out_dir)
+    assert body["outcome"]["exit_code"] == 4 and body["outcome"]["status"] == "budget_stopped", body["outcome"]
+    stopped = int(out.stdout.split(says + " (", 1)[1].split(" job(s)", 1)[0])
+    assert 1 <= stopped < 30, out.stdout  # the first job was dispatched; the budget stopped later ones
