@@ -4,6 +4,7 @@ a fresh store (another process) fills them back from the bucket; missing content
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -19,11 +20,15 @@ from shared.runtime import content
 from tests.support.stack import generated_benchmark
 
 
-async def test_store_once_fill_elsewhere(nats_server, tmp_path: Path) -> None:  # noqa: ANN001
-    path, _ = generated_benchmark(tmp_path / "b.yaml", 4, prefix="Lean")
+def _plan(tmp_path: Path, n: int, prefix: str, **config: Any) -> runner.RunPlan:
+    """A run of `n` generated questions for one answering model and one judge."""
+    path, _ = generated_benchmark(tmp_path / "b.yaml", n, prefix=prefix)
     cfg = VerificationConfig(answering_models=[ModelConfig(model_name="openai/a")],
-                             parsing_models=[ModelConfig(model_name="openai/j")], replicate_count=3)
-    plan = runner.plan_run(Benchmark.load(path), cfg)
+                             parsing_models=[ModelConfig(model_name="openai/j")], **config)
+    return runner.plan_run(Benchmark.load(path), cfg)
+
+async def test_store_once_fill_elsewhere(nats_server, tmp_path: Path) -> None:  # noqa: ANN001
+    plan = _plan(tmp_path, 4, "Lean", replicate_count=3)
     nc = await nats.connect(nats_server.url)
     try:
         writer = content.ContentStore(lambda: nc.jetstream())
@@ -54,10 +59,7 @@ async def test_store_once_fill_elsewhere(nats_server, tmp_path: Path) -> None:  
 async def test_direct_reads_ask_the_leader_on_a_miss(nats_server, tmp_path: Path) -> None:  # noqa: ANN001
     """The bucket answers direct gets; a direct get answered "not found" by a replica that has not
     applied the write yet (simulated: the direct read misses) is asked again of the leader."""
-    path, _ = generated_benchmark(tmp_path / "b.yaml", 2, prefix="Direct")
-    cfg = VerificationConfig(answering_models=[ModelConfig(model_name="openai/a")],
-                             parsing_models=[ModelConfig(model_name="openai/j")])
-    plan = runner.plan_run(Benchmark.load(path), cfg)
+    plan = _plan(tmp_path, 2, "Direct")
     nc = await nats.connect(nats_server.url)
     try:
         thin = await content.lean_requests(content.ContentStore(lambda: nc.jetstream()), plan.requests)
@@ -99,10 +101,7 @@ async def test_a_stage_without_use_for_the_question_does_not_read_it(nats_server
     """`hydrate_payload(needs_question=...)`: options and models are filled in first; when the
     stage says it does not need the question, its content is not read and the job keeps the
     reference (downstream stages fill it in); otherwise everything is filled as before."""
-    path, _ = generated_benchmark(tmp_path / "b.yaml", 2, prefix="Lazy")
-    cfg = VerificationConfig(answering_models=[ModelConfig(model_name="openai/a")],
-                             parsing_models=[ModelConfig(model_name="openai/j")])
-    plan = runner.plan_run(Benchmark.load(path), cfg)
+    plan = _plan(tmp_path, 2, "Lazy")
     nc = await nats.connect(nats_server.url)
     try:
         thin = await content.lean_requests(content.ContentStore(lambda: nc.jetstream()), plan.requests)

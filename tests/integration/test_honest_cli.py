@@ -16,6 +16,7 @@ real nats-server processes, the real services and the embedded ClickHouse:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -268,18 +269,12 @@ def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
     """The user's own OpenAI-compatible server (here: a second simulator process, the only model
     server there is offline) is what a config's explicit api_base reaches; not the stack's."""
     settings, state = live
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO, env=cli_env(tmp_path / "simhome"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port("127.0.0.1", port, 30)
-        base = f"http://127.0.0.1:{port}/v1"
+    with own_model_server(tmp_path / "simhome") as base:
         from infra.simulator.from_benchmark import simulator_script_for
         from shared.core.benchmark.model import Benchmark
 
         bench = write_bench(tmp_path / "b.yaml", 2, prefix="Own")
-        httpx.post(f"http://127.0.0.1:{port}/simulator/script",
+        httpx.post(base.removesuffix("/v1") + "/simulator/script",
                    json=simulator_script_for(Benchmark.load(bench)), timeout=10).raise_for_status()
         stack_before = httpx.get(state.simulator_url.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
         cfg = tmp_path / "run.yaml"
@@ -288,13 +283,10 @@ def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
         out = veribus(local_env(settings), "run", str(bench), "--config", str(cfg), "--output", str(tmp_path / "o"))
         assert out.returncode == 0, out.stdout + out.stderr
         assert "SIMULATED" not in out.stdout and summary_of(tmp_path / "o")["simulated"] is False
-        stats = httpx.get(f"http://127.0.0.1:{port}/simulator/stats", timeout=10).json()
+        stats = httpx.get(base.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
         assert stats["by_model"].get("own-model", stats["by_model"].get("openai/own-model")) and stats["judge"] >= 2
         stack_after = httpx.get(state.simulator_url.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
         assert stack_after["requests"] == stack_before["requests"]  # the stack's simulator was not asked
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_verify_raising_is_counted_apart_and_fails_the_run(live, tmp_path: Path) -> None:
@@ -402,20 +394,26 @@ def test_a_temporary_stack_is_its_own_step(tmp_path: Path) -> None:
     assert not (home / "stack.json").exists()
 
 
-@pytest.fixture
-def slow_model(tmp_path: Path) -> Iterator[str]:
-    """An OpenAI-compatible server of our own (a simulator process) whose every call takes 40 ms,
-    so a budget can run out while a run's jobs are still being dispatched one at a time."""
+@contextlib.contextmanager
+def own_model_server(home: Path, *args: str) -> Iterator[str]:
+    """An OpenAI-compatible server of the user's own (a simulator process started apart from the
+    stack, with `args`), its base URL; killed after."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port),
-                             "--latency-ms", "40"], cwd=REPO, env=cli_env(tmp_path / "simhome"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *args], cwd=REPO, env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port("127.0.0.1", port, 30)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def slow_model(tmp_path: Path) -> Iterator[str]:
+    """Every call takes 40 ms, so a budget can run out while a run's jobs wait for the model."""
+    with own_model_server(tmp_path / "simhome", "--latency-ms", "40") as base:
+        yield base
 
 
 @pytest.mark.parametrize(("flag", "value", "says", "not_says"), [
