@@ -4,7 +4,10 @@ For the jail (the default) and, for comparison, `VERIBUS_SANDBOX=unsafe` (no OS 
 time to start a worker, and per call (sequential, one worker) the wall time, the service
 process's CPU and the jail's CPU (every process of the worker, with the call processes it has
 reaped) for a ping, a template verify() and a callable trait in a fresh process each, and for
-verify() and the trait with a run scope (one process per run: what the services do).
+verify() and the trait with a run scope (one process per run: what the services do). The
+`*_new` cases are what a benchmark run costs per result: every question has its own template,
+so each validation (parsing) and each verify() (verification) compiles a class the scope
+process has not seen, more of them than its class cache holds.
 Figures, not assertions: the machine is shared and noisy.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -20,7 +24,8 @@ from typing import Any
 
 import psutil
 
-from shared.templates.calls import run_callable_trait, run_verify
+from bench.workload import int_template
+from shared.templates.calls import run_callable_trait, run_verify, validate_template
 from shared.templates.sandbox import Sandbox
 
 TEMPLATE = '''from karenina.schemas.entities import BaseAnswer
@@ -36,10 +41,14 @@ class Answer(BaseAnswer):
         return self.value == self.correct["value"]
 '''
 TRAIT = "def evaluate(trace: str) -> bool:\n    return len(trace) < 500\n"
+_CASES = ("ping", "ping_in_run", "verify", "callable_trait", "verify_in_run", "trait_in_run", "validate_new", "verify_new")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per measurement for --sandbox")
+    parser.add_argument("--sandbox-modes", default="jail,unsafe", help="for --sandbox: jail, unsafe or both")
+    parser.add_argument("--sandbox-cases", default=",".join(_CASES),
+                        help=f"for --sandbox: which cases, comma-separated (of {', '.join(_CASES)})")
 
 
 def _jail_cpu(tag: str) -> float:
@@ -58,7 +67,17 @@ def _jail_cpu(tag: str) -> float:
     return total
 
 
-async def _measure(mode: str, calls: int) -> dict[str, Any]:
+async def _validate_new(sb: Sandbox, n: int) -> Any:
+    return await validate_template(int_template(n), "q", template_id=f"t{n}", sandbox=sb, scope="bench-run")
+
+
+async def _verify_new(sb: Sandbox, n: int) -> Any:
+    return await run_verify(int_template(n), {"value": n}, "q", "The sum is 4.", template_id=f"t{n}", sandbox=sb,
+                            scope="bench-run")
+
+
+async def _measure(mode: str, calls: int, which: tuple[str, ...] = _CASES) -> dict[str, Any]:
+    fresh = itertools.count()
     old = os.environ.get("VERIBUS_SANDBOX")
     os.environ["VERIBUS_SANDBOX"] = mode
     try:
@@ -77,14 +96,19 @@ async def _measure(mode: str, calls: int) -> dict[str, Any]:
         out["worker_start_ms"] = round((time.perf_counter() - t) * 1e3, 1)
         cases = {
             "ping": lambda: sb.call("ping"),
+            "ping_in_run": lambda: sb.call("ping", scope="bench-run"),  # the relay's own cost
             "verify": lambda: run_verify(TEMPLATE, {"value": 4}, "q", template_id="t", sandbox=sb),
             "callable_trait": lambda: run_callable_trait(TRAIT, "some answer", "boolean", sandbox=sb),
             # what the services do: the run id as scope, one process per run (templates compile once)
             "verify_in_run": lambda: run_verify(TEMPLATE, {"value": 4}, "q", template_id="t", sandbox=sb,
                                                 scope="bench-run"),
             "trait_in_run": lambda: run_callable_trait(TRAIT, "some answer", "boolean", sandbox=sb, scope="bench-run"),
+            # a benchmark run: a template per question, each validated (parsing) then verified once
+            "validate_new": lambda: _validate_new(sb, next(fresh)),
+            "verify_new": lambda: _verify_new(sb, next(fresh)),
         }
-        for name, fn in cases.items():
+        for name in which:
+            fn = cases[name]
             for _ in range(5):  # warm up
                 await fn()
             jail0, cpu0, wall0 = _jail_cpu(sb.tag), time.process_time(), time.perf_counter()
@@ -102,13 +126,19 @@ async def _measure(mode: str, calls: int) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     calls = int(getattr(args, "calls", 200))
     print(f"sandbox bench: {calls} sequential calls per case, one worker")
-    figures = [asyncio.run(_measure(mode, calls)) for mode in ("jail", "unsafe")]
+    which = tuple(c for c in str(getattr(args, "sandbox_cases", "") or ",".join(_CASES)).split(",") if c)
+    unknown = [c for c in which if c not in _CASES]
+    if unknown:
+        print(f"unknown --sandbox-cases: {', '.join(unknown)} (known: {', '.join(_CASES)})")
+        return 2
+    modes = [m for m in str(getattr(args, "sandbox_modes", "jail,unsafe")).split(",") if m]
+    figures = [asyncio.run(_measure(mode, calls, which)) for mode in modes]
     for f in figures:
         if "error" in f:
             print(f"  {f['mode']:7s} unavailable: {f['error']}")
             continue
         print(f"  {f['mode']:7s} worker start {f['worker_start_ms']} ms")
-        for case in ("ping", "verify", "callable_trait", "verify_in_run", "trait_in_run"):
+        for case in which:
             c = f[case]
             print(f"    {case:15s} wall {c['wall_ms']:7.2f} ms/call   service CPU {c['service_cpu_ms']:6.3f} ms/call"
                   f"   sandbox CPU {c['sandbox_cpu_ms']:6.2f} ms/call")

@@ -33,6 +33,7 @@ _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 _NORMAL = NormalDist()
 _MAX_SEEN = 500_000  # occurrence counters kept before they are reset (bounds memory in long runs)
+_MAX_DELAYS = 200_000  # drawn latencies kept for /simulator/delays (a bench run of 100,000 questions)
 
 
 
@@ -61,6 +62,9 @@ class Simulator:
             acc += weight / total
             self._mix.append((acc, kind))
         self.recent: deque[dict[str, Any]] = deque(maxlen=64)
+        # the latency drawn for each call, in call order: the bench replays a run's own draws
+        # through a pipeline without overhead to say what the distribution itself allowed
+        self.delays: deque[tuple[str, float]] = deque(maxlen=_MAX_DELAYS)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -77,6 +81,7 @@ class Simulator:
         self._consumed.clear()
         self._seen.clear()
         self.recent.clear()
+        self.delays.clear()
 
     # -- randomness: a pure function of (seed, request bytes, occurrence)
     def _uniforms(self, body: bytes) -> tuple[float, float, float, float]:
@@ -188,6 +193,7 @@ class Simulator:
                 return resp
 
         delay = self._latency_s(u[2])
+        self.delays.append((kind, round(delay * 1000, 3)))
         if delay > 0:
             await asyncio.sleep(delay)
 
@@ -370,6 +376,12 @@ class Simulator:
     async def handle_requests(self, request: web.Request) -> web.Response:
         return web.Response(body=_encode(list(self.recent)), content_type="application/json")
 
+    async def handle_delays(self, request: web.Request) -> web.Response:
+        """`[[kind, ms], ...]`: the latency drawn for each call since the start (or a reset), in
+        call order; `?since=K` leaves out the first K."""
+        since = max(0, int(request.query.get("since", "0") or 0))
+        return web.Response(body=_encode(list(self.delays)[since:]), content_type="application/json")
+
     async def handle_reset(self, request: web.Request) -> web.Response:
         self.reset()
         return web.Response(body=b'{"reset":true}', content_type="application/json")
@@ -394,4 +406,5 @@ def create_app(script: Script | None = None, config: SimConfig | None = None) ->
     app.router.add_get("/simulator/stats", sim.handle_stats)
     app.router.add_get("/simulator/requests", sim.handle_requests)
     app.router.add_post("/simulator/reset", sim.handle_reset)
+    app.router.add_get("/simulator/delays", sim.handle_delays)
     return app

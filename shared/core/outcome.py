@@ -34,6 +34,7 @@ EXIT_CODES: dict[int, str] = {
 }
 
 STOP_TYPES = {"RunCancelled": "cancelled", "BudgetExhausted": "budget"}
+COST_BUDGET_MESSAGE = "cost budget exhausted"  # how a money-budget stop's message starts (runtime.costcontrol)
 VERIFY_RAISED = "verify() raised"
 NO_JOBS_HINT = ("0 jobs to run: every question is unfinished or filtered out; pass --include-unfinished to "
                 "verify unfinished questions too")
@@ -178,7 +179,10 @@ def judge(
         if kind[1].startswith(VERIFY_RAISED):
             raised += 1
         if kind[1] in STOP_TYPES:
-            stopped[STOP_TYPES[kind[1]]] = stopped.get(STOP_TYPES[kind[1]], 0) + 1
+            why = STOP_TYPES[kind[1]]
+            if why == "budget" and kind[2].startswith(COST_BUDGET_MESSAGE):
+                why = "cost_budget"  # the money budget (--max-cost-usd), not the token budget
+            stopped[why] = stopped.get(why, 0) + 1
     errors += dead_lettered  # jobs whose message could not be handled at all
     missing = max(0, total - len(results) - dead_lettered)
     allowed = max_errors.allowed(total)
@@ -196,6 +200,11 @@ def judge(
     if stopped.get("budget"):
         v.reasons.append(f"the token budget stopped the run ({stopped['budget']} job(s) not run); "
                          f"`veribus resume {run_ref} --max-tokens-budget N` runs them")
+        if v.code == EXIT_OK:
+            v.code, v.status = EXIT_JOB_ERRORS, "budget_stopped"
+    if stopped.get("cost_budget"):
+        v.reasons.append(f"the cost budget (--max-cost-usd) stopped the run ({stopped['cost_budget']} job(s) not run); "
+                         f"the run's budget is spent, so `veribus resume {run_ref}` would be stopped again")
         if v.code == EXIT_OK:
             v.code, v.status = EXIT_JOB_ERRORS, "budget_stopped"
     plain = errors - sum(stopped.values())

@@ -18,6 +18,7 @@ import msgspec
 from nats.js import JetStreamContext
 
 from shared.core import events
+from shared.core.outcome import COST_BUDGET_MESSAGE
 from shared.runtime import bus
 from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_growth
 
@@ -118,7 +119,7 @@ class CostControl(RunControl):
             return None
         used = await self.usage(run_id)
         if used >= budget:
-            return BudgetExhausted(f"cost budget exhausted: run {run_id} has spent ${used / MICRO:.6f} of its "
+            return BudgetExhausted(f"{COST_BUDGET_MESSAGE}: run {run_id} has spent ${used / MICRO:.6f} of its "
                                    f"${budget / MICRO:.6f} budget; this answer was not generated")
         return None
 

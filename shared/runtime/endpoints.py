@@ -22,6 +22,7 @@ is sent.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,12 +166,12 @@ _cached: tuple[tuple[str | None, str | None], Policy] | None = None
 
 
 def current_policy() -> Policy:
-    """The policy of this process's environment (re-read when the variables change)."""
+    """The policy of this process's environment (re-read when the variables change). Keyed on
+    the raw variables: every model call asks, and `Settings` (validation) only when they change."""
     global _cached
-    conf = Settings.from_env("endpoints", "endpoints_file")
-    key = (conf.endpoints, conf.endpoints_file)
+    key = (os.environ.get("VERIBUS_ENDPOINTS"), os.environ.get("VERIBUS_ENDPOINTS_FILE"))
     if _cached is None or _cached[0] != key:
-        _cached = (key, Policy.from_settings(conf))
+        _cached = (key, Policy.from_settings(Settings.from_env("endpoints", "endpoints_file")))
     return _cached[1]
 
 

@@ -2,10 +2,11 @@
 consumer, call the stage, publish what it returns, ack after publishing.
 
 FastStream runs the app (connection, auth, start-up and shutdown hooks); the stage consumers
-are pulled by `_Pump`, a lean loop on nats-py: fetch as many messages as there are free worker
-slots, start a task per message, and fetch again while they run. Profiled (issue 12), FastStream's
-per-message path (context, middlewares, anyio task groups and semaphores) cost a fifth of a
-stage service's CPU, and its fetch loop waits for a whole batch once the consumer is drained.
+are pulled by `_Pump`, a lean loop on nats-py: pull requests held open for as many messages as
+there are free worker slots, a task started per message as it arrives. Profiled (issue 12),
+FastStream's per-message path (context, middlewares, anyio task groups and semaphores) cost a
+fifth of a stage service's CPU, and its fetch loop waits for a whole batch once the consumer is
+drained.
 
 Failure policy (at-least-once, exactly-once effect):
 - a handler error is redelivered with backoff up to `consumer_max_deliver` times;
@@ -23,6 +24,7 @@ service publishes carry the attempt key of the event they answer (`resume` re-ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
@@ -35,7 +37,6 @@ from typing import Any
 from faststream import FastStream
 from faststream.nats import NatsBroker, NatsMessage
 from faststream.nats.security import NatsSecurity, NatsToken, NatsUserPassword
-from nats import errors as nats_errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy as JsAckPolicy
@@ -51,10 +52,17 @@ from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
 from shared.runtime.limits import deployment_limiter
 from shared.runtime.llm.cache import CACHE_SCOPE
-from shared.runtime.llm.client import LLMClient
+from shared.runtime.llm.client import CALL_GATE, LLMClient
 from shared.runtime.llm.transport import close_transports
 from shared.runtime.response_cache import scope_for, service_cache
-from shared.runtime.runcontrol import RunControl, attempt_key, carry_attempt_key, tokens_before, tokens_spent
+from shared.runtime.runcontrol import (
+    RunControl,
+    RunStopped,
+    attempt_key,
+    carry_attempt_key,
+    tokens_before,
+    tokens_spent,
+)
 
 log = logging.getLogger("veribus.service")
 
@@ -84,6 +92,7 @@ class Subscription:
     batch_size: int = 32
     config: ConsumerConfig | None = None
     skip: Callable[[Any], bool] | None = None
+    needs_question: Callable[[events.Job], bool] | None = None
 
 
 class Delivery:
@@ -105,74 +114,134 @@ class Delivery:
         self.committed = "nacked"
 
 
-IDLE_FETCH_S = 5.0  # a drained consumer waits this long per pull request for one message
-BUSY_FETCH_S = 0.02  # a busy one collects what comes within this, then goes back to waiting
-RETRY_FETCH_S = 0.5  # after a fetch error (reconnecting, stream leader moving)
+PULL_EXPIRES_S = 5.0  # an open pull request waits on the server this long for messages, then is renewed
+PULL_GRACE_S = 1.0  # one the server has not ended this long after its expiry was lost (a reconnect)
+RETRY_FETCH_S = 0.5  # after a pull request the server refused (reconnecting, stream leader moving)
 
 
 class _Pump:
-    """Pulls one durable consumer: fetch up to the free worker slots (at most `batch_size` per
-    request), start a task per message, fetch again while they run (pipelined). A drained
-    consumer holds one lingering pull request for a single message (no polling); once messages
-    flow it takes whatever is there with each request. Messages in flight are at most `workers`:
-    the rest stay on the server (backpressure, `max_ack_pending`)."""
+    """Pulls one durable consumer the way nats.go's `consume` does: pull requests stay open on
+    the server for as many messages as there are free worker slots, and each message is started
+    (a task) as it arrives; a request is renewed when it expires, and more credit is asked for
+    once a quarter of the slots (at most `batch_size`) has come free. Profiled (issue 12), the
+    earlier fetch loop (a no-wait request, its "no messages" reply, a lingering request and its
+    timers for every message or two) cost stages fed one message at a time more than the
+    handling itself. Messages in flight are at most `workers` (the rest stay on the server:
+    backpressure, `max_ack_pending`).
 
-    def __init__(self, service: StageService, sub: Subscription, psub: Any) -> None:
-        self.service, self.sub, self.psub = service, sub, psub
+    Each request has its own inbox subscription (delivered messages carry their stream subject,
+    not the request's), so what it delivered and its end (408 expired, 409) are known exactly;
+    one the server never ends (lost with a connection) is given up `PULL_GRACE_S` after its
+    expiry, and a message that still comes for it then is handled all the same."""
+
+    def __init__(self, service: StageService, sub: Subscription, nms: str) -> None:
+        self.service, self.sub, self.nms = service, sub, nms
+        self.nc = service.js._nc  # type: ignore[attr-defined]
         self.inflight: set[asyncio.Task[None]] = set()
-        self._freed = asyncio.Event()
+        self.open: dict[str, list[Any]] = {}  # inbox -> [messages still due, deadline, its subscription]
+        self.credit = 0  # messages the open requests may still deliver
+        self.threshold = max(1, min(sub.batch_size, sub.workers // 4))
+        self._ended: list[Any] = []  # subscriptions of ended requests, unsubscribed by the loop
+        self._retry_at = 0.0
+        self._wake = asyncio.Event()
         self._stopping = False
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self.inflight.discard(task)
-        self._freed.set()
+        if self.sub.workers - len(self.inflight) - self.credit >= self.threshold:
+            self._wake.set()
         if not task.cancelled() and task.exception() is not None:  # deliver acks or nacks everything itself
             log.error("%s: handler task failed: %r", self.service.name, task.exception())
 
-    async def _run(self) -> None:
-        sub, idle = self.sub, True
-        while not self._stopping:
-            free = sub.workers - len(self.inflight)
-            if free <= 0:
-                self._freed.clear()
-                await self._freed.wait()
-                continue
+    def _close(self, inbox: str) -> None:
+        req = self.open.pop(inbox, None)
+        if req is not None:
+            self.credit -= req[0]
+            self._ended.append(req[2])
+            self._wake.set()
+
+    async def _on_msg(self, inbox: str, raw: Msg) -> None:
+        req = self.open.get(inbox)
+        status = raw.headers.get("Status") if raw.headers and not raw.reply else None
+        if status is not None:
+            if status != "100":  # 408 expired, 409 (max waiting, leader change, consumer deleted), 404, 503
+                self._close(inbox)
+                if status != "408":
+                    log.debug("%s: pull on %s ended: %s %s", self.service.name, self.sub.durable, status,
+                              raw.headers.get("Description", ""))
+                    self._retry_at = asyncio.get_running_loop().time() + RETRY_FETCH_S
+            return
+        if req is not None:
+            req[0] -= 1
+            self.credit -= 1
+            if req[0] <= 0:
+                self._close(inbox)
+        task = asyncio.ensure_future(self.service._on_message(self.sub, raw))
+        self.inflight.add(task)
+        task.add_done_callback(self._done)
+
+    async def _pull(self, n: int, now: float) -> None:
+        inbox = self.nc.new_inbox()
+        try:
+            nsub = await self.nc.subscribe(inbox, cb=functools.partial(self._on_msg, inbox))
+            self.open[inbox] = [n, now + PULL_EXPIRES_S + PULL_GRACE_S, nsub]
+            self.credit += n
+            await self.nc.publish(self.nms, b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES_S * 1e9)),
+                                  reply=inbox)
+        except Exception as exc:  # noqa: BLE001 - reconnecting: asked again after a pause
+            log.debug("%s: pull on %s failed: %r", self.service.name, self.sub.durable, exc)
+            self._close(inbox)
+            self._retry_at = now + RETRY_FETCH_S
+
+    async def _unsubscribe_ended(self) -> None:
+        ended, self._ended = self._ended, []
+        for nsub in ended:
             try:
-                if idle:
-                    msgs = await self.psub.fetch(1, timeout=IDLE_FETCH_S)
-                else:
-                    msgs = await self.psub.fetch(min(free, sub.batch_size), timeout=BUSY_FETCH_S)
-            except (nats_errors.TimeoutError, TimeoutError):
-                idle = True
+                await nsub.unsubscribe()
+            except Exception:  # noqa: BLE001 - closed with the connection already
+                pass
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            now = loop.time()
+            for inbox in [i for i, req in self.open.items() if req[1] < now]:
+                self._close(inbox)  # lost with a connection: its credit is asked for again
+            if self._ended:
+                await self._unsubscribe_ended()
+            want = self.sub.workers - len(self.inflight) - self.credit
+            if want > 0 and (want >= self.threshold or not self.credit) and now >= self._retry_at:
+                await self._pull(want, now)
                 continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - reconnecting, leader change: unacked messages come back
-                log.debug("%s: fetch on %s failed: %r", self.service.name, sub.durable, exc)
-                idle = True
-                await asyncio.sleep(RETRY_FETCH_S)
-                continue
-            idle = False
-            for raw in msgs:
-                task = asyncio.ensure_future(self.service._on_message(sub, raw))
-                self.inflight.add(task)
-                task.add_done_callback(self._done)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.05, self._retry_at - now) if want > 0 else 1.0)
+            except TimeoutError:
+                pass
 
     async def stop(self, grace_s: float) -> None:
-        """Stop fetching, let handlers in flight finish (up to `grace_s`; what is cut off is
-        not acked and comes back), then drop the subscription (the durable consumer stays)."""
+        """Stop asking for messages, hand what has arrived to handlers, let handlers in flight
+        finish (up to `grace_s`; what is cut off is not acked and comes back), then drop the
+        subscriptions (the durable consumer stays; the server drops requests nobody listens to)."""
         self._stopping = True
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        pending, self.open = list(self.open.values()), {}
+        try:
+            await asyncio.wait_for(asyncio.gather(*(req[2].drain() for req in pending), return_exceptions=True),
+                                   grace_s)
+        except Exception:  # noqa: BLE001 - the connection may already be gone
+            pass
         if self.inflight:
             await asyncio.wait(set(self.inflight), timeout=grace_s)
         for task in list(self.inflight):
             task.cancel()
-        try:
-            await self.psub.unsubscribe()
-        except Exception:  # noqa: BLE001 - the connection may already be gone
-            pass
+        await self._unsubscribe_ended()
 
 
 def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
@@ -276,7 +345,10 @@ class StageService:
         for sub in self.subscriptions.values():
             psub = await self.js.pull_subscribe(events.subscription(sub.event_type), durable=sub.durable,
                                                 stream=events.STREAM, config=sub.config)
-            self._pumps.append(_Pump(self, sub, psub))
+            await psub.unsubscribe()  # it made or bound the consumer; the pump pulls on its own inboxes
+            pump = _Pump(self, sub, psub._nms)
+            await pump.start()
+            self._pumps.append(pump)
 
     async def _stop_pumps(self) -> None:
         pumps, self._pumps = self._pumps, []
@@ -335,12 +407,15 @@ class StageService:
         batch_size: int = 32,
         give_up: GiveUp | None = None,
         skip: Callable[[Any], bool] | None = None,
+        needs_question: Callable[[events.Job], bool] | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register `fn(envelope, payload) -> [envelopes to publish]` for one event type.
 
         `skip(payload)`: a cheap check on the decoded (lean) payload; True means the handler would
         publish nothing (a branch this job's mode does not have), so the message is acked without
-        reading the job's contents or calling the handler."""
+        reading the job's contents or calling the handler. `needs_question(job)`: asked with the
+        job's options and models filled in; False means the handler does not use the question's
+        content, which is then not read (`ContentStore.hydrate_payload`)."""
         workers = max_workers or int(getattr(self.settings, f"{self.name}_workers", 64))
         max_deliver = self.settings.consumer_max_deliver
         config = ConsumerConfig(
@@ -357,7 +432,8 @@ class StageService:
         def decorator(fn: Handler) -> Handler:
             self.subscriptions[event_type] = Subscription(
                 event_type, fn, payload_type, give_up, max_deliver, durable=durable or self.name,
-                workers=workers, batch_size=min(batch_size, workers), config=config, skip=skip)
+                workers=workers, batch_size=min(batch_size, workers), config=config, skip=skip,
+                needs_question=needs_question)
             return fn
 
         return decorator
@@ -394,28 +470,31 @@ class StageService:
         CACHE_SCOPE.set(env.run_id)
         key = attempt_key(env)
         ATTEMPT_KEY.set(key)
-        if give_up is not None and env.event_type in self.gated_event_types:
-            try:
-                stop = (await self.control.stop_reason(env.run_id, env.occurred_at)
-                        or await self.cost_control.stop_reason(env.run_id, env.occurred_at))
-            except Exception as exc:  # noqa: BLE001 - the gate fails open
-                log.warning("%s: run control check failed: %r", self.name, exc)
-                stop = None
+        gated = give_up is not None and env.event_type in self.gated_event_types
+        if gated:
+            stop = await self._stop_reason(env)
             if stop is not None:
                 await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
                 await msg.ack()
                 OUTCOME.set("stopped")
                 return
+        CALL_GATE.set(functools.partial(self._stop_reason, env) if gated else None)  # asked again at each call
         before = await self._spent_before(env, payload, self.control, tokens_before, "usage")
         cost_before_ = await self._spent_before(env, payload, self.cost_control, cost_before, "cost")
         try:
-            payload = await self.content.hydrate_payload(payload)
+            payload = await self.content.hydrate_payload(payload, sub.needs_question)
             CACHE_SCOPE.set(scope_for(env.run_id, payload))  # the run's options are in the content
             outs = await fn(env, payload)
             await self.publish(carry_attempt_key(key, outs))
             await msg.ack()
         except asyncio.CancelledError:
             raise
+        except RunStopped as stop:  # CALL_GATE: the run stopped while the job waited for its model slot
+            if give_up is None:
+                raise
+            await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
+            await msg.ack()
+            OUTCOME.set("stopped")
         except Exception as exc:
             log.warning("%s: handling %s failed (delivery %d): %r", self.name, env.event_id, delivered, exc)
             if delivered < max_deliver:
@@ -450,6 +529,16 @@ class StageService:
             return measure(payload)
         except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
             log.warning("%s: %s accounting for run %s failed: %r", self.name, what, env.run_id, exc)
+            return None
+
+    async def _stop_reason(self, env: events.Envelope) -> RunStopped | None:
+        """Why the run's next answer must not be generated (cancelled, token or money budget spent),
+        or None; a check that fails lets the job go on (the gate fails open)."""
+        try:
+            return (await self.control.stop_reason(env.run_id, env.occurred_at)
+                    or await self.cost_control.stop_reason(env.run_id, env.occurred_at))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("%s: run control check failed: %r", self.name, exc)
             return None
 
     def _stage_failed(self, env: events.Envelope, exc: BaseException, delivered: int) -> events.Envelope:

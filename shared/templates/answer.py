@@ -21,10 +21,14 @@ import string
 import sys
 import types
 import typing
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import CoreSchema
+
+from shared.templates.judge_schema import JudgeJsonSchema
 
 # Attributes of a template instance that are ours, not answers the judge fills in.
 INTERNAL_FIELDS = frozenset({"id", "correct"})
@@ -278,6 +282,29 @@ def _strip_key(obj: Any, key: str) -> None:
 # --------------------------------------------------------------------------- BaseAnswer
 
 
+class _CoreSchemaOf:
+    """Annotation: the core schema pydantic generates for the annotated type, built directly.
+    pydantic regenerates an inherited field's schema for every subclass, and every question's
+    template is a new subclass of BaseAnswer: its two fields cost about as much as a template's
+    own. A fresh schema per call (pydantic adds metadata to the schema it is given)."""
+
+    def __init__(self, make: Callable[[], CoreSchema]) -> None:
+        self.make = make
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> CoreSchema:
+        return self.make()
+
+
+def _optional_str() -> CoreSchema:
+    """`core_schema.nullable_schema(core_schema.str_schema())`, as a literal (the helpers cost more)."""
+    return {"type": "nullable", "schema": {"type": "str"}}
+
+
+def _optional_dict() -> CoreSchema:
+    """`nullable_schema(dict_schema(str_schema(), any_schema()))`, as a literal."""
+    return {"type": "nullable", "schema": {"type": "dict", "keys_schema": {"type": "str"}, "values_schema": {"type": "any"}}}
+
+
 class BaseAnswer(BaseModel):
     """Base class of answer templates.
 
@@ -288,8 +315,10 @@ class BaseAnswer(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    id: str | None = None
-    correct: SkipJsonSchema[dict[str, Any] | None] = Field(default=None, exclude=True)
+    # = `id: str | None` and `correct: SkipJsonSchema[dict[str, Any] | None]`, cheaper to subclass
+    id: Annotated[str | None, _CoreSchemaOf(_optional_str)] = None
+    correct: Annotated[dict[str, Any] | None, _CoreSchemaOf(_optional_dict), SkipJsonSchema()] = Field(
+        default=None, exclude=True)
 
     # Optional named regex checks against the raw response, as a ClassVar on the subclass or set
     # on the instance in model_post_init / ground_truth():
@@ -399,7 +428,10 @@ class BaseAnswer(BaseModel):
     @classmethod
     def judge_json_schema(cls) -> dict[str, Any]:
         """JSON schema of the judge-filled fields: no id/correct, no hidden verification data."""
-        schema = cls.model_json_schema()
+        if getattr(cls.model_json_schema, "__func__", None) is _MODEL_JSON_SCHEMA:
+            schema = cls.model_json_schema(schema_generator=JudgeJsonSchema)
+        else:  # the template overrides model_json_schema: call it as it expects
+            schema = cls.model_json_schema()
         props = schema.get("properties", {})
         for name in INTERNAL_FIELDS:
             props.pop(name, None)
@@ -467,6 +499,8 @@ def _regex_check(text: str, pattern: str, expected: Any, match_type: str, detail
     return ok
 
 
+_MODEL_JSON_SCHEMA = BaseModel.model_json_schema.__func__  # type: ignore[attr-defined]
+
 # --------------------------------------------------------------------------- karenina aliases
 
 _TYPING_NAMES = ("Any", "Literal", "Optional", "Union")
@@ -475,13 +509,17 @@ COMPOSITION_NAMES = ("AllOf", "AnyOf", "AtLeastN", "FieldCheck")
 
 
 def template_namespace() -> dict[str, Any]:
-    """Globals a template is executed with: the names the reference pre-binds for templates."""
-    ns: dict[str, Any] = {"BaseAnswer": BaseAnswer, "Field": Field, "VerifiedField": VerifiedField,
-                          "List": list, "Dict": dict}
-    ns.update({n: getattr(typing, n) for n in _TYPING_NAMES})
-    ns.update({n: _PRIMITIVES[n] for n in PRIMITIVE_NAMES})
-    ns.update({n: globals()[n] for n in COMPOSITION_NAMES})
-    return ns
+    """Globals a template is executed with: the names the reference pre-binds for templates
+    (our own primitives, even after a template defined a Primitive of the same name)."""
+    return dict(_TEMPLATE_NAMESPACE)
+
+
+_TEMPLATE_NAMESPACE: dict[str, Any] = {
+    "BaseAnswer": BaseAnswer, "Field": Field, "VerifiedField": VerifiedField, "List": list, "Dict": dict,
+    **{n: getattr(typing, n) for n in _TYPING_NAMES},
+    **{n: _PRIMITIVES[n] for n in PRIMITIVE_NAMES},
+    **{n: globals()[n] for n in COMPOSITION_NAMES},
+}
 
 
 def install_karenina_aliases() -> None:

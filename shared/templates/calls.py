@@ -183,7 +183,8 @@ class TemplateError(Exception):
     """The template cannot be used; the message is what the user sees."""
 
 
-_CLASSES: OrderedDict[str, tuple[str, Any]] = OrderedDict()  # key -> (code, class | error message)
+# key -> (code, class | error message, the class's module name or None)
+_CLASSES: OrderedDict[str, tuple[str, Any, str | None]] = OrderedDict()
 _CALLABLES: OrderedDict[str, tuple[str | bytes, Any]] = OrderedDict()
 _CACHE_MAX = 256
 _FILENAME = "<template>"
@@ -260,23 +261,70 @@ def _compile_template(code: str, module_name: str) -> Any:
 
 def _template_class(code: str, template_id: str | None) -> Any:
     """The template's class, compiled once per worker (keyed by template_id, checked against code)."""
-    key = template_id or hashlib.md5(code.encode("utf-8")).hexdigest()
+    digest = hashlib.md5(code.encode("utf-8")).hexdigest()
+    key = template_id or digest
     cls = _cache_get(_CLASSES, key, code)
     if cls is None:
-        module_name = "veribus_template_" + hashlib.md5(code.encode("utf-8")).hexdigest()
+        module_name = "veribus_template_" + digest
         try:
             cls = _compile_template(code, module_name)
         except TemplateError as exc:
             sys.modules.pop(module_name, None)
             cls = str(exc)  # the message, so each use raises a fresh exception
-        if _cache_put(_CLASSES, key, code, cls):  # only then can a module have lost its last class:
-            # the scan of sys.modules costs about as much as a quarter of a compile, so not per compile
-            live = {getattr(c, "__module__", None) for _, c in _CLASSES.values()}
-            for name in [m for m in sys.modules if m.startswith("veribus_template_") and m not in live]:
-                del sys.modules[name]  # evicted from the cache
+        _put_class(key, code, cls, None if isinstance(cls, str) else module_name)
     if isinstance(cls, str):
         raise TemplateError(cls)
     return cls
+
+
+_MODULE_USERS: dict[str, int] = {}  # template module name -> how many _CLASSES entries hold a class of it
+
+
+def _put_class(key: str, code: str, cls: Any, module_name: str | None) -> None:
+    """Cache a compiled class (or its error); a template module leaves sys.modules when the
+    last cache entry holding one of its classes does. O(1) per put: with a template per
+    question every put of a long run evicts, and a scan of sys.modules cost a quarter of a compile."""
+    old = _CLASSES.pop(key, None)
+    if old is not None:
+        _release_module(old[2])
+    _CLASSES[key] = (code, cls, module_name)
+    if module_name is not None:
+        _MODULE_USERS[module_name] = _MODULE_USERS.get(module_name, 0) + 1
+    if len(_CLASSES) > _CACHE_MAX:
+        _release_module(_CLASSES.popitem(last=False)[1][2])
+
+
+def _release_module(module_name: str | None) -> None:
+    if module_name is None:
+        return
+    left = _MODULE_USERS.get(module_name, 0) - 1
+    if left > 0:
+        _MODULE_USERS[module_name] = left
+    else:
+        _MODULE_USERS.pop(module_name, None)
+        sys.modules.pop(module_name, None)
+
+
+_WARM_UP = (  # trusted: what a template's first validation and verify() make pydantic load and cache
+    "class Answer(BaseAnswer):\n    value: int = Field(description='n')\n\n"
+    "    def model_post_init(self, __context):\n        self.correct = {'value': 1}\n\n"
+    "    def verify(self) -> bool:\n        return self.value == self.correct['value']\n"
+)
+
+
+def warm_up() -> None:
+    """(zygote, before it forks) Do once what every call process would otherwise do on its first
+    template: pydantic's lazy imports and caches. Nothing of it is cached here or left in
+    sys.modules: the class cache starts empty in every call process."""
+    module_name = "veribus_template_warm_up"
+    try:
+        worker_validate(_WARM_UP, "q", module_name)
+        worker_verify(_WARM_UP, {"value": 1}, "q", "1", module_name)
+    finally:
+        _CLASSES.clear()
+        _MODULE_USERS.clear()
+        for name in [m for m in sys.modules if m.startswith("veribus_template_")]:
+            del sys.modules[name]
 
 
 def _placeholder(ann: Any, depth: int = 0) -> Any:

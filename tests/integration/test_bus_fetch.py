@@ -39,6 +39,34 @@ async def test_next_msg_returns_queued_messages_in_order_then_times_out(nats_ser
         await nc.close()
 
 
+async def test_request_fast_path_replies_times_out_and_forgets(nats_server: Any) -> None:
+    """`bus`'s request fast path: replies reach their own requests when many are in flight, a
+    request nobody answers in time raises nats' TimeoutError, and neither leaves an entry behind
+    (a reply that comes after its request gave up finds nothing)."""
+    nc = await nats.connect(nats_server.url)
+    held: list[Any] = []
+    try:
+        async def echo(msg: Any) -> None:
+            await msg.respond(b"re:" + msg.data)
+
+        async def hold(msg: Any) -> None:
+            held.append(msg)  # answered only after the request gave up
+
+        await nc.subscribe("t.echo", cb=echo)
+        await nc.subscribe("t.hold", cb=hold)
+        replies = await asyncio.gather(*(nc.request("t.echo", str(i).encode(), timeout=5) for i in range(200)))
+        assert [r.data for r in replies] == [f"re:{i}".encode() for i in range(200)]
+        with pytest.raises(nats_errors.TimeoutError):
+            await nc.request("t.hold", b"late", timeout=0.2)
+        assert held and not nc._resp_map
+        await held[0].respond(b"too late")
+        await nc.flush()
+        assert (await nc.request("t.echo", b"next", timeout=5)).data == b"re:next"
+        assert not nc._resp_map
+    finally:
+        await nc.close()
+
+
 def _request(i: int) -> events.Envelope:
     job = events.Job(run_id="run1", result_id=f"r{i}", answer_id=f"r{i}", question_id=f"q{i}", question_text="2+2?",
                      answering=events.ModelSpec(model_name="openai/a"), parsing=events.ModelSpec(model_name="openai/j"),

@@ -16,6 +16,7 @@ real nats-server processes, the real services and the embedded ClickHouse:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -268,18 +269,12 @@ def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
     """The user's own OpenAI-compatible server (here: a second simulator process, the only model
     server there is offline) is what a config's explicit api_base reaches; not the stack's."""
     settings, state = live
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO, env=cli_env(tmp_path / "simhome"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port("127.0.0.1", port, 30)
-        base = f"http://127.0.0.1:{port}/v1"
+    with own_model_server(tmp_path / "simhome") as base:
         from infra.simulator.from_benchmark import simulator_script_for
         from shared.core.benchmark.model import Benchmark
 
         bench = write_bench(tmp_path / "b.yaml", 2, prefix="Own")
-        httpx.post(f"http://127.0.0.1:{port}/simulator/script",
+        httpx.post(base.removesuffix("/v1") + "/simulator/script",
                    json=simulator_script_for(Benchmark.load(bench)), timeout=10).raise_for_status()
         stack_before = httpx.get(state.simulator_url.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
         cfg = tmp_path / "run.yaml"
@@ -288,13 +283,10 @@ def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
         out = veribus(local_env(settings), "run", str(bench), "--config", str(cfg), "--output", str(tmp_path / "o"))
         assert out.returncode == 0, out.stdout + out.stderr
         assert "SIMULATED" not in out.stdout and summary_of(tmp_path / "o")["simulated"] is False
-        stats = httpx.get(f"http://127.0.0.1:{port}/simulator/stats", timeout=10).json()
+        stats = httpx.get(base.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
         assert stats["by_model"].get("own-model", stats["by_model"].get("openai/own-model")) and stats["judge"] >= 2
         stack_after = httpx.get(state.simulator_url.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
         assert stack_after["requests"] == stack_before["requests"]  # the stack's simulator was not asked
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_verify_raising_is_counted_apart_and_fails_the_run(live, tmp_path: Path) -> None:
@@ -400,3 +392,56 @@ def test_a_temporary_stack_is_its_own_step(tmp_path: Path) -> None:
     finally:
         stack.down(Settings(home=home))  # only if the CLI left something behind
     assert not (home / "stack.json").exists()
+
+
+@contextlib.contextmanager
+def own_model_server(home: Path, *args: str) -> Iterator[str]:
+    """An OpenAI-compatible server of the user's own (a simulator process started apart from the
+    stack, with `args`), its base URL; killed after."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port),
+                             *args], cwd=REPO, env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 30)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def slow_model(tmp_path: Path) -> Iterator[str]:
+    """Every call takes 40 ms, so a budget can run out while a run's jobs wait for the model."""
+    with own_model_server(tmp_path / "simhome", "--latency-ms", "40") as base:
+        yield base
+
+
+@pytest.mark.parametrize(("flag", "value", "says", "not_says"), [
+    ("--max-tokens-budget", "1", "the token budget stopped the run", "--max-cost-usd"),
+    ("--max-cost-usd", "0.000001", "the cost budget (--max-cost-usd) stopped the run", "--max-tokens-budget"),
+])
+def test_a_run_its_budget_stopped_is_not_reported_as_passed(live, slow_model: str, tmp_path: Path, flag: str,
+                                                            value: str, says: str, not_says: str) -> None:
+    """Issue 9 through the real CLI: every job that completes passes, but the budget stopped the
+    rest before their answers: exit 4, the reason named (token or money budget), never PASSED."""
+    settings, _ = live
+    price = {"api_base": slow_model, "max_concurrency": 1, "input_cost_per_million_tokens": 1000.0,
+             "output_cost_per_million_tokens": 1000.0}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "openai/own-model", **price}],
+                                   "parsing_models": [{"model_name": "openai/own-judge", **price}]}))
+    from infra.simulator.from_benchmark import simulator_script_for
+    from shared.core.benchmark.model import Benchmark
+
+    bench = write_bench(tmp_path / "b.yaml", 30, prefix="Budgeted" + flag.strip("-").replace("-", ""))
+    httpx.post(slow_model.removesuffix("/v1") + "/simulator/script", json=simulator_script_for(Benchmark.load(bench)),
+               timeout=10).raise_for_status()
+    out_dir = tmp_path / "out"
+    out = veribus(local_env(settings), "run", str(bench), "--config", str(cfg), flag, value, "--output", str(out_dir))
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "✓ PASSED" not in out.stdout and "Outcome: ✗" in out.stdout, out.stdout
+    assert says in out.stdout and not_says not in out.stdout.split("Outcome:", 1)[1], out.stdout
+    body = summary_of(out_dir)
+    assert body["outcome"]["exit_code"] == 4 and body["outcome"]["status"] == "budget_stopped", body["outcome"]
+    stopped = int(out.stdout.split(says + " (", 1)[1].split(" job(s)", 1)[0])
+    assert 1 <= stopped < 30, out.stdout  # the first job was dispatched; the budget stopped later ones

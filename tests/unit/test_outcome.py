@@ -109,6 +109,16 @@ def test_cancelled_and_budget_stopped_runs_say_so_and_are_not_0(etype: str, stat
     assert "veribus resume nightly" in v.headline
 
 
+def test_a_money_budget_stop_is_named_as_such_not_as_the_token_budget() -> None:
+    # the message the cost control writes (shared.runtime.costcontrol), through the fold
+    stopped = ("generate_answer", "BudgetExhausted", "cost budget exhausted: run r1 has spent $0.010000 of its "
+               "$0.010000 budget; this answer was not generated")
+    v = judge([result(True), result(None, stage_error=stopped)], expected=2, run_ref="nightly")
+    assert v.code == 4 and v.status == "budget_stopped"
+    assert "cost budget (--max-cost-usd) stopped the run (1 job(s) not run)" in v.headline
+    assert "token budget" not in v.headline and "--max-tokens-budget" not in v.headline
+
+
 def test_dead_lettered_jobs_count_as_errors_not_missing() -> None:
     v = judge([result(True)], expected=2, dead_lettered=1)
     assert v.code == 4 and v.missing == 0 and v.errors == 1

@@ -545,14 +545,18 @@ def _int_answer(value: int) -> str:
 
 
 def test_worker_class_cache_drops_the_modules_it_evicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker's class cache (which scans sys.modules only when a class left it) removes exactly
-    the modules no cached class lives in any more (trusted code, run in-process on purpose)."""
+    """The worker's class cache (which counts the entries per module instead of scanning
+    sys.modules) removes exactly the modules no cached class lives in any more, and no other
+    module (trusted code, run in-process on purpose)."""
     import sys
+    import types
 
     from shared.templates import calls
 
     monkeypatch.setattr(calls, "_CACHE_MAX", 2)
     monkeypatch.setattr(calls, "_CLASSES", type(calls._CLASSES)())
+    monkeypatch.setattr(calls, "_MODULE_USERS", {})
+    monkeypatch.setitem(sys.modules, "veribus_template_not_cached", types.ModuleType("veribus_template_not_cached"))
     before = {m for m in sys.modules if m.startswith("veribus_template_")}
     first = calls._template_class(_int_answer(1), "t1")
     shared_code = calls._template_class(_int_answer(1), "t1-copy")  # same code, other id: same module
@@ -564,5 +568,151 @@ def test_worker_class_cache_drops_the_modules_it_evicts(monkeypatch: pytest.Monk
     assert gone == {first.__module__, replaced.__module__}
     calls._template_class(_int_answer(4), "t4")  # evicts t1-copy: nothing lives in t1's module now
     assert first.__module__ not in sys.modules
+    assert "veribus_template_not_cached" in sys.modules  # not the cache's to drop
+    assert calls._MODULE_USERS == {c.__module__: 1 for _, c, _ in calls._CLASSES.values()}
     for name in {m for m in sys.modules if m.startswith("veribus_template_")} - before:
         del sys.modules[name]
+
+
+_SCHEMA_TEMPLATES = [
+    ("defaults", "import datetime, enum\nfrom typing import Literal\n\nclass Kind(enum.Enum):\n    A = 'a'\n    B = 'b'\n\n"
+                 "class Inner(BaseModel):\n    x: float = float('inf')\n\n"
+                 "class Answer(BaseAnswer):\n    n: int = 3\n    f: float = float('nan')\n    s: str = 'x'\n"
+                 "    b: bool = True\n    when: datetime.date = datetime.date(2020, 1, 2)\n    kind: Kind = Kind.B\n"
+                 "    lit: Literal['p', 'q'] = 'q'\n    items: list[Inner] = [Inner()]\n    opt: int | None = None\n"
+                 "    big: int = 10 ** 30\n    tags: set[str] = {'t'}\n\n"
+                 "    def verify(self) -> bool:\n        return True\n"),
+    ("aliases", "class Answer(BaseAnswer):\n    model_config = ConfigDict(json_schema_mode_override='serialization')\n"
+                "    value: int = Field(2, alias='Value', description='d')\n\n"
+                "    def verify(self) -> bool:\n        return True\n"),
+]
+
+
+@pytest.fixture
+def karenina_aliases() -> Iterator[None]:
+    """The reference's import names, in this process for one test only (other tests check that
+    a service process never has them)."""
+    import sys
+
+    from shared.templates import answer
+
+    before = set(sys.modules)
+    answer.install_karenina_aliases()
+    try:
+        yield
+    finally:
+        for name in set(sys.modules) - before:
+            if name == "karenina" or name.startswith("karenina."):
+                del sys.modules[name]
+
+
+@pytest.mark.parametrize("name,code", [*REFERENCE_TEMPLATES, *_SCHEMA_TEMPLATES])
+def test_judge_schema_is_pydantics(name: str, code: str, karenina_aliases: None) -> None:
+    """The judge's schema (built with a cheaper generator) is the one pydantic's own generator
+    builds, minus our internal fields (trusted templates, compiled in-process on purpose)."""
+    import sys
+
+    from pydantic.json_schema import GenerateJsonSchema
+
+    from shared.templates import answer, calls
+
+    code = "from pydantic import BaseModel, ConfigDict\n" + code
+    cls = calls._compile_template(code, "veribus_template_schema_test")
+    try:
+        got = cls.judge_json_schema()
+        with pytest.MonkeyPatch.context() as mp:  # the same method, with pydantic's default generator
+            mp.setattr(answer, "_MODEL_JSON_SCHEMA", None)
+            expected = cls.judge_json_schema()
+        assert json.dumps(got, sort_keys=True) == json.dumps(expected, sort_keys=True)
+        assert json.dumps(got, sort_keys=True) == json.dumps(
+            _without_internal(cls.model_json_schema(schema_generator=GenerateJsonSchema)), sort_keys=True)
+    finally:
+        sys.modules.pop("veribus_template_schema_test", None)
+
+
+def _without_internal(schema: dict[str, Any]) -> dict[str, Any]:
+    from shared.templates.answer import _VERIFICATION_KEY, INTERNAL_FIELDS, _strip_key
+
+    for name in INTERNAL_FIELDS:
+        schema.get("properties", {}).pop(name, None)
+    if "required" in schema:
+        schema["required"] = [r for r in schema["required"] if r not in INTERNAL_FIELDS] or None
+        if schema["required"] is None:
+            del schema["required"]
+    schema.pop("additionalProperties", None)
+    _strip_key(schema, _VERIFICATION_KEY)
+    return schema
+
+
+def test_base_answer_fields_are_what_pydantic_builds() -> None:
+    """BaseAnswer hands pydantic ready-made schemas for `id` and `correct` (cheaper per
+    template class); a template built on it validates, dumps and describes itself exactly as one
+    built on the plain annotations does."""
+    import re
+
+    from pydantic import BaseModel, Field, ValidationError
+    from pydantic.json_schema import SkipJsonSchema
+
+    from shared.templates.answer import BaseAnswer
+
+    class Plain(BaseModel):
+        model_config = BaseAnswer.model_config
+        id: str | None = None
+        correct: SkipJsonSchema[dict[str, Any] | None] = Field(default=None, exclude=True)
+
+        def model_post_init(self, context: Any, /) -> None:
+            return None
+
+    def answer_on(base: type[BaseModel]) -> type[BaseModel]:
+        class Answer(base):  # type: ignore[misc, valid-type]
+            value: int = Field(description="v")
+        return Answer
+
+    ours, plain = answer_on(BaseAnswer), answer_on(Plain)
+
+    def shape(cls: type[BaseModel]) -> str:
+        text = json.dumps(cls.__pydantic_core_schema__, default=repr, sort_keys=True)
+        return re.sub(r"at 0x[0-9a-f]+|:\d+|\b(BaseAnswer|Plain)\b", "", text)
+
+    assert shape(ours) == shape(plain)
+    assert ours.model_json_schema() == plain.model_json_schema()
+    for data in ({"value": 1}, {"value": "2", "id": "q"}, {"value": 3, "id": None, "correct": {"a": 1}}):
+        assert ours.model_validate(data).model_dump() == plain.model_validate(data).model_dump()
+    for bad in ({"value": 1, "id": 5}, {"value": 1, "correct": [1]}, {"value": 1, "correct": {1: 2}}):
+        errors = []
+        for cls in (ours, plain):
+            try:
+                cls.model_validate(bad)
+                errors.append(None)
+            except ValidationError as exc:
+                errors.append(exc.errors(include_url=False))
+        assert errors[0] == errors[1], bad
+
+
+def test_a_template_does_not_rebind_the_next_ones_names() -> None:
+    """A template defining a Primitive named like one of ours (it registers itself) leaves the
+    names the next template of the same sandbox process starts with as they were (trusted code,
+    in-process on purpose)."""
+    import sys
+
+    from shared.templates import answer, calls
+
+    ours = answer.template_namespace()["ExactMatch"]
+    shadow = ("class ExactMatch(ExactMatch):\n    def check(self, extracted, expected):\n        return True\n\n"
+              "class Answer(BaseAnswer):\n    value: int\n\n    def verify(self) -> bool:\n        return True\n")
+    try:
+        calls._compile_template(shadow, "veribus_template_shadow_test")
+        assert answer._PRIMITIVES["ExactMatch"] is not ours  # what the attack changes
+        assert answer.template_namespace()["ExactMatch"] is ours
+    finally:
+        answer._PRIMITIVES["ExactMatch"] = ours
+        sys.modules.pop("veribus_template_shadow_test", None)
+
+
+async def test_call_processes_start_with_no_template(sb: Sandbox) -> None:
+    """The zygote warms pydantic up with a template of its own before it forks; a call process
+    inherits none of it: an empty class cache and no template module."""
+    probe = ("import sys\nimport shared.templates.calls as c\n"
+             "result = [len(c._CLASSES), len(c._MODULE_USERS), sorted(m for m in sys.modules if m.startswith('veribus_template_'))]")
+    assert await sb.call("exec", code=probe) == {"ok": True, "value": [0, 0, []]}
+    assert await sb.call("exec", code=probe, scope="fresh-run") == {"ok": True, "value": [0, 0, []]}

@@ -68,7 +68,9 @@ class NatsKVCache:
         if self._kv is None:
             async with self._lock:
                 if self._kv is None:
-                    config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1,
+                    # direct gets: every model call reads the cache first, and a direct get is a
+                    # plain request answered with the raw value, not a JSON API reply in base64
+                    config = KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1, direct=True,
                                             description="veribus LLM response cache")
                     self._kv = await ensure_kv(self.js, config)  # replicated like the stream
         return self._kv

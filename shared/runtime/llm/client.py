@@ -13,7 +13,8 @@ import logging
 import os
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from shared.core.events import ModelSpec
@@ -43,6 +44,13 @@ from shared.runtime.llm.transport import (
 from shared.runtime.observability import METRICS
 
 log = logging.getLogger("veribus.llm")
+
+CALL_GATE: ContextVar[Callable[[], Awaitable[BaseException | None]] | None] = ContextVar("veribus_llm_call_gate",
+                                                                                         default=None)
+"""Asked once a call holds its model slot, just before the request goes out: an exception to raise
+instead of calling. The harness sets it for dispatch (answer generation): a job can wait a long
+time for a slot, and a budget that ran out or a cancel meanwhile must stop it there, not only when
+its message arrived (every worker takes its message at once, before any slot is free)."""
 _WARNED: set[tuple[str, str, str]] = set()
 _CAUSES = {"connection": "connection refused or unreachable", "auth": "missing or rejected credentials",
            "rate_limit": "rate limited (HTTP 429)", "timeout": "timed out", "server_error": "server error"}
@@ -245,6 +253,11 @@ class LLMClient:
         while True:
             attempt += 1
             lease = await limiter.acquire(model, estimate)
+            gate = CALL_GATE.get()
+            stop = await gate() if gate is not None else None
+            if stop is not None:
+                limiter.release(lease)
+                raise stop
             try:
                 async with asyncio.timeout(hard_timeout):
                     if direct:

@@ -1,0 +1,70 @@
+"""What a pipeline with no overhead at all would reach on the bench's workload, so the whole-run
+fraction of C/(2L) can be read against what the latency distribution itself allows.
+
+C/(2L) assumes every one of the C/2 slots of each model is busy from the first moment to the
+last. A real run cannot be: the parse model has nothing to do until the first answers come back
+(the fill), and at the end the run waits for the slowest of the last calls (the drain). With a
+lognormal latency the drain is the maximum of many draws: on 1,000 questions one call of a few
+times the mean is expected, and the whole run waits for it however fast veribus is.
+
+`zero_overhead_fraction` simulates exactly that pipeline: N answer calls on C/2 slots in question
+order, each answer's parse call queued on the judge's C/2 slots the moment the answer exists, no
+time spent anywhere but in the calls; the makespan's results/s over C/(2L), averaged over trials.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+
+
+def _draws(rng: random.Random, n: int, latency_s: float, dist: str, sigma: float) -> list[float]:
+    if dist == "fixed":
+        return [latency_s] * n
+    if dist == "uniform":
+        return [2 * latency_s * rng.random() for _ in range(n)]
+    median = latency_s * math.exp(-sigma * sigma / 2)  # the bench's lognormal has mean `latency_s`
+    return [median * math.exp(sigma * rng.gauss(0.0, 1.0)) for _ in range(n)]
+
+
+def _finish_times(ready: list[float], durations: list[float], slots: int) -> list[float]:
+    """FIFO by ready time on `slots` servers: when each job ends."""
+    free = [0.0] * slots
+    ends = [0.0] * len(ready)
+    for i in sorted(range(len(ready)), key=ready.__getitem__):
+        start = max(ready[i], heapq.heappop(free))
+        ends[i] = start + durations[i]
+        heapq.heappush(free, ends[i])
+    return ends
+
+
+def makespan(n: int, latency_s: float, concurrency: int, dist: str, sigma: float, rng: random.Random) -> float:
+    """Seconds until the last of `n` results, each an answer call then a parse call."""
+    slots = max(1, concurrency // 2)
+    answered = _finish_times([0.0] * n, _draws(rng, n, latency_s, dist, sigma), slots)
+    return max(_finish_times(answered, _draws(rng, n, latency_s, dist, sigma), slots))
+
+
+def zero_overhead_fraction(n: int, latency_ms: float, concurrency: int, dist: str = "lognormal",
+                           sigma: float = 0.5, trials: int = 30, seed: int = 0) -> float | None:
+    """The whole-run fraction of C/(2L) a pipeline without overhead reaches (mean over `trials`)."""
+    if latency_ms <= 0 or n <= 0:
+        return None
+    lat = latency_ms / 1000
+    bound = concurrency / (2 * lat)
+    rng = random.Random(seed)
+    fractions = [n / makespan(n, lat, concurrency, dist, sigma, rng) / bound for _ in range(max(1, trials))]
+    return round(sum(fractions) / len(fractions), 3)
+
+
+def replay_fraction(answer_s: list[float], judge_s: list[float], concurrency: int, latency_ms: float) -> float | None:
+    """The whole-run fraction of C/(2L) a pipeline without overhead reaches on one run's own
+    latencies (the simulator's draws, in call order: answer i's parse is the i-th judge call)."""
+    n = min(len(answer_s), len(judge_s))
+    if latency_ms <= 0 or n == 0:
+        return None
+    slots = max(1, concurrency // 2)
+    answered = _finish_times([0.0] * n, answer_s[:n], slots)
+    span = max(_finish_times(answered, judge_s[:n], slots))
+    return round(n / span / (concurrency / (2 * latency_ms / 1000)), 3) if span > 0 else None

@@ -1,0 +1,58 @@
+"""The zero-overhead pipeline the bench reads its whole-run fraction against (`bench.ideal`), and
+the simulator's record of the latencies it drew (what the bench replays through it)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from bench.ideal import makespan, replay_fraction, zero_overhead_fraction
+from infra.simulator.script import SimConfig
+from infra.simulator.server import create_app
+
+pytestmark = pytest.mark.unit
+
+
+def test_fixed_latency_makespan_is_whole_rounds_plus_the_parse_models_first_call() -> None:
+    # 64 results on 32 slots per model: two rounds of answers (0.6 s), the last parse 0.3 s later
+    assert makespan(64, 0.3, 64, "fixed", 0.0, random.Random(0)) == pytest.approx(0.9)
+    # one slot per model: answers end at 1, 2, 3; parses at 2, 3, 4
+    assert makespan(3, 1.0, 2, "fixed", 0.0, random.Random(0)) == pytest.approx(4.0)
+
+
+def test_replay_puts_each_parse_after_its_answer_on_the_judges_slots() -> None:
+    # one slot each: answers end at 1, 3 (1 + 2); parse 0 runs 1..4, parse 1 waits for the slot: 4..5
+    assert replay_fraction([1.0, 2.0], [3.0, 1.0], concurrency=2, latency_ms=1000) == pytest.approx(2 / 5 / 1.0)
+
+
+def test_one_slow_last_call_costs_the_whole_run_what_no_pipeline_can_win_back() -> None:
+    calm = [0.3] * 1000
+    slow_tail = calm[:-1] + [2.5]
+    assert replay_fraction(calm, calm, 64, 300) > 0.94
+    assert replay_fraction(calm, slow_tail, 64, 300) < 0.80
+
+
+def test_the_lognormal_tail_lowers_the_ceiling_more_the_shorter_the_run() -> None:
+    short = zero_overhead_fraction(300, 300, 64, "lognormal", 0.5, trials=10)
+    long = zero_overhead_fraction(5000, 300, 64, "lognormal", 0.5, trials=3)
+    fixed = zero_overhead_fraction(1000, 300, 64, "fixed", trials=1)
+    assert short is not None and long is not None and fixed is not None
+    assert short < long < 1.0
+    assert 0.9 < fixed < 1.0
+    assert zero_overhead_fraction(1000, 0, 64) is None
+
+
+async def test_the_simulator_lists_each_calls_drawn_latency_in_call_order() -> None:
+    app = create_app(config=SimConfig(latency_ms=5, latency_dist="lognormal", latency_sigma=0.5))
+    async with TestClient(TestServer(app)) as client:
+        for i in range(3):
+            body = {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}]}
+            assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        drawn = await (await client.get("/simulator/delays")).json()
+        assert [kind for kind, _ in drawn] == ["answer"] * 3
+        assert all(ms > 0 for _, ms in drawn) and len({ms for _, ms in drawn}) == 3
+        assert await (await client.get("/simulator/delays", params={"since": 2})).json() == drawn[2:]
+        await client.post("/simulator/reset")
+        assert await (await client.get("/simulator/delays")).json() == []
