@@ -100,8 +100,18 @@ async def test_lost_content_is_said_once_and_the_events_still_go_in(caplog: pyte
     assert kv.reads == ["c_gone"] and store.contents == [] and len(store.events) == 2
     assert proj.stats.contents_missing == 1
     assert [r.getMessage() for r in caplog.records if "c_gone" in r.getMessage()] == [
-        "content c_gone (kind q) of run r1 is not in the content store any more: "
+        "1 content(s) (kinds q; first c_gone) of run r1 are not in the content store any more: "
         "ClickHouse will not have that run's question/template/rubric"]
+
+
+async def test_lost_contents_of_a_run_are_said_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    store, kv = FakeStore(), FakeContentStore({})
+    await _projector(store, kv).handle_batch([_msg(events.ANSWER_GENERATED, "r1", f"x{i}", {"q": f"c_gone{i}",
+                                                                                             "o": "c_opts"})
+                                              for i in range(3)])
+    lines = [r.getMessage() for r in caplog.records if "not in the content store" in r.getMessage()]
+    assert lines == ["4 content(s) (kinds o, q; first c_gone0) of run r1 are not in the content store any more: "
+                     "ClickHouse will not have that run's question/template/rubric"]
 
 
 async def test_unreadable_content_is_tried_again_later() -> None:
