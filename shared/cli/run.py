@@ -272,13 +272,13 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
             print(f"  {len(plan.unfinished)} unfinished question(s) skipped: {', '.join(plan.unfinished)}")
     if current is not None:
         current.update(run_id=plan.run_id, submitted=False)
-    asyncio.run(runner.submit(settings, plan))
+    _run_main(runner.submit(settings, plan))
     if current is not None:
         current["submitted"] = True
     if not args.quiet:
         print(f"submitted run {plan.run_id}; following its results (Ctrl-C stops following, not the run)",
               flush=True)
-    outcome = asyncio.run(_follow(settings, plan, args.timeout, quiet=args.quiet))
+    outcome = _run_main(_follow(settings, plan, args.timeout, quiet=args.quiet))
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
                                "dead_lettered": len(outcome.dead_letters)}
@@ -343,6 +343,17 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
                                                    on_result=on_result, on_tick=on_tick))
     finally:
         printer.finish()
+
+
+def _run_main(coro: Any) -> Any:
+    """`asyncio.run(coro)`, where a Ctrl-C is always KeyboardInterrupt. A SIGINT that lands as
+    `asyncio.run` starts (its own handler installed, ours in `_interruptible` not yet) cancels the
+    main task, and the runner can let that out as CancelledError (seen once in CI: a traceback
+    instead of "interrupted: run … keeps running"); nothing else cancels the main task."""
+    try:
+        return asyncio.run(coro)
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
 
 
 async def _interruptible(coro: Any) -> Any:

@@ -427,3 +427,26 @@ def test_the_simulator_answers_only_when_asked(tmp_path, monkeypatch: pytest.Mon
     config = _load_config(sim, "http://sim-now:1/v1")
     assert all(m.interface == "simulator" and m.api_base == "http://sim-now:1/v1"
                for m in config.answering_models + config.parsing_models)
+
+
+def test_a_cancelled_main_task_is_an_interrupt_not_a_traceback() -> None:
+    """What a Ctrl-C landing as `asyncio.run` starts does (CI saw it once): the runner's handler
+    cancels the main task before our own handler is installed; `veribus run` must still say
+    "interrupted" (KeyboardInterrupt, exit 130), never print a CancelledError traceback."""
+    import asyncio
+
+    from shared.cli.run import _run_main
+
+    async def cancelled_at_start() -> None:
+        asyncio.current_task().cancel()  # type: ignore[union-attr]
+        await asyncio.sleep(0)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled_at_start())  # the plain runner lets it out
+    with pytest.raises(KeyboardInterrupt):
+        _run_main(cancelled_at_start())
+
+    async def fine() -> int:
+        return 7
+
+    assert _run_main(fine()) == 7
