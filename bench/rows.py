@@ -21,10 +21,11 @@ from typing import Any
 import msgspec
 
 from bench.rebuild import generate
+from shared.control.rebuild_parallel import worker_blocks
 from shared.core import events
 from shared.core.config import Settings
 from shared.store import arrow
-from shared.store.engine import open_store, projection_columns
+from shared.store.engine import open_store
 from shared.store.projection import Projector
 
 TABLES = ("events", "verification_results", "runs", "contents")
@@ -69,11 +70,7 @@ def measure(n_events: int, repeat: int) -> dict[str, Any]:
                     t0 = time.process_time()
                     p = projector.project_batch(msgs)
                     t1 = time.process_time()
-                    blocks = []
-                    for table, names, columns in projection_columns(p):
-                        block = arrow.block_or_none(types.__getitem__, table, names, columns)
-                        parts = arrow.ipc_buffers(block) if block is not None else None
-                        blocks.append((table, names, None if parts is not None else columns, parts))
+                    blocks = worker_blocks(p, types)
                     pickle.dump({"messages": len(msgs), "blocks": blocks}, sink, protocol=pickle.HIGHEST_PROTOCOL)
                     t2 = time.process_time()
                     rows_us.append(1e6 * (t1 - t0) / len(msgs))

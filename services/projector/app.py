@@ -28,6 +28,7 @@ from shared.runtime.bus import connect_options, prepare_stream
 from shared.runtime.content import ContentStore
 from shared.runtime.harness import broker_auth_kwargs
 from shared.runtime.observability import METRICS
+from shared.store import arrow
 from shared.store.engine import preload_chdb
 from shared.store.projection import DEFAULT_MAX_REPLY, Projector
 
@@ -118,22 +119,13 @@ def create_app(
     return app, projector
 
 
-def preload_arrow() -> None:
-    """Build one Arrow array now: pyarrow imports pandas on its first `pa.array` (~0.3 s of CPU,
-    more on a busy machine), which would otherwise be paid inside the first batch's insert while
-    that batch's events wait (profiled, issue 12)."""
-    import pyarrow as pa  # local import: heavy, and only this process's inserts need it
-
-    pa.array([0])
-
-
 def main() -> None:
     """Entry point of `python -m services.projector` (settings from VERIBUS_* env vars)."""
     observability.configure_logging("projector")  # its handler scrubs secrets (shared.core.scrub)
     settings = Settings.from_env()
     if not settings.clickhouse_url:
         preload_chdb()
-    preload_arrow()
+    arrow.preload()  # not inside the first batch's insert
     batch, timeout = settings.projector_batch, settings.projector_batch_timeout
     # FastStream logs every batch / query ("Received", "Processed") at `log_level`: keep them at DEBUG
     app, _ = create_app(settings, batch_size=batch, batch_timeout=timeout, log_level=logging.DEBUG)

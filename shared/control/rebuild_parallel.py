@@ -168,7 +168,7 @@ class Workers:
     def __init__(self, n: int, fork: bool | None = None) -> None:
         self.forked = _can_fork() if fork is None else fork
         if self.forked:
-            _warm_up()  # once here, not once per worker
+            arrow.preload()  # once here, not once per worker
             self.procs: list[Any] = []
             for _ in range(n):
                 self.procs.append(_Forked([f for p in self.procs for f in (p.stdin, p.stdout)]))
@@ -252,6 +252,19 @@ async def _read_chunk(nc: Any, start: int, end: int, batch: int) -> list[Any]:
     return out
 
 
+def worker_blocks(p: Any, types: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
+    """What a worker sends per table of a projection: (table, column names, the columns only when
+    there is no Arrow block, the block's IPC messages). The block goes as the bytes the insert
+    reads (no unpickling and re-encoding in the inserting process); without one, the inserting
+    process falls back to a Native insert of the columns."""
+    blocks = []
+    for table, column_names, columns in projection_columns(p):
+        block = arrow.block_or_none(types.__getitem__, table, column_names, columns)
+        parts = arrow.ipc_buffers(block) if block is not None else None  # bytes once unpickled
+        blocks.append((table, column_names, None if parts is not None else columns, parts))
+    return blocks
+
+
 async def _work(conf: dict[str, Any], out: Any) -> None:
     settings = Settings.model_validate(conf["settings"])
     types = {table: arrow.arrow_types(t) for table, t in conf["types"].items()}
@@ -261,24 +274,10 @@ async def _work(conf: dict[str, Any], out: Any) -> None:
         for start, end in conf["chunks"]:
             msgs = await _read_chunk(nc, start, end, conf["batch"])
             p = projector.project_batch(msgs)
-            blocks = []
-            for table, column_names, columns in projection_columns(p):
-                # the block as the bytes the insert reads (no unpickling and re-encoding in the
-                # inserting process); none: it falls back to a Native insert of the columns
-                block = arrow.block_or_none(types.__getitem__, table, column_names, columns)
-                parts = arrow.ipc_buffers(block) if block is not None else None  # bytes once unpickled
-                blocks.append((table, column_names, None if parts is not None else columns, parts))
+            blocks = worker_blocks(p, types)
             pickle.dump({"messages": len(msgs), "blocks": blocks}, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()
             del msgs, p, blocks
-
-
-def _warm_up() -> None:
-    """Before the configuration comes (meanwhile the inserting process opens chdb), make pyarrow
-    load pandas: its first `pa.array` imports it (~0.3 s)."""
-    import pyarrow as pa  # local import: heavy, and only a worker fills Arrow columns
-
-    pa.array([b""], type=pa.binary())
 
 
 def _serve(conf_in: Any, out: Any) -> int:
@@ -307,7 +306,7 @@ def worker_main() -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    _warm_up()
+    arrow.preload()  # before the configuration comes (meanwhile the inserting process opens chdb)
     return _serve(sys.stdin.buffer, out)
 
 

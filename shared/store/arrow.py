@@ -96,6 +96,15 @@ def ipc_buffers(table: Any) -> tuple[pickle.PickleBuffer, list[pickle.PickleBuff
     return view(table.schema.serialize()), [view(b.serialize()) for b in table.to_batches()]
 
 
+def preload() -> None:
+    """Build one Arrow array now: pyarrow imports pandas on its first `pa.array` (~0.3 s of CPU,
+    more on a busy machine), which would otherwise be paid inside the first insert (the live
+    projector's first batch, a rebuild worker's first chunk; profiled, issue 12)."""
+    import pyarrow as pa  # local import: heavy, and only the processes that fill Arrow columns need it
+
+    pa.array([b""], type=pa.binary())
+
+
 def ipc_stream(schema: bytes, batches: Sequence[bytes]) -> bytes:
     """One IPC stream of a schema's message and record batch messages (`ipc_parts`)."""
     return b"".join((schema, *batches, STREAM_END))
