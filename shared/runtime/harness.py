@@ -474,9 +474,7 @@ class StageService:
         if gated:
             stop = await self._stop_reason(env)
             if stop is not None:
-                await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
-                await msg.ack()
-                OUTCOME.set("stopped")
+                await self._stopped(msg, key, env, payload, give_up, stop)
                 return
         CALL_GATE.set(functools.partial(self._stop_reason, env) if gated else None)  # asked again at each call
         before = await self._spent_before(env, payload, self.control, tokens_before, "usage")
@@ -492,9 +490,7 @@ class StageService:
         except RunStopped as stop:  # CALL_GATE: the run stopped while the job waited for its model slot
             if give_up is None:
                 raise
-            await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
-            await msg.ack()
-            OUTCOME.set("stopped")
+            await self._stopped(msg, key, env, payload, give_up, stop)
         except Exception as exc:
             log.warning("%s: handling %s failed (delivery %d): %r", self.name, env.event_id, delivered, exc)
             if delivered < max_deliver:
@@ -530,6 +526,13 @@ class StageService:
         except Exception as exc:  # noqa: BLE001 - accounting must never fail a handled event
             log.warning("%s: %s accounting for run %s failed: %r", self.name, what, env.run_id, exc)
             return None
+
+    async def _stopped(self, msg: Delivery, key: str, env: events.Envelope, payload: Any, give_up: GiveUp,
+                       stop: RunStopped) -> None:
+        """The job is not run: its give-up events carry the stop (a finalized result saying why)."""
+        await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
+        await msg.ack()
+        OUTCOME.set("stopped")
 
     async def _stop_reason(self, env: events.Envelope) -> RunStopped | None:
         """Why the run's next answer must not be generated (cancelled, token or money budget spent),

@@ -213,13 +213,12 @@ def _cache_get(cache: OrderedDict[str, Any], key: str, code: Any) -> Any:
     return None
 
 
-def _cache_put(cache: OrderedDict[str, Any], key: str, code: Any, value: Any) -> bool:
-    """Store `value`; True when an older value left the cache (replaced or evicted)."""
-    dropped = key in cache
-    cache[key] = (code, value)
+def _cache_put(cache: OrderedDict[str, Any], key: str, code: Any, value: Any, *extra: Any) -> list[tuple[Any, ...]]:
+    """Store `(code, value, *extra)`; returns the entries that left the cache (replaced, evicted)."""
+    dropped = [cache.pop(key)] if key in cache else []
+    cache[key] = (code, value, *extra)
     if len(cache) > _CACHE_MAX:
-        cache.popitem(last=False)
-        dropped = True
+        dropped.append(cache.popitem(last=False)[1])
     return dropped
 
 
@@ -284,14 +283,10 @@ def _put_class(key: str, code: str, cls: Any, module_name: str | None) -> None:
     """Cache a compiled class (or its error); a template module leaves sys.modules when the
     last cache entry holding one of its classes does. O(1) per put: with a template per
     question every put of a long run evicts, and a scan of sys.modules cost a quarter of a compile."""
-    old = _CLASSES.pop(key, None)
-    if old is not None:
-        _release_module(old[2])
-    _CLASSES[key] = (code, cls, module_name)
     if module_name is not None:
         _MODULE_USERS[module_name] = _MODULE_USERS.get(module_name, 0) + 1
-    if len(_CLASSES) > _CACHE_MAX:
-        _release_module(_CLASSES.popitem(last=False)[1][2])
+    for _code, _cls, old_module in _cache_put(_CLASSES, key, code, cls, module_name):
+        _release_module(old_module)
 
 
 def _release_module(module_name: str | None) -> None:
@@ -316,10 +311,10 @@ def warm_up() -> None:
     """(zygote, before it forks) Do once what every call process would otherwise do on its first
     template: pydantic's lazy imports and caches. Nothing of it is cached here or left in
     sys.modules: the class cache starts empty in every call process."""
-    module_name = "veribus_template_warm_up"
+    template_id = "warm-up"
     try:
-        worker_validate(_WARM_UP, "q", module_name)
-        worker_verify(_WARM_UP, {"value": 1}, "q", "1", module_name)
+        worker_validate(_WARM_UP, "q", template_id)
+        worker_verify(_WARM_UP, {"value": 1}, "q", "1", template_id)
     finally:
         _CLASSES.clear()
         _MODULE_USERS.clear()
