@@ -146,7 +146,7 @@ class Projector:
         todo = [k for k in new if k not in self._known]
         fetch = self.fetch_content
         bodies = await asyncio.gather(*(fetch(k) for k in todo), return_exceptions=True)
-        gone: dict[str, set[str]] = {}  # run -> kinds of its contents the store no longer has
+        gone: dict[str, list[tuple[str, str]]] = {}  # run -> (key, kind) of contents the store no longer has
         for key, body in zip(todo, bodies, strict=True):
             kind, run_id = new[key]
             if isinstance(body, BaseException):
@@ -155,14 +155,13 @@ class Projector:
             elif body is None:
                 self._missing.add(key)
                 self.stats.contents_missing += 1
-                gone.setdefault(run_id, set()).add(kind)
+                gone.setdefault(run_id, []).append((key, kind))
             else:
                 p.contents.append([key, kind, run_id, bytes(body)])
-        for run_id, kinds in sorted(gone.items()):  # one line per run, not per content (a run has thousands)
-            keys = sorted(k for k in todo if new[k][1] == run_id and k in self._missing)
+        for run_id, lost in sorted(gone.items()):  # one line per run, not per content (a run has thousands)
             log.warning("%d content(s) (kinds %s; first %s) of run %s are not in the content store any more: "
-                        "ClickHouse will not have that run's question/template/rubric", len(keys),
-                        ", ".join(sorted(kinds)), keys[0], run_id)
+                        "ClickHouse will not have that run's question/template/rubric", len(lost),
+                        ", ".join(sorted({kind for _, kind in lost})), min(lost)[0], run_id)
 
     def insert(self, p: Projection) -> None:
         assert self.store is not None, "Projector.open() first"
