@@ -28,6 +28,7 @@ import gc
 import logging
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -161,11 +162,60 @@ class _Forked:
         return self.returncode
 
 
+class _Inbox:
+    """A thread that reads one worker's pickled chunks off its pipe as they come, up to `AHEAD`
+    unread: the worker writes a chunk and goes on to the next while this process inserts (the
+    insert releases the GIL). Read only when the inserting process asks, a worker sat blocked on
+    its full pipe for the length of every insert, and a fifth of the two cores stayed idle."""
+
+    AHEAD = 2
+
+    def __init__(self, proc: Any, chunks: int) -> None:
+        self.proc = proc
+        self.box: queue.Queue[dict[str, Any] | BaseException] = queue.Queue(self.AHEAD)
+        self.thread = threading.Thread(target=self._read, args=(chunks,), name=f"rebuild-inbox-{proc.pid}", daemon=True)
+        self.thread.start()
+
+    def _read(self, chunks: int) -> None:
+        assert self.proc.stdout is not None
+        for _ in range(chunks):
+            try:
+                msg = pickle.load(self.proc.stdout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the inserting thread, which raises it
+                self.box.put(exc)
+                return
+            self.box.put(msg)
+            if "error" in msg:
+                return
+
+    def take(self) -> dict[str, Any]:
+        """The worker's next chunk; its failure raised."""
+        msg = self.box.get()
+        if isinstance(msg, EOFError):
+            raise RuntimeError(f"rebuild worker {self.proc.pid} ended early (exit code {self.proc.wait(30)}); "
+                               "its error is on stderr") from msg
+        if isinstance(msg, BaseException):
+            raise msg
+        if "error" in msg:
+            raise RuntimeError(f"rebuild worker {self.proc.pid}: {msg['error']}")
+        return msg
+
+    def end(self) -> None:
+        """After the worker has ended (its pipe at EOF): let the thread finish, dropping what it read."""
+        while self.thread.is_alive():
+            try:
+                self.box.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self.thread.join()
+
+
 class Workers:
     """Worker processes started early (forked after the imports, or spawned: their start-up
     overlaps opening chdb), given work later."""
 
     def __init__(self, n: int, fork: bool | None = None) -> None:
+        self.inboxes: list[_Inbox] = []  # run's readers of the workers' pipes
         self.forked = _can_fork() if fork is None else fork
         if self.forked:
             arrow.preload()  # once here, not once per worker
@@ -194,16 +244,9 @@ class Workers:
             proc.stdin.close()
         read = 0
         joined = _Joined(insert)
+        self.inboxes = [_Inbox(proc, len(chunks[k::n])) for k, proc in enumerate(self.procs)]
         for i in range(len(chunks)):
-            proc = self.procs[i % n]
-            assert proc.stdout is not None
-            try:
-                msg = pickle.load(proc.stdout)
-            except EOFError as exc:
-                raise RuntimeError(f"rebuild worker {proc.pid} ended early (exit code {proc.wait(30)}); "
-                                   "its error is on stderr") from exc
-            if "error" in msg:
-                raise RuntimeError(f"rebuild worker {proc.pid}: {msg['error']}")
+            msg = self.inboxes[i % n].take()
             read += msg["messages"]
             if i == len(chunks) - 1:
                 joined.flush()  # the last chunk alone: the insert after the workers end is a short one
@@ -219,6 +262,9 @@ class Workers:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(30)
+        for inbox in self.inboxes:
+            inbox.end()
+        for proc in self.procs:
             for f in (proc.stdin, proc.stdout):
                 if f is not None and not f.closed:
                     f.close()

@@ -92,3 +92,39 @@ def test_workers_rebuild_the_tables_the_single_process_fold_builds(
     finally:
         store.close()
     assert kept == [(round(copy.occurred_at * 1_000_000),)]  # the later copy, as the live projector keeps it
+
+
+def _failing_work(how: str):  # noqa: ANN202
+    """A worker's `_work` that sends one chunk and then fails `how`: raises, or dies (exit 3)."""
+    async def work(conf: dict, out) -> None:  # noqa: ANN001
+        import os
+        import pickle
+        pickle.dump({"messages": 1, "blocks": []}, out)
+        out.flush()
+        if how == "dies":
+            os._exit(3)
+        raise ValueError("chunk 2 is not readable")
+    return work
+
+
+@pytest.mark.parametrize(("how", "said"), [("raises", "ValueError: chunk 2 is not readable"),
+                                           ("dies", "ended early (exit code 3)")])
+def test_a_failing_worker_fails_the_rebuild_and_leaves_no_thread_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, said: str) -> None:
+    """A worker that fails after its first chunk fails the fold with its error named (the chunks
+    before it inserted, nothing after), and closing the pool ends its pipe readers."""
+    import threading
+
+    monkeypatch.setattr(rebuild_parallel, "_work", _failing_work(how))
+    threads = threading.active_count()
+    pool = rebuild_parallel.Workers(2, fork=True)
+    inserted: list[str] = []
+    try:
+        with pytest.raises(RuntimeError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            pool.run(Settings(home=tmp_path), {}, [(1, 10), (11, 20), (21, 30), (31, 40)],
+                     lambda table, *_: inserted.append(table), 10)
+    finally:
+        pool.close()
+    assert inserted == []  # no blocks came; what failed is said, not inserted
+    assert threading.active_count() == threads
+    assert all(p.poll() is not None for p in pool.procs)

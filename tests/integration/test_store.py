@@ -370,3 +370,26 @@ def test_arrow_inserts_store_the_same_rows_as_native_ones(store: Store, monkeypa
     store.insert_projection(p)
     assert _table_rows(store) == via_arrow
     assert len(via_arrow["events"]) == len(p.events) and len(via_arrow["verification_results"]) == 4
+
+
+def _part_types(store: Store, table: str) -> list[str]:
+    return [r[0] for r in store.query(
+        "SELECT part_type FROM system.parts WHERE database = {db:String} AND table = {t:String} AND active",
+        {"db": store.database, "t": table}).rows]
+
+
+def test_a_rebuild_sized_insert_writes_one_compact_part(store: Store) -> None:
+    """A rebuild inserts ~40 MB blocks: over ClickHouse's default 10 MB they were Wide parts (two
+    files per column stream), whose file creation cost the rebuild's inserting process a third of
+    its CPU. Under the tables' 256 MiB threshold they are Compact, also on a table made before it."""
+    store.client.command(f"ALTER TABLE {store.database}.events RESET SETTING min_bytes_for_wide_part")
+    store.migrate()  # an existing deployment's table gains the setting on the next start
+    answer = "x" * 20_000
+    envs = [events.make_envelope(events.ANSWER_GENERATED, "run1", f"r{i}", {"status": "performed", "answer": answer},
+                                 "generation/test") for i in range(700)]
+    store.insert_events(envs)  # ~14 MB of payloads in one insert
+    assert store.count("events") == 700
+    assert _part_types(store, "events") == ["Compact"]
+    engine = store.query("SELECT engine_full FROM system.tables WHERE database = {db:String} AND name = 'events'",
+                         {"db": store.database}).rows[0][0]
+    assert "min_bytes_for_wide_part = 268435456" in engine
