@@ -21,6 +21,7 @@ from shared.core.config import ModelConfig
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_OK, judge
 from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_RUN_ERROR
+from shared.runtime.costcontrol import check_cost_budget
 from shared.store.reads import run_query
 
 
@@ -29,6 +30,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
+        if args.max_cost_usd is not None:
+            check_cost_budget(args.max_cost_usd)  # refused with --dry-run too
         if args.dry_run:
             plan = asyncio.run(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
                                                      benchmark=bench))
@@ -36,6 +39,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             before = asyncio.run(wait.finalized_counts(settings, args.run))
             plan = asyncio.run(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
                                                 force=args.force, budget_tokens=args.max_tokens_budget,
+                                                budget_cost_usd=args.max_cost_usd,
                                                 benchmark=bench))
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
         err(str(exc))
@@ -207,6 +211,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--benchmark", help="the run's benchmark file, to plan answers that were never published")
     r.add_argument("--no-stopped", action="store_true", help="do not re-run cancelled / over-budget jobs")
     r.add_argument("--max-tokens-budget", type=int, help="a new token budget for the run")
+    r.add_argument("--max-cost-usd", type=float, metavar="USD",
+                   help="a new money budget for the run (what it has spent counts against it)")
     r.add_argument("--force", action="store_true", help="resume even while messages are still queued")
     r.add_argument("--dry-run", action="store_true", help="only print what would be published")
     r.add_argument("--wait", action="store_true", help="wait for the resumed jobs' results")

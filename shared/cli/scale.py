@@ -10,7 +10,7 @@ from typing import Any
 
 from shared.control.stack import stack_settings
 from shared.runtime import bus
-from shared.runtime.costcontrol import pop_cost_budget
+from shared.runtime.costcontrol import check_cost_budget, pop_cost_budget
 
 
 def add_run_options(run: argparse.ArgumentParser) -> None:
@@ -38,8 +38,8 @@ def apply_run_options(args: argparse.Namespace, data: dict[str, Any]) -> None:
             raise ValueError(f"--cache-ttl must be a positive number of seconds, got {ttl}")
         data["response_cache_ttl_s"] = ttl
     usd = getattr(args, "max_cost_usd", None)
-    if usd is not None and usd <= 0:
-        raise ValueError(f"--max-cost-usd must be a positive amount of US dollars, got {usd}")
+    if usd is not None:
+        check_cost_budget(usd)
 
 
 def register(sub: Any) -> None:

@@ -28,6 +28,7 @@ from shared.core.ids import answer_id_for, compute_result_id, event_id_for, temp
 from shared.core.models import VerificationResult
 from shared.runtime import bus
 from shared.runtime.content import ContentStore
+from shared.runtime.costcontrol import check_cost_budget
 from shared.runtime.runcontrol import STOP_ERROR_TYPES
 from shared.templates.calls import compile_check
 
@@ -142,10 +143,16 @@ def _replan(run: events.RunRequested, benchmark: Benchmark) -> list[events.Answe
 
 async def resume(
     settings: Settings, run_id: str, *, include_stopped: bool = True, force: bool = False,
-    budget_tokens: int | None = None, benchmark: Benchmark | None = None,
+    budget_tokens: int | None = None, budget_cost_usd: float | None = None, benchmark: Benchmark | None = None,
 ) -> ResumePlan:
     """Publish again the answer requests of the run's jobs that have no result (and, by default,
-    those that were cancelled or stopped by the budget). Finished jobs cost nothing."""
+    those that were cancelled or stopped by a budget). Finished jobs cost nothing. A new token or
+    money budget replaces the run's (a run stopped by its spent budget needs a larger one)."""
+    if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int)
+                                      or budget_tokens <= 0):
+        raise ValueError(f"--max-tokens-budget must be a positive number of tokens, got {budget_tokens!r}")
+    if budget_cost_usd is not None:
+        budget_cost_usd = check_cost_budget(budget_cost_usd)
     plan = await plan_resume(settings, run_id, include_stopped=include_stopped, benchmark=benchmark)
     if plan.queued and not force:
         total = sum(plan.queued.values())
@@ -156,9 +163,10 @@ async def resume(
     plan.attempt_key = RESUME_PREFIX + uuid.uuid4().hex[:8]
     async with bus.session(settings) as nc:
         js = nc.jetstream()
-        if plan.stopped or budget_tokens is not None:
+        if plan.stopped or budget_tokens is not None or budget_cost_usd is not None:
             await publish_control(js, run_id, events.RunControlChange(
-                cancelled=False, reason="resumed", budget_tokens=budget_tokens, at=time.time()))
+                cancelled=False, reason="resumed", budget_tokens=budget_tokens, budget_cost_usd=budget_cost_usd,
+                at=time.time()))
         envs = []
         for req in plan.requests:
             envs.append(events.make_envelope(events.ANSWER_REQUESTED, run_id, req.jobs[0].answer_id, req, PRODUCER,

@@ -211,20 +211,23 @@ class RunRequested(msgspec.Struct, omit_defaults=True):
 class RunControlChange(msgspec.Struct, omit_defaults=True):
     """Payload of `run.cancelled` (`vb.run.cancelled.<run>._`), the run-control event: the newest
     message on that subject is in force. `cancelled=True` cancels the run; `cancelled=False`
-    (published by `resume`) lifts an earlier cancel; `budget_tokens` replaces the token budget of
-    the run's config. The subject keeps its first name so stored events read back unchanged."""
+    (published by `resume`) lifts an earlier cancel; `budget_tokens` and `budget_cost_usd` replace
+    the token and money budgets of the run's config. The subject keeps its first name so stored
+    events read back unchanged."""
 
     cancelled: bool = True
     reason: str = ""
     budget_tokens: int | None = None
     at: float = 0.0
+    budget_cost_usd: float | None = None
 
     @property
     def action(self) -> Literal["cancel", "resume", "budget"]:
         """What the change does, for people and reports."""
         if self.cancelled:
             return "cancel"
-        return "budget" if self.budget_tokens is not None and self.reason != "resumed" else "resume"
+        raised = self.budget_tokens is not None or self.budget_cost_usd is not None
+        return "budget" if raised and self.reason != "resumed" else "resume"
 
 
 class StageFailed(msgspec.Struct, omit_defaults=True):

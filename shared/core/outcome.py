@@ -204,7 +204,7 @@ def judge(
             v.code, v.status = EXIT_JOB_ERRORS, "budget_stopped"
     if stopped.get("cost_budget"):
         v.reasons.append(f"the cost budget (--max-cost-usd) stopped the run ({stopped['cost_budget']} job(s) not run); "
-                         f"the run's budget is spent, so `veribus resume {run_ref}` would be stopped again")
+                         f"the run's budget is spent: `veribus resume {run_ref} --max-cost-usd USD` with a larger budget runs them")
         if v.code == EXIT_OK:
             v.code, v.status = EXIT_JOB_ERRORS, "budget_stopped"
     plain = errors - sum(stopped.values())

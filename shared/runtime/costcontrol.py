@@ -11,7 +11,7 @@ unknown cost nothing here: the summary names those models.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -19,7 +19,6 @@ from nats.js import JetStreamContext
 
 from shared.core import events
 from shared.core.outcome import COST_BUDGET_MESSAGE
-from shared.runtime import bus
 from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_growth
 
 log = logging.getLogger("veribus.cost")
@@ -66,62 +65,50 @@ def cost_spent(before: int, outs: Iterable[events.Envelope]) -> int:
     return usage_growth(before, outs, _probe, micro_usd)
 
 
+def check_cost_budget(usd: Any) -> float:
+    """A money budget as given (`--max-cost-usd`, `budget_cost_usd`): a positive amount of dollars."""
+    if isinstance(usd, bool) or not isinstance(usd, int | float) or not usd > 0 or usd == float("inf"):
+        raise ValueError(f"max_cost_usd / {BUDGET_KEY} must be a positive amount of US dollars, got {usd!r}")
+    return float(usd)
+
+
 def set_cost_budget(run_event: events.RunRequested, usd: float | None) -> None:
     """Record a money budget in the run's config (before submitting)."""
     if usd is None:
         return
-    if isinstance(usd, bool) or not isinstance(usd, int | float) or usd <= 0:
-        raise ValueError(f"max_cost_usd / {BUDGET_KEY} must be a positive amount of US dollars, got {usd!r}")
-    run_event.config = {**run_event.config, BUDGET_KEY: float(usd)}
+    run_event.config = {**run_event.config, BUDGET_KEY: check_cost_budget(usd)}
 
 
 def pop_cost_budget(config_data: dict[str, Any]) -> float | None:
     """Take `budget_cost_usd` out of a run-config mapping (it is not a VerificationConfig field)."""
     raw = config_data.pop(BUDGET_KEY, None)
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or raw <= 0:
-        raise ValueError(f"{BUDGET_KEY}: expected a positive amount of US dollars, got {raw!r}")
-    return float(raw)
+    return None if raw is None else check_cost_budget(raw)
 
 
 class CostControl(RunControl):
-    """The run's money budget, read and spent like `RunControl`'s token budget (its counter
-    and flushing are reused, on their own bucket, in micro-dollars)."""
+    """The run's money budget, read and spent like `RunControl`'s token budget (its counter,
+    flushing and control-change reads are reused, on their own bucket, in micro-dollars): the
+    run's `budget_cost_usd`, or the newest control change's (`resume --max-cost-usd`)."""
 
     bucket = COST_BUCKET
 
-    def __init__(self, js: Callable[[], JetStreamContext], **kw: Any) -> None:
-        super().__init__(js, **kw)
-        self._budgets: dict[str, int | None] = {}
+    def config_budget(self, config: dict[str, Any]) -> int | None:
+        return _micro_budget(config.get(BUDGET_KEY))
 
-    async def budget(self, run_id: str) -> int | None:  # type: ignore[override]
-        """The run's budget in micro-dollars, or None (read from its run.requested once)."""
-        if run_id in self._budgets:
-            return self._budgets[run_id]
-        budget: int | None = None
-        try:
-            env = await bus.last_event(self._js(), events.subject(events.RUN_REQUESTED, run_id))
-        except Exception as exc:  # noqa: BLE001 - fail open, read again on the next message
-            log.warning("cost budget: cannot read run %s: %s", run_id, exc)
-            return None
-        if env is not None:
-            b = events.payload_as(env, events.RunRequested).config.get(BUDGET_KEY)
-            budget = round(float(b) * MICRO) if isinstance(b, int | float) and b > 0 else None
-        if len(self._budgets) > self.max_runs:
-            self._budgets.clear()
-        self._budgets[run_id] = budget
-        return budget
+    def control_budget(self, control: events.RunControlChange) -> int | None:
+        return _micro_budget(control.budget_cost_usd)
 
-    async def stop_reason(self, run_id: str, published_at: float = 0.0) -> BudgetExhausted | None:  # type: ignore[override]
-        budget = await self.budget(run_id)
-        if budget is None:
-            return None
-        used = await self.usage(run_id)
-        if used >= budget:
-            return BudgetExhausted(f"{COST_BUDGET_MESSAGE}: run {run_id} has spent ${used / MICRO:.6f} of its "
-                                   f"${budget / MICRO:.6f} budget; this answer was not generated")
-        return None
+    def exhausted(self, run_id: str, used: int, budget: int) -> BudgetExhausted:
+        return BudgetExhausted(f"{COST_BUDGET_MESSAGE}: run {run_id} has spent ${used / MICRO:.6f} of its "
+                               f"${budget / MICRO:.6f} budget; this answer was not generated")
+
+    async def stop_reason(self, run_id: str, published_at: float = 0.0) -> BudgetExhausted | None:
+        """The money budget's stop only (a cancel is `RunControl.stop_reason`'s to say)."""
+        return await self.budget_stop(run_id, await self._info(run_id), published_at)
+
+
+def _micro_budget(usd: Any) -> int | None:
+    return round(float(usd) * MICRO) if isinstance(usd, int | float) and not isinstance(usd, bool) and usd > 0 else None
 
 
 async def run_cost_spent(js: JetStreamContext, run_id: str) -> float:

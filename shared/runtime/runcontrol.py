@@ -138,12 +138,6 @@ class _RunInfo:
     usage_read_at: float = -1e9
 
     @property
-    def budget(self) -> int | None:
-        if self.control is not None and self.control.budget_tokens is not None:
-            return self.control.budget_tokens
-        return self.config_budget
-
-    @property
     def cancelled(self) -> bool:
         return bool(self.control is not None and self.control.cancelled)
 
@@ -190,9 +184,7 @@ class RunControl:
                 if not info.loaded:
                     run_env = await bus.last_event(js, events.subject(events.RUN_REQUESTED, run_id))
                     if run_env is not None:
-                        cfg = events.payload_as(run_env, events.RunRequested).config
-                        b = cfg.get("budget_tokens")
-                        info.config_budget = int(b) if isinstance(b, int | float) and b > 0 else None
+                        info.config_budget = self.config_budget(events.payload_as(run_env, events.RunRequested).config)
                     info.loaded = True
                 ctl = await bus.last_event(js, events.subject(events.RUN_CANCELLED, run_id))
                 info.control = _control_dec.decode(ctl.payload) if ctl is not None else None
@@ -207,9 +199,45 @@ class RunControl:
                 self._locks.pop(old, None)
             return info
 
+    # ---- the budget: tokens here, micro-dollars in `CostControl` ----
+    def config_budget(self, config: dict[str, Any]) -> int | None:
+        """The budget a run's `run.requested` config sets (None: none)."""
+        b = config.get("budget_tokens")
+        return int(b) if isinstance(b, int | float) and not isinstance(b, bool) and b > 0 else None
+
+    def control_budget(self, control: events.RunControlChange) -> int | None:
+        """The budget a control change (`resume --max-tokens-budget`) puts in force (None: unchanged)."""
+        return control.budget_tokens
+
+    def _budget(self, info: _RunInfo) -> int | None:
+        """The newest control change's budget, else the run's config's."""
+        if info.control is not None:
+            changed = self.control_budget(info.control)
+            if changed is not None:
+                return changed
+        return info.config_budget
+
+    def exhausted(self, run_id: str, used: int, budget: int) -> BudgetExhausted:
+        return BudgetExhausted(f"budget exhausted: run {run_id} has used {used} of its {budget}-token "
+                               "budget; this answer was not generated")
+
     async def budget(self, run_id: str) -> int | None:
-        """The run's token budget, or None (no budget)."""
-        return (await self._info(run_id)).budget
+        """The run's budget, or None (no budget)."""
+        return self._budget(await self._info(run_id))
+
+    async def budget_stop(self, run_id: str, info: _RunInfo, published_at: float) -> BudgetExhausted | None:
+        """The budget's stop, or None. A spent budget read before the request was published is
+        read again: a `resume` raises it, then publishes its requests, which must see the raise."""
+        budget = self._budget(info)
+        if budget is None:
+            return None
+        used = await self.usage(run_id)
+        if used >= budget and info.checked_wall < published_at:
+            info = await self._info(run_id, newer_than=published_at)
+            budget = self._budget(info)
+        if budget is not None and used >= budget:
+            return self.exhausted(run_id, used, budget)
+        return None
 
     async def usage(self, run_id: str) -> int:
         """Tokens the run has spent as far as this process knows (counter + unflushed)."""
@@ -234,16 +262,7 @@ class RunControl:
         if info.cancelled:
             why = f" ({info.control.reason})" if info.control and info.control.reason else ""
             return RunCancelled(f"cancelled: run {run_id} was cancelled before this answer was generated{why}")
-        budget = info.budget
-        if budget is not None:
-            used = await self.usage(run_id)
-            if used >= budget and info.checked_wall < published_at:
-                info = await self._info(run_id, newer_than=published_at)  # a raised budget?
-                budget = info.budget
-            if budget is not None and used >= budget:
-                return BudgetExhausted(f"budget exhausted: run {run_id} has used {used} of its {budget}-token "
-                                       "budget; this answer was not generated")
-        return None
+        return await self.budget_stop(run_id, info, published_at)
 
     # ---- spending ----
     def record_usage(self, run_id: str, tokens: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.control import runner
+from shared.control import lifecycle, runner, wait
 from shared.core.benchmark.model import Benchmark
 from shared.runtime import bus
 from shared.runtime.costcontrol import run_cost_spent, set_cost_budget
@@ -28,6 +28,7 @@ from tests.support.stack import (
     stop_stack,
     sync,
     wait_results,
+    wait_services_idle,
 )
 
 pytestmark = pytest.mark.e2e
@@ -124,3 +125,18 @@ def test_cost_budget_stops_dispatch(cstack: Stack, tmp_path: Path) -> None:
             await nc.close()
 
     assert sync(counter()) == pytest.approx(spent, abs=1e-5)
+
+    # resume with a larger money budget (`veribus resume --max-cost-usd`): only the stopped jobs
+    # run again, and the run ends with every job's real result
+    wait_services_idle(cstack)
+    with pytest.raises(ValueError, match="positive amount"):
+        sync(lifecycle.resume(cstack.settings, plan.run_id, budget_cost_usd=float("nan")))  # refused before publishing
+    again = sync(lifecycle.resume(cstack.settings, plan.run_id, budget_cost_usd=budget + 2 * n * per_job))
+    assert again.stopped == len(stopped) and again.jobs == len(stopped)
+    before = {r.metadata.result_id: 1 for r in stopped}
+    done_now, timed_out = sync(wait.wait_for_results(cstack.settings, plan.run_id, result_ids=list(before),
+                                                     baseline=before, timeout=120))
+    assert not timed_out, f"{done_now}/{len(before)} resumed"
+    res = list(results_of(cstack, plan.run_id).values())
+    assert len(res) == n and all(r.metadata.completed_without_errors for r in res), \
+        [r.metadata.error for r in res if not r.metadata.completed_without_errors][:3]

@@ -40,6 +40,7 @@ from tests.support.stack import (
     wait_projected,
     wait_projector_idle,
     wait_results,
+    wait_services_idle,
 )
 
 N = 40
@@ -121,13 +122,8 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
         finally:
             await nc.close()
 
-    def generation_idle() -> None:
-        deadline = time.monotonic() + 30
-        while sync(_queued(dstack.settings)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
     sync(republish(None, new_ids=True))  # inside the window, another message id: handled again
-    generation_idle()
+    wait_services_idle(dstack)
     wait_projector_idle(dstack)
     after = table_snapshot(dstack, plan.run_id)
     # the only new rows are the ten republished requests themselves
@@ -146,7 +142,7 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
                 break
             time.sleep(0.25)
         assert sum(counts.values()) == N + len(again), counts  # ten results finalized a second time ...
-        generation_idle()
+        wait_services_idle(dstack)
         wait_projector_idle(dstack)
         after = table_snapshot(dstack, plan.run_id)
         # ... and still one row per event id and per result id, with the same verdicts
@@ -156,23 +152,6 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
         assert dstack.sim_stats()["by_model"].get("sim-answerer", 0) == answers_before
     finally:
         sync(_restore_window(dstack.settings))
-
-
-async def _queued(settings: Settings) -> dict[str, int]:
-    nc = await bus.connect(settings)
-    try:
-        return await streams.queued_for_services(nc.jetstream())
-    finally:
-        await nc.close()
-
-
-def wait_services_idle(st: Stack, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not sync(_queued(st.settings)):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"services still have queued messages: {sync(_queued(st.settings))}")
 
 
 async def _restore_window(settings: Settings) -> None:

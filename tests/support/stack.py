@@ -152,6 +152,24 @@ def wait_results(st: Stack, run_id: str, n: int, timeout: float = 120.0) -> dict
     return counts
 
 
+async def _queued(settings: Settings) -> dict[str, int]:
+    nc = await bus.connect(settings)
+    try:
+        return await streams.queued_for_services(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+def wait_services_idle(st: Stack, timeout: float = 30.0) -> None:
+    """Until no service has a message queued (a `resume` refuses to publish before that)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sync(_queued(st.settings)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"services still have queued messages: {sync(_queued(st.settings))}")
+
+
 def results_of(st: Stack, run_id: str) -> dict[str, VerificationResult]:
     return sync(lifecycle.run_results(st.settings, run_id))
 

@@ -17,9 +17,10 @@ from shared.control import lifecycle
 from shared.control.runner import RunInputError
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
+from shared.core.config import Settings
 from shared.core.ids import compute_result_id
 from shared.core.stage import stage_error
-from shared.runtime import runcontrol
+from shared.runtime import costcontrol, runcontrol
 from shared.runtime.harness import StageService
 from tests.conftest import EXAMPLE
 
@@ -264,6 +265,34 @@ async def test_a_control_event_can_raise_the_budget() -> None:
     js.put_event(_control(cancelled=False, budget_tokens=1000))
     assert await ctl.stop_reason("run1") is None
     await ctl.close()
+
+
+async def test_a_resume_raises_a_spent_money_budget() -> None:
+    """`resume --max-cost-usd`: the control change's budget replaces the run's spent one; the
+    money gate says nothing of a cancel (the token gate says that, once)."""
+    js = FakeJS()
+    js.put_event(events.make_envelope(events.RUN_REQUESTED, "run1", events.RUN_KEY, events.RunRequested(
+        run_id="run1", timestamp="t", job_count=1, answer_count=1, config={"budget_cost_usd": 0.01}), "test"))
+    ctl = costcontrol.CostControl(lambda: js, ttl_s=0.0, usage_ttl_s=0.0)
+    assert await ctl.budget("run1") == 10_000  # micro-dollars
+    ctl.record_usage("run1", 12_000)
+    stop = await ctl.stop_reason("run1")
+    assert isinstance(stop, runcontrol.BudgetExhausted) and "$0.012000 of its $0.010000 budget" in str(stop)
+    js.put_event(_control(cancelled=False, reason="resumed", budget_cost_usd=0.05))
+    assert await ctl.budget("run1") == 50_000 and await ctl.stop_reason("run1") is None
+    js.put_event(_control(cancelled=False, reason="resumed", budget_tokens=5))  # a token change keeps the money budget
+    assert await ctl.budget("run1") == 10_000
+    js.put_event(_control(cancelled=True, reason="stop"))
+    assert isinstance(await ctl.stop_reason("run1"), runcontrol.BudgetExhausted)  # its own reason, not the cancel
+    await ctl.close()
+
+
+async def test_resume_refuses_a_bad_budget_before_it_reaches_the_bus() -> None:
+    settings = Settings(nats_url="nats://127.0.0.1:1")  # nothing listens: a connect would fail differently
+    for kw, said in [({"budget_cost_usd": 0.0}, "positive amount"), ({"budget_cost_usd": float("inf")}, "positive"),
+                     ({"budget_tokens": 0}, "positive number of tokens")]:
+        with pytest.raises(ValueError, match=said):
+            await lifecycle.resume(settings, "run1", **kw)
 
 
 # ------------------------------------------------------------------------------ the harness
