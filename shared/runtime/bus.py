@@ -494,3 +494,17 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
         except OSError:
             time.sleep(0.02)
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f}s")
+
+
+def main() -> int:
+    """`python -m shared.runtime.bus`: create or update the events stream (the VERIBUS_* settings;
+    as the operator's role, `cli`): docker-compose's one-shot `stream-init`, before the services,
+    whose roles may not create it."""
+    settings = Settings.from_env()
+    ensure_stream_blocking(settings, timeout=60.0)
+    print(f"stream {events.STREAM} ready on {settings.nats_url}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -161,13 +161,18 @@ def credentials_path(home: Path) -> Path:
     return auth_dir(home) / "credentials.json"
 
 
-def generate(home: Path) -> Path:
-    """New random credentials for every role and the server config that enforces them; returns
-    the config path (for `nats-server -c`). Existing credentials are replaced: a new stack."""
+def generate(home: Path, keep: bool = False) -> Path:
+    """Random credentials for every role and the server config that enforces them; returns the
+    config path (for `nats-server -c`). Existing credentials are replaced (a new stack), or with
+    `keep` kept, only a role they lack is added: docker-compose runs this on every `up`, and its
+    running nats nodes and services must go on matching."""
     d = auth_dir(home)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(d, 0o700)
-    creds = {role: {"user": f"vb-{role}", "password": secrets.token_urlsafe(24)} for role in roles()}
+    old: dict[str, dict[str, str]] = {}
+    if keep and credentials_path(home).exists():
+        old = json.loads(credentials_path(home).read_text())
+    creds = {role: old.get(role) or {"user": f"vb-{role}", "password": secrets.token_urlsafe(24)} for role in roles()}
     _write_private(credentials_path(home), json.dumps(creds, indent=2))
     conf = d / "nats-auth.conf"
     _write_private(conf, auth_block(creds))
@@ -220,14 +225,16 @@ def role_env(process_name: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m shared.runtime.bus_auth DIR`: generate role credentials and the server config in DIR/auth
-    (for docker-compose or a cluster: mount the config into nats-server, the credentials file
-    into each service with VERIBUS_NATS_ROLE set)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m shared.runtime.bus_auth HOME_DIR", file=sys.stderr)
+    """`python -m shared.runtime.bus_auth [--keep] DIR`: generate role credentials and the server
+    config in DIR/auth (for docker-compose or a cluster: mount the config into nats-server, the
+    credentials file into each service with VERIBUS_NATS_ROLE set); `--keep`: keep what DIR has."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    keep = "--keep" in args
+    args = [a for a in args if a != "--keep"]
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m shared.runtime.bus_auth [--keep] HOME_DIR", file=sys.stderr)
         return 2
-    conf = generate(Path(args[0]))
+    conf = generate(Path(args[0]), keep=keep)
     print(conf)
     return 0
 
