@@ -93,6 +93,23 @@ def _run_one_shot(doc: dict, name: str, auth_home: Path, env: dict[str, str] | N
     return out.stdout
 
 
+def test_services_that_run_template_code_may_make_the_sandbox_jail() -> None:
+    """A service whose code imports the template sandbox (`shared.templates`) gets the rights
+    bubblewrap needs in a container; without them its sandbox fails closed and every template
+    call errors. The others keep Docker's defaults."""
+    doc = _compose()
+    sandboxed = {d.name for d in (REPO / "services").iterdir() if d.is_dir()
+                 and any("from shared.templates" in f.read_text() for f in d.glob("*.py"))}
+    assert sandboxed >= {"parsing", "verification", "rubric"}, sandboxed
+    for name in SERVICES:
+        svc = doc["services"][name]
+        if name in sandboxed:
+            assert svc.get("cap_add") == ["SYS_ADMIN"], name
+            assert {"seccomp=unconfined", "apparmor=unconfined"} <= set(svc.get("security_opt", [])), name
+        else:
+            assert "cap_add" not in svc and "security_opt" not in svc, name
+
+
 @pytest.fixture
 def compose_nodes(tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[int], list[int], Path]]:
     """Run the compose file's one-shot `bus-auth` and three nats command lines locally, each

@@ -302,6 +302,7 @@ def test_fails_closed_on_a_bad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reply["kind"] == "unavailable" and "VERIBUS_SANDBOX='off' is not one of auto, jail, unsafe" in reply["error"]
 
 
+@pytest.mark.needs_root
 def test_root_sandbox_uid_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     if os.geteuid() != 0:
         pytest.fail("this suite runs as root here; the uid drop is the root path")
