@@ -154,13 +154,38 @@ class State(msgspec.Struct, omit_defaults=True):
             self.log = []
 
 
+_ROUND6_EXACT = 4503599627370496.0  # 2**52: below it, x * 1e6 is within half an ulp <= 0.25 of x * 10**6
+
+
+def round6(x: float) -> float:
+    """`round(x, 6)`, the very same float, in about a third of its time: `round(x, 6)` goes
+    through a decimal string (~0.5 us), and a rebuild rounds every record of every stage log
+    twice. x * 1e6 rounded to an integer k is the correctly rounded number of microseconds,
+    unless the product sits exactly on a half, where its rounding error (exact, Dekker's
+    product: 1e6 has 14 significant bits) says which way the true x * 10**6 lies; k / 1e6 is
+    then the float nearest k / 10**6, as `round` makes it. Zero (whose sign `round` keeps), huge,
+    infinite and NaN values take `round` itself."""
+    p = x * 1e6
+    if not -_ROUND6_EXACT < p < _ROUND6_EXACT:
+        return round(x, 6)
+    k = round(p)
+    d = p - k
+    if d == 0.5 or d == -0.5:
+        c = 134217729.0 * x  # Dekker's split of x into 26-bit halves
+        hi = c - (c - x)
+        err = (hi * 1e6 - p) + (x - hi) * 1e6  # x * 10**6 - p, exactly
+        if err:
+            k = int(p + 0.5) if err > 0.0 else int(p - 0.5)
+    return k / 1e6 if k else round(x, 6)
+
+
 def records_from_log(log: list[Any], started_at: float) -> list[StageRecord]:
     """Stage records from the wire's compact log (`State.log`)."""
     out = []
     for stage, status, reason, start, took in log:
-        begin = round(started_at + start, 6)
+        begin = round6(started_at + start)
         out.append(StageRecord(stage=stage, status=status, reason=reason, started_at=begin,
-                               ended_at=round(begin + took, 6)))
+                               ended_at=round6(begin + took)))
     return out
 
 

@@ -34,6 +34,7 @@ from shared.core.events import (
     StageFailed,
     StageRecord,
     records_from_log,
+    round6,
 )
 from shared.core.models import VerificationResult
 from shared.core.scrub import scrub_bytes, scrub_text
@@ -176,11 +177,11 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:
     if log and not state.stages:  # the lean wire: the columns straight from the compact log
         base = state.started_at
         names, statuses, _reasons, offsets, took = zip(*log, strict=True)
-        starts = [round(base + o, 6) for o in offsets]
+        starts = [round6(base + o) for o in offsets]
         row[_SNAMES] = list(names)
         row[_SSTATUS] = list(statuses)
         row[_SSTART] = starts
-        row[_SEND] = [round(b + t, 6) for b, t in zip(starts, took, strict=True)]
+        row[_SEND] = [round6(b + t) for b, t in zip(starts, took, strict=True)]
     else:
         stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
         if stages:
