@@ -177,16 +177,17 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:
     if log and not state.stages:  # the lean wire: the columns straight from the compact log
         base = state.started_at
         # one loop, not zip(*log) and two comprehensions: ~1.2 us less a stage event
-        row[_SNAMES] = names = []
-        row[_SSTATUS] = statuses = []
-        row[_SSTART] = starts = []
-        row[_SEND] = ends = []
+        names: list[str] = []
+        statuses: list[str] = []
+        starts: list[float] = []
+        ends: list[float] = []
         for name, status, _reason, offset, took in log:
             names.append(name)
             statuses.append(status)
             begin = round6(base + offset)
             starts.append(begin)
             ends.append(round6(begin + took))
+        row[_SNAMES], row[_SSTATUS], row[_SSTART], row[_SEND] = names, statuses, starts, ends
     else:
         stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
         if stages:
