@@ -154,13 +154,38 @@ class State(msgspec.Struct, omit_defaults=True):
             self.log = []
 
 
+_ROUND6_EXACT = 4503599627370496.0  # 2**52: below it, x * 1e6 is within half an ulp <= 0.25 of x * 10**6
+
+
+def round6(x: float) -> float:
+    """`round(x, 6)`, the very same float, in about a third of its time: `round(x, 6)` goes
+    through a decimal string (~0.5 us), and a rebuild rounds every record of every stage log
+    twice. x * 1e6 rounded to an integer k is the correctly rounded number of microseconds,
+    unless the product sits exactly on a half, where its rounding error (exact, Dekker's
+    product: 1e6 has 14 significant bits) says which way the true x * 10**6 lies; k / 1e6 is
+    then the float nearest k / 10**6, as `round` makes it. Zero (whose sign `round` keeps), huge,
+    infinite and NaN values take `round` itself."""
+    p = x * 1e6
+    if not -_ROUND6_EXACT < p < _ROUND6_EXACT:
+        return round(x, 6)
+    k = round(p)
+    d = p - k
+    if d == 0.5 or d == -0.5:
+        c = 134217729.0 * x  # Dekker's split of x into 26-bit halves
+        hi = c - (c - x)
+        err = (hi * 1e6 - p) + (x - hi) * 1e6  # x * 10**6 - p, exactly
+        if err:
+            k = int(p + 0.5) if err > 0.0 else int(p - 0.5)
+    return k / 1e6 if k else round(x, 6)
+
+
 def records_from_log(log: list[Any], started_at: float) -> list[StageRecord]:
     """Stage records from the wire's compact log (`State.log`)."""
     out = []
     for stage, status, reason, start, took in log:
-        begin = round(started_at + start, 6)
+        begin = round6(started_at + start)
         out.append(StageRecord(stage=stage, status=status, reason=reason, started_at=begin,
-                               ended_at=round(begin + took, 6)))
+                               ended_at=round6(begin + took)))
     return out
 
 
@@ -354,6 +379,13 @@ def _from_subject(env: Envelope, subject: str | None) -> None:
 _WIRE_SUBJECT = re.compile(r"vb\.([a-z]{1,32}\.[a-z_]{1,32})\.([A-Za-z0-9_\-]{1,64})\.([A-Za-z0-9_\-]{1,64})")
 
 
+# one string object for each event type, run id and producer of the events decoded lately: a
+# rebuild's rows hold the same few values tens of thousands of times, and Arrow reads one string
+# for them where it read a string scattered over the heap for each (~0.15 us an event a column)
+_SHARED: dict[str, str] = {}
+_SHARED_MAX = 4096
+
+
 def _from_wire_subject(env: Envelope, subject: str) -> bool:
     """The common case of `decode` in one regex: a `wire` envelope (no ids of its own) within
     the limits on a well-formed subject passes every check, as its ids are the subject's tokens
@@ -366,7 +398,13 @@ def _from_wire_subject(env: Envelope, subject: str) -> bool:
     m = _WIRE_SUBJECT.fullmatch(subject)
     if m is None:
         return False
-    env.event_type, env.run_id, env.result_id = et, run_id, result_id = m.groups()
+    et, run_id, result_id = m.groups()
+    if len(_SHARED) > _SHARED_MAX:
+        _SHARED.clear()
+    env.event_type = et = _SHARED.setdefault(et, et)
+    env.run_id = run_id = _SHARED.setdefault(run_id, run_id)
+    env.result_id = result_id
+    env.producer = _SHARED.setdefault(env.producer, env.producer)
     env.event_id = f"{result_id if result_id != RUN_KEY else run_id}:{et}"  # _derived_id, without an attempt key
     return True
 

@@ -35,7 +35,7 @@ ContentFetcher = Callable[[str], Awaitable[bytes | None]]
 MAX_KNOWN_CONTENTS = 200_000  # keys remembered as stored; past it, ClickHouse is asked again
 
 # (run_id, kind, key) of every content a job event refers to (`Job.refs`): answer.generated
-# carries one job, answer.requested a list of them (what `rows.content_refs` reads from an event)
+# carries one job, answer.requested a list of them (what `content_refs.content_refs` reads from an event)
 CONTENT_REFS_SQL = (
     "SELECT run_id, tupleElement(kv, 1) AS kind, tupleElement(kv, 2) AS key FROM events"
     " ARRAY JOIN JSONExtractKeysAndValues(payload, 'job', 'refs', 'String') AS kv"

@@ -16,7 +16,6 @@ import msgspec
 
 from shared.core.events import (
     ANSWER_GENERATED,
-    ANSWER_REQUESTED,
     DEAD_LETTER,
     GUARDS_CHECKED,
     RESULT_FINALIZED,
@@ -34,9 +33,11 @@ from shared.core.events import (
     StageFailed,
     StageRecord,
     records_from_log,
+    round6,
 )
 from shared.core.models import VerificationResult
 from shared.core.scrub import scrub_bytes, scrub_text
+from shared.store.content_refs import content_refs, job_refs_decoder
 
 UNDECODABLE = "undecodable"
 PROJECTION_FAILED = "projection_failed"
@@ -175,12 +176,18 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:
     log = state.log
     if log and not state.stages:  # the lean wire: the columns straight from the compact log
         base = state.started_at
-        names, statuses, _reasons, offsets, took = zip(*log, strict=True)
-        starts = [round(base + o, 6) for o in offsets]
-        row[_SNAMES] = list(names)
-        row[_SSTATUS] = list(statuses)
-        row[_SSTART] = starts
-        row[_SEND] = [round(b + t, 6) for b, t in zip(starts, took, strict=True)]
+        # one loop, not zip(*log) and two comprehensions: ~1.2 us less a stage event
+        names: list[str] = []
+        statuses: list[str] = []
+        starts: list[float] = []
+        ends: list[float] = []
+        for name, status, _reason, offset, took in log:
+            names.append(name)
+            statuses.append(status)
+            begin = round6(base + offset)
+            starts.append(begin)
+            ends.append(round6(begin + took))
+        row[_SNAMES], row[_SSTATUS], row[_SSTART], row[_SEND] = names, statuses, starts, ends
     else:
         stages = [*state.stages, *records_from_log(state.log, state.started_at)] if state.log else state.stages
         if stages:
@@ -358,6 +365,15 @@ def result_to_row(
     The one place the result -> `verification_results` mapping lives. `version` orders
     re-projections (ReplacingMergeTree keeps the highest); default: now, in microseconds.
     """
+    return dict(zip(RESULT_COLUMNS, result_values(result, run_id, version), strict=True))
+
+
+def result_values(
+    result: VerificationResult | Mapping[str, Any], run_id: str, version: int | None = None
+) -> list[Any]:
+    """`result_to_row`'s values, in RESULT_COLUMNS order: what a projection keeps, as the
+    columns are made from lists without a dict per result to build and read back by name
+    (~5 us a result of a rebuild's worker)."""
     data: Mapping[str, Any] = (
         result.model_dump(mode="json") if isinstance(result, VerificationResult) else result
     )
@@ -405,79 +421,79 @@ def result_to_row(
         t_all = t_in + t_out
     replicate = mget("replicate")
 
-    return {
-        "run_id": run_id,
-        "result_id": mget("result_id", ""),
-        "version": version if version is not None else _us(time.time()),
-        "run_name": _opt_str(mget("run_name")),
-        "question_id": mget("question_id", ""),
-        "question_text": mget("question_text") or "",
-        "template_id": mget("template_id") or "no_template",
-        "keywords": [str(k) for k in mget("keywords") or []],
-        "answering_model": _display(ans),
-        "answering_interface": ans.get("interface", ""),
-        "answering_model_name": ans.get("model_name", ""),
-        "answering_tools": [str(x) for x in ans.get("tools") or []],
-        "parsing_model": _display(par),
-        "parsing_interface": par.get("interface", ""),
-        "parsing_model_name": par.get("model_name", ""),
-        "replicate": replicate if isinstance(replicate, int) and replicate >= 0 else None,
-        "evaluation_mode": _opt_str(mget("evaluation_mode")),
-        "timestamp": mget("timestamp") or "",
-        "run_timestamp": _iso_to_us(mget("timestamp")),
-        "execution_time": float(mget("execution_time") or 0.0),
-        "completed_without_errors": bool(mget("completed_without_errors", True)),
-        "error": _opt_str(mget("error")),
-        "failure_category": _opt_str(failure.get("category")),
-        "failure_stage": _opt_str(failure.get("stage")),
-        "has_template": tpl is not None,
-        "template_verification_performed": bool(tget("template_verification_performed", False)),
-        "verify_result": _opt_bool(tget("verify_result")),
-        "verify_granular_result": _opt_float(tget("verify_granular_result")),
-        "template_validation_error": _opt_str(tget("template_validation_error")),
-        "field_verification_error": _opt_str(tget("field_verification_error")),
-        "raw_llm_response": tget("raw_llm_response") or "",
-        "embedding_check_performed": bool(tget("embedding_check_performed", False)),
-        "embedding_similarity_score": _opt_float(tget("embedding_similarity_score")),
-        "embedding_override_applied": bool(tget("embedding_override_applied", False)),
-        "embedding_model_used": _opt_str(tget("embedding_model_used")),
-        "regex_validations_performed": bool(tget("regex_validations_performed", False)),
-        "regex_overall_success": _opt_bool(tget("regex_overall_success")),
-        "recursion_limit_reached": bool(tget("recursion_limit_reached", False)),
-        "abstention_check_performed": bool(tget("abstention_check_performed", False)),
-        "abstention_detected": _opt_bool(tget("abstention_detected")),
-        "abstention_override_applied": bool(tget("abstention_override_applied", False)),
-        "sufficiency_check_performed": bool(tget("sufficiency_check_performed", False)),
-        "sufficiency_detected": _opt_bool(tget("sufficiency_detected")),
-        "sufficiency_override_applied": bool(tget("sufficiency_override_applied", False)),
-        "input_tokens": t_in,
-        "output_tokens": t_out,
-        "total_tokens": t_all,
-        "usage_stage": u_stage,
-        "usage_model": u_model,
-        "usage_input_tokens": u_in,
-        "usage_output_tokens": u_out,
-        "has_rubric": rub is not None,
-        "rubric_evaluation_performed": bool(r.get("rubric_evaluation_performed", False)),
-        "rubric_evaluation_strategy": _opt_str(r.get("rubric_evaluation_strategy")),
-        "llm_trait_scores": _score_map(r.get("llm_trait_scores")),
-        "llm_trait_labels": {str(k): str(v) for k, v in (r.get("llm_trait_labels") or {}).items()},
-        "regex_trait_scores": _score_map(r.get("regex_trait_scores")),
-        "callable_trait_scores": _score_map(r.get("callable_trait_scores")),
-        "metric_trait_scores": _metric_map(r.get("metric_trait_scores")),
-        "deep_judgment_performed": bool((dj or {}).get("deep_judgment_performed", False)),
-        "deep_judgment_rubric_performed": bool((djr or {}).get("deep_judgment_rubric_performed", False)),
-        "template_json": _json_or_empty(tpl),
-        "rubric_json": _json_or_empty(rub),
-        "deep_judgment_json": _json_or_empty(dj),
-        "deep_judgment_rubric_json": _json_or_empty(djr),
-        "usage_json": _json_or_empty(usage or None),
-        "result_json": _json.encode(data),
-        **_cost_columns(usage, u_cost),
-    }
+    return [
+        run_id,  # run_id
+        mget("result_id", ""),  # result_id
+        version if version is not None else _us(time.time()),  # version
+        _opt_str(mget("run_name")),  # run_name
+        mget("question_id", ""),  # question_id
+        mget("question_text") or "",  # question_text
+        mget("template_id") or "no_template",  # template_id
+        [str(k) for k in mget("keywords") or []],  # keywords
+        _display(ans),  # answering_model
+        ans.get("interface", ""),  # answering_interface
+        ans.get("model_name", ""),  # answering_model_name
+        [str(x) for x in ans.get("tools") or []],  # answering_tools
+        _display(par),  # parsing_model
+        par.get("interface", ""),  # parsing_interface
+        par.get("model_name", ""),  # parsing_model_name
+        replicate if isinstance(replicate, int) and replicate >= 0 else None,  # replicate
+        _opt_str(mget("evaluation_mode")),  # evaluation_mode
+        mget("timestamp") or "",  # timestamp
+        _iso_to_us(mget("timestamp")),  # run_timestamp
+        float(mget("execution_time") or 0.0),  # execution_time
+        bool(mget("completed_without_errors", True)),  # completed_without_errors
+        _opt_str(mget("error")),  # error
+        _opt_str(failure.get("category")),  # failure_category
+        _opt_str(failure.get("stage")),  # failure_stage
+        tpl is not None,  # has_template
+        bool(tget("template_verification_performed", False)),  # template_verification_performed
+        _opt_bool(tget("verify_result")),  # verify_result
+        _opt_float(tget("verify_granular_result")),  # verify_granular_result
+        _opt_str(tget("template_validation_error")),  # template_validation_error
+        _opt_str(tget("field_verification_error")),  # field_verification_error
+        tget("raw_llm_response") or "",  # raw_llm_response
+        bool(tget("embedding_check_performed", False)),  # embedding_check_performed
+        _opt_float(tget("embedding_similarity_score")),  # embedding_similarity_score
+        bool(tget("embedding_override_applied", False)),  # embedding_override_applied
+        _opt_str(tget("embedding_model_used")),  # embedding_model_used
+        bool(tget("regex_validations_performed", False)),  # regex_validations_performed
+        _opt_bool(tget("regex_overall_success")),  # regex_overall_success
+        bool(tget("recursion_limit_reached", False)),  # recursion_limit_reached
+        bool(tget("abstention_check_performed", False)),  # abstention_check_performed
+        _opt_bool(tget("abstention_detected")),  # abstention_detected
+        bool(tget("abstention_override_applied", False)),  # abstention_override_applied
+        bool(tget("sufficiency_check_performed", False)),  # sufficiency_check_performed
+        _opt_bool(tget("sufficiency_detected")),  # sufficiency_detected
+        bool(tget("sufficiency_override_applied", False)),  # sufficiency_override_applied
+        t_in,  # input_tokens
+        t_out,  # output_tokens
+        t_all,  # total_tokens
+        u_stage,  # usage_stage
+        u_model,  # usage_model
+        u_in,  # usage_input_tokens
+        u_out,  # usage_output_tokens
+        rub is not None,  # has_rubric
+        bool(r.get("rubric_evaluation_performed", False)),  # rubric_evaluation_performed
+        _opt_str(r.get("rubric_evaluation_strategy")),  # rubric_evaluation_strategy
+        _score_map(r.get("llm_trait_scores")),  # llm_trait_scores
+        {str(k): str(v) for k, v in (r.get("llm_trait_labels") or {}).items()},  # llm_trait_labels
+        _score_map(r.get("regex_trait_scores")),  # regex_trait_scores
+        _score_map(r.get("callable_trait_scores")),  # callable_trait_scores
+        _metric_map(r.get("metric_trait_scores")),  # metric_trait_scores
+        bool((dj or {}).get("deep_judgment_performed", False)),  # deep_judgment_performed
+        bool((djr or {}).get("deep_judgment_rubric_performed", False)),  # deep_judgment_rubric_performed
+        _json_or_empty(tpl),  # template_json
+        _json_or_empty(rub),  # rubric_json
+        _json_or_empty(dj),  # deep_judgment_json
+        _json_or_empty(djr),  # deep_judgment_rubric_json
+        _json_or_empty(usage or None),  # usage_json
+        _json.encode(data),  # result_json
+        *_cost_columns(usage, u_cost),  # cost_usd, model_calls, cached_replies, usage_cost_usd
+    ]
 
 
-def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> dict[str, Any]:
+def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> tuple[Any, ...]:
     """cost_usd (None when any stage that made calls has no price), model calls, cached replies."""
     total = usage.get("total") if isinstance(usage.get("total"), Mapping) else {}
     entries = [e for k, e in usage.items() if k != "total" and isinstance(e, Mapping)]
@@ -486,8 +502,7 @@ def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> dict[
     c = total.get("cost_usd")
     if not isinstance(c, _NUMBER):
         c = sum(x for x in u_cost if x is not None) if u_cost and all(x is not None for x in u_cost) else None
-    return {"cost_usd": float(c) if c is not None else None, "model_calls": calls, "cached_replies": cached,
-            "usage_cost_usd": u_cost}
+    return float(c) if c is not None else None, calls, cached, u_cost
 
 
 def row_to_result(result_json: str | bytes | Mapping[str, Any]) -> VerificationResult:
@@ -509,46 +524,15 @@ def run_row(run: RunRequested | Mapping[str, Any], requested_at: float | None = 
     ]
 
 
-class _JobRefs(msgspec.Struct):
-    refs: dict[str, str] = {}
-
-
-_job_refs = msgspec.json.Decoder(_JobRefs | None)
-
-
-class _GeneratedRefs(msgspec.Struct):
-    """The content keys of an answer.generated payload's job; the rest is skipped."""
-
-    job: _JobRefs | None = None
-
-
-class _RequestedRefs(msgspec.Struct):
-    jobs: list[_JobRefs] = []
-
-
-_generated_refs = msgspec.json.Decoder(_GeneratedRefs)
-_requested_refs = msgspec.json.Decoder(_RequestedRefs)
-
-
-def content_refs(env: Envelope) -> list[tuple[str, str]]:
-    """(kind, key) of the contents a job event refers to (`Job.refs`): read from the events
-    every job has once, answer.requested and answer.generated; [] for others or fat jobs."""
-    if env.event_type == ANSWER_GENERATED:
-        job = _generated_refs.decode(env.payload).job
-        return list(job.refs.items()) if job is not None else []
-    if env.event_type == ANSWER_REQUESTED:
-        return [item for j in _requested_refs.decode(env.payload).jobs for item in j.refs.items()]
-    return []
-
-
 @dataclass
 class Projection:
     """Rows for the tables, from one batch of messages. `refs` (content key -> (kind, run_id)
     of its first mention) are the contents the batch's events refer to; the projector fetches the
-    ones ClickHouse does not have yet into `contents` (rows in CONTENT_COLUMNS order)."""
+    ones ClickHouse does not have yet into `contents` (rows in CONTENT_COLUMNS order). `results`
+    holds `result_values` lists (a `result_to_row` dict appended to it is taken as well)."""
 
     events: list[list[Any]] = field(default_factory=list)
-    results: list[dict[str, Any]] = field(default_factory=list)
+    results: list[list[Any] | dict[str, Any]] = field(default_factory=list)
     runs: list[list[Any]] = field(default_factory=list)
     refs: dict[str, tuple[str, str]] = field(default_factory=dict)
     contents: list[list[Any]] = field(default_factory=list)
@@ -563,7 +547,7 @@ def project_envelope(env: Envelope, out: Projection) -> None:
     try:
         if env.event_type == RESULT_FINALIZED:
             result = _result_dec.decode(env.payload).result
-            out.results.append(result_to_row(result, env.run_id, version=_us(env.occurred_at)))
+            out.results.append(result_values(result, env.run_id, version=_us(env.occurred_at)))
             out.events.append(event_row(env, result))
             return
         if env.event_type == RUN_REQUESTED and env.result_id == RUN_KEY:
@@ -578,7 +562,7 @@ def project_envelope(env: Envelope, out: Projection) -> None:
     try:
         # answer.generated's keys came with its row's decode; answer.requested's are read here
         if job is not None and env.event_type == ANSWER_GENERATED:
-            refs = _job_refs.decode(job)
+            refs = job_refs_decoder.decode(job)
             items = refs.refs.items() if refs is not None else ()
         else:
             items = content_refs(env)

@@ -13,7 +13,7 @@ from shared.analysis.resultset import VerificationResultSet
 from shared.core import events
 from shared.core.compact import compact, expand
 from shared.core.models import VerificationResult
-from shared.store.rows import project_envelopes
+from shared.store.rows import RESULT_COLUMNS, project_envelopes
 from tests.conftest import REFERENCE
 from tests.support.results import grid_results, spec_results
 
@@ -71,8 +71,8 @@ def test_wire_payload_is_compact_and_decodes_to_the_full_dump() -> None:
     for env in (lean_env, old_env):
         again = events.decode(events.encode(env))
         assert json.dumps(events.payload_as(again, events.ResultFinalized).result) == json.dumps(dump)
-    lean_row = project_envelopes([lean_env]).results[0]
-    old_row = project_envelopes([old_env]).results[0]
+    lean_row, old_row = (dict(zip(RESULT_COLUMNS, project_envelopes([e]).results[0], strict=True))
+                         for e in (lean_env, old_env))
     assert lean_row["result_json"] == old_row["result_json"] == msgspec.json.encode(dump)
     assert {k: v for k, v in lean_row.items() if k != "version"} == {k: v for k, v in old_row.items() if k != "version"}
 

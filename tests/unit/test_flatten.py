@@ -140,8 +140,10 @@ def test_project_envelopes_folds_results_and_runs() -> None:
     bad = events.make_envelope(events.RESULT_FINALIZED, "run1", "zz", {"result": [1, 2]}, "finalization/1")
     p = project_envelopes([fin, run, bad])
     assert len(p.events) == 3 and len(p.results) == 1 and len(p.runs) == 1
-    assert p.results[0]["version"] == round(fin.occurred_at * 1e6)
-    assert row_to_result(p.results[0]) == r
+    resrow = dict(zip(RESULT_COLUMNS, p.results[0], strict=True))  # a projection keeps the values in column order
+    assert resrow["version"] == round(fin.occurred_at * 1e6)
+    assert row_to_result(resrow) == r
+    assert resrow == result_to_row(r, "run1", version=resrow["version"])
     runrow = dict(zip(RUN_COLUMNS, p.runs[0], strict=True))
     assert runrow["job_count"] == 3 and json.loads(runrow["config_json"]) == {"x": 1}
     assert p.events[2][10] == "payload_invalid"
