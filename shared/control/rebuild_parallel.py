@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import logging
 import os
@@ -170,8 +171,12 @@ class _Inbox:
 
     AHEAD = 2
 
+    PIPE_BYTES = 1 << 20  # Linux's default most for an unprivileged pipe (/proc/sys/fs/pipe-max-size)
+
     def __init__(self, proc: Any, chunks: int) -> None:
         self.proc = proc
+        with contextlib.suppress(OSError, AttributeError):  # a larger pipe: 16x fewer reads and wake-ups
+            fcntl.fcntl(proc.stdout.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), self.PIPE_BYTES)
         self.box: queue.Queue[dict[str, Any] | BaseException] = queue.Queue(self.AHEAD)
         self.thread = threading.Thread(target=self._read, args=(chunks,), name=f"rebuild-inbox-{proc.pid}", daemon=True)
         self.thread.start()

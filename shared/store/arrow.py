@@ -105,9 +105,23 @@ def preload() -> None:
     pa.array([b""], type=pa.binary())
 
 
-def ipc_stream(schema: bytes, batches: Sequence[bytes]) -> bytes:
-    """One IPC stream of a schema's message and record batch messages (`ipc_parts`)."""
-    return b"".join((schema, *batches, STREAM_END))
+class IpcStream(tuple):
+    """One IPC stream of a schema's message and record batch messages (`ipc_parts`), kept as its
+    pieces: the insert writes them out one after the other, so the stream is never joined into
+    one buffer first (a fresh ~40 MB allocation and copy per rebuild insert: ~2 us an event)."""
+
+    __slots__ = ()
+
+    def __new__(cls, schema: bytes, batches: Sequence[bytes]) -> IpcStream:
+        return super().__new__(cls, (schema, *batches, STREAM_END))
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self)
+
+
+def ipc_stream(schema: bytes, batches: Sequence[bytes]) -> IpcStream:
+    """`IpcStream(schema, batches)`: what `Store.insert_block` inserts as `ArrowStream`."""
+    return IpcStream(schema, batches)
 
 
 def block_or_none(types_of: Callable[[str], Mapping[str, Any]], table: str, column_names: Sequence[str],

@@ -161,12 +161,14 @@ class Store:
     def insert_block(self, table: str, column_names: Sequence[str], columns: Sequence[Sequence[Any]] | None,
                      block: Any | None, settings: Mapping[str, Any] | None = None) -> None:
         """Insert `columns`, given as the Arrow `block` made from them when there is one (a
-        table, or the bytes of an IPC stream, `arrow.ipc_stream`, as the rebuild's worker
-        processes make them); Native insert when there is none or the engine refuses it (with no
+        table, or an IPC stream as bytes or `arrow.IpcStream`, as the rebuild's worker processes
+        make them); Native insert when there is none or the engine refuses it (with no
         `columns` to fall back on, the refusal is raised)."""
         if block is not None:
             try:
-                if isinstance(block, bytes):  # the Arrow data as the engine reads it, made elsewhere
+                if isinstance(block, bytes | arrow.IpcStream):  # Arrow data as the engine reads it, made elsewhere
+                    if isinstance(block, arrow.IpcStream) and self.backend != "chdb":
+                        block = bytes(block)  # a server's HTTP body: one buffer (chdb writes the pieces to its file)
                     self.client.raw_insert(f"{self.database}.{table}", column_names, block,
                                            settings=dict(settings or {}), fmt="ArrowStream")
                 else:

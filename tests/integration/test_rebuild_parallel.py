@@ -128,3 +128,31 @@ def test_a_failing_worker_fails_the_rebuild_and_leaves_no_thread_behind(
     assert inserted == []  # no blocks came; what failed is said, not inserted
     assert threading.active_count() == threads
     assert all(p.poll() is not None for p in pool.procs)
+
+
+def test_an_ipc_stream_of_joined_chunks_reads_back_as_their_rows(tmp_path: Path) -> None:
+    """The rebuild's inserts: chunks' IPC messages (`ipc_buffers`, pickled as a worker sends
+    them) joined under one schema message as an `IpcStream`, its pieces never concatenated for
+    chdb, read back by Arrow and by the engine as every chunk's rows in order."""
+    import pickle
+
+    import pyarrow as pa
+
+    from shared.store import arrow
+
+    chunks = [pa.table({"event_id": [f"e{i}-{j}" for j in range(3)], "attempt": pa.array([i, i, i], pa.uint16())})
+              for i in range(3)]
+    parts = [pickle.loads(pickle.dumps(arrow.ipc_buffers(t), protocol=5)) for t in chunks]
+    stream = arrow.ipc_stream(parts[0][0], [b for _, batches in parts for b in batches])
+    assert isinstance(stream, arrow.IpcStream) and len(stream) == 2 + 3
+    assert pa.ipc.open_stream(bytes(stream)).read_all().equals(pa.concat_tables(chunks))
+
+    store = open_store(Settings(home=tmp_path / "home"))
+    try:
+        store.client.command(f"CREATE TABLE {store.database}.t (event_id String, attempt UInt16) "
+                             "ENGINE = MergeTree ORDER BY tuple()")
+        store.insert_block("t", ["event_id", "attempt"], None, stream)
+        rows = store.query(f"SELECT event_id, attempt FROM {store.database}.t ORDER BY attempt, event_id").rows
+    finally:
+        store.close()
+    assert rows == [(f"e{i}-{j}", i) for i in range(3) for j in range(3)]
