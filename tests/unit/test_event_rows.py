@@ -65,3 +65,18 @@ def test_a_compact_stage_log_becomes_the_columns_round_gives() -> None:
                                          [round(b + t, 6) for b, (*_, t) in zip(starts, log, strict=True)]]
     assert rows_[0][cols[0]:cols[1]] == rows_[1][cols[0]:cols[1]]
     assert rows_[0][EVENT_COLUMNS.index("status")] == "performed"
+
+
+def test_result_values_are_written_in_result_columns_order() -> None:
+    """`result_values` is a list in RESULT_COLUMNS order, each value commented with its column:
+    a column added or moved in one place and not the other is caught here, not in ClickHouse."""
+    import inspect
+    import re
+
+    from shared.store import rows
+
+    src = inspect.getsource(rows.result_values)
+    body = src[src.index("    return [\n"):]
+    named = [name.strip() for line in body.splitlines() for name in
+             (re.search(r"#\s*(.+)$", line).group(1).split(",") if re.search(r"#\s*(.+)$", line) else [])]
+    assert named == list(rows.RESULT_COLUMNS)
