@@ -496,13 +496,31 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f}s")
 
 
+async def _init_stream(settings: Settings, timeout: float) -> int:
+    """Create the stream once the cluster has the nodes the settings list (up to MAX_REPLICAS): a
+    node's health check passes before its routes are all up, and a stream created then would get
+    fewer replicas for good. Past `timeout`, what has formed is used (as a service would)."""
+    want = min(MAX_REPLICAS, len(settings.nats_servers))
+    nc = await connect(settings, name="veribus-stream-init")
+    try:
+        deadline = time.monotonic() + timeout
+        while cluster_size(nc) < want and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        if cluster_size(nc) < want:
+            log.warning("the cluster has %d of the %d nodes listed after %.0f s; creating the stream with what is there",
+                        cluster_size(nc), want, timeout)
+        return await ensure_stream(nc.jetstream(), settings)
+    finally:
+        await nc.close()
+
+
 def main() -> int:
     """`python -m shared.runtime.bus`: create or update the events stream (the VERIBUS_* settings;
     as the operator's role, `cli`): docker-compose's one-shot `stream-init`, before the services,
     whose roles may not create it."""
     settings = Settings.from_env()
-    ensure_stream_blocking(settings, timeout=60.0)
-    print(f"stream {events.STREAM} ready on {settings.nats_url}")
+    replicas = asyncio.run(_init_stream(settings, timeout=60.0))
+    print(f"stream {events.STREAM} ready on {settings.nats_url} ({replicas} replica(s))")
     return 0
 
 

@@ -75,6 +75,8 @@ def test_every_service_connects_as_its_own_role_with_read_only_credentials() -> 
         assert _mount(svc, "/auth") == "bus-auth:/auth:ro", name
         assert svc["depends_on"]["stream-init"] == {"condition": "service_completed_successfully"}, name
         assert not any(k.startswith(("VERIBUS_NATS_USER", "VERIBUS_NATS_PASSWORD", "VERIBUS_NATS_TOKEN")) for k in env)
+        # provider keys (.env) only where model calls are made, as the local stack gives them
+        assert bool(svc.get("env_file")) is (name not in bus_auth.NO_MODEL_CALLS), name
     init = doc["services"]["stream-init"]
     assert init["environment"]["VERIBUS_NATS_ROLE"] == "cli" and init["command"][-1] == "shared.runtime.bus"
     for node in _nats_services(doc).values():
