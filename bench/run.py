@@ -425,6 +425,20 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+STEADY = "10th to 90th percentile of results"
+WHOLE = "with the pipeline's fill and drain"
+
+
+def _figure(name: str, value: Any, target: str | None = None, note: str | None = None) -> str:
+    """One line of the targets block: the figure, its value, its target and a note, in columns."""
+    line = f"    {name:<32}{value!s:>10}"
+    if target:
+        line += f"   target {target}"
+    if note:
+        line += ("   " if target else " " * 18) + f"({note})"
+    return line
+
+
 def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
                   scaling: dict[str, Any] | None = None, rebuilt: dict[str, Any] | None = None) -> str:
     """Issue 12's figures beside their targets, the whole run first (what a user waits for), the
@@ -438,48 +452,44 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
         label = latency_label(lat, row.get("latency_dist") or "fixed", row.get("latency_sigma") or 0.5)
         lines.append("  your server:" if api_base else f"  {label}, {row.get('results', '?')} results, "
                      f"C = {row.get('concurrency', '?')}:")
+        queryable = "until `veribus run` returns: the projector wrote every row"
         if lat == 0:
-            lines.append(f"    results/s, whole run            {row['results_per_s']:>10}   target >= 120")
+            lines.append(_figure("results/s, whole run", row["results_per_s"], ">= 120"))
             if row.get("steady_results_per_s") is not None:
-                lines.append(f"    results/s, steady               {row['steady_results_per_s']:>10}   target >= 120"
-                             "   (10th to 90th percentile of results)")
+                lines.append(_figure("results/s, steady", row["steady_results_per_s"], ">= 120", STEADY))
             if row.get("queryable_results_per_s") is not None:
-                lines.append(f"    results/s, rows queryable       {row['queryable_results_per_s']:>10}"
-                             "                  (until `veribus run` returns: the projector wrote every row)")
-            lines.append(f"    CPU ms/result, services         {row['cpu_ms_per_result_services_total']:>10}   target <= 10")
+                lines.append(_figure("results/s, rows queryable", row["queryable_results_per_s"], note=queryable))
+            lines.append(_figure("CPU ms/result, services", row["cpu_ms_per_result_services_total"], "<= 10"))
         elif row.get("fraction_of_bound") is not None:
-            lines.append(f"    fraction of C/(2L), whole run   {row['fraction_of_bound']:>10}   target >= 0.90"
-                         "   (with the pipeline's fill and drain)")
+            lines.append(_figure("fraction of C/(2L), whole run", row["fraction_of_bound"], ">= 0.90", WHOLE))
             if row.get("steady_fraction_of_bound") is not None:
-                lines.append(f"    fraction of C/(2L), steady      {row['steady_fraction_of_bound']:>10}   target >= 0.90"
-                             "   (10th to 90th percentile of results)")
+                lines.append(_figure("fraction of C/(2L), steady", row["steady_fraction_of_bound"], ">= 0.90", STEADY))
             if row.get("zero_overhead_fraction"):
                 z = row["zero_overhead_fraction"]
-                lines.append(f"    zero-overhead pipeline          {z:>10}                  (this run's own drawn latencies, "
-                             f"no time outside the calls: the fill and the slowest last calls; veribus "
-                             f"reached {row['fraction_of_bound'] / z:.3f} of it)")
+                lines.append(_figure("zero-overhead pipeline", z, note="this run's own drawn latencies, no time "
+                                     "outside the calls: the fill and the slowest last calls; veribus reached "
+                                     f"{row['fraction_of_bound'] / z:.3f} of it"))
             if row.get("simulator_ceiling_fraction"):
-                lines.append(f"    simulator's own ceiling         {row['simulator_ceiling_fraction']:>10}"
-                             "                  (C/2 minimal callers per model, same sitting: the load's share)")
+                lines.append(_figure("simulator's own ceiling", row["simulator_ceiling_fraction"],
+                                     note="C/2 minimal callers per model, same sitting: the load's share"))
             if row.get("queryable_fraction_of_bound") is not None:
-                lines.append(f"    fraction of C/(2L), queryable   {row['queryable_fraction_of_bound']:>10}"
-                             "                  (until `veribus run` returns: the projector wrote every row)")
-        lines.append(f"    stream bytes per result         {row['stream_bytes_per_result']:>10}   target <= 6144")
+                lines.append(_figure("fraction of C/(2L), queryable", row["queryable_fraction_of_bound"], note=queryable))
+        lines.append(_figure("stream bytes per result", row["stream_bytes_per_result"], "<= 6144"))
     if scaling is not None:
         lat_label = latency_label(scaling["latency_ms"], scaling.get("latency_dist") or "fixed",
                                   scaling.get("latency_sigma") or 0.5)
         lines.append(f"  replica scaling ({' and '.join(scaling['stages'])}, {lat_label}, "
                      f"model limit {scaling['model_limit']}):")
-        lines.append(f"    2 replicas / 1 replica, steady  {scaling['ratio']!s:>10}   target >= 1.8   "
-                     f"({scaling['two']['steady_results_per_s']} vs {scaling['one']['steady_results_per_s']} results/s,"
-                     " 10th to 90th percentile of results)")
-        lines.append(f"    2 replicas / 1 replica, whole   {scaling['ratio_whole_run']!s:>10}                  "
-                     f"({scaling['two']['results_per_s']} vs {scaling['one']['results_per_s']} results/s, "
-                     "with the pipeline's fill and drain)")
+        one, two = scaling["one"], scaling["two"]
+        lines.append(_figure("2 replicas / 1 replica, steady", scaling["ratio"], ">= 1.8",
+                             f"{two['steady_results_per_s']} vs {one['steady_results_per_s']} results/s, "
+                             "10th to 90th percentile of results"))
+        lines.append(_figure("2 replicas / 1 replica, whole", scaling["ratio_whole_run"],
+                             note=f"{two['results_per_s']} vs {one['results_per_s']} results/s, {WHOLE}"))
     if rebuilt is not None:
         lines.append(f"  projections rebuild ({rebuilt.get('events')} events into a fresh chdb):")
-        lines.append(f"    rebuild events/s, fold          {rebuilt.get('fold_events_per_s')!s:>10}   target >= 50,000")
-        lines.append(f"    rebuild events/s, whole command {rebuilt.get('events_per_s')!s:>10}")
+        lines.append(_figure("rebuild events/s, fold", rebuilt.get("fold_events_per_s"), ">= 50,000"))
+        lines.append(_figure("rebuild events/s, whole command", rebuilt.get("events_per_s")))
     missing = []
     if scaling is None:
         missing.append("replica scaling (>= 1.8x: `veribus bench --scaling`)")

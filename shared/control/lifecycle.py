@@ -29,7 +29,7 @@ from shared.core.models import VerificationResult
 from shared.runtime import bus
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import check_cost_budget
-from shared.runtime.runcontrol import STOP_ERROR_TYPES
+from shared.runtime.runcontrol import STOP_ERROR_TYPES, check_budget
 from shared.templates.calls import compile_check
 
 PRODUCER = "cli/0.1.0"
@@ -148,9 +148,8 @@ async def resume(
     """Publish again the answer requests of the run's jobs that have no result (and, by default,
     those that were cancelled or stopped by a budget). Finished jobs cost nothing. A new token or
     money budget replaces the run's (a run stopped by its spent budget needs a larger one)."""
-    if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int)
-                                      or budget_tokens <= 0):
-        raise ValueError(f"--max-tokens-budget must be a positive number of tokens, got {budget_tokens!r}")
+    if budget_tokens is not None:
+        budget_tokens = check_budget(budget_tokens)
     if budget_cost_usd is not None:
         budget_cost_usd = check_cost_budget(budget_cost_usd)
     plan = await plan_resume(settings, run_id, include_stopped=include_stopped, benchmark=benchmark)

@@ -100,7 +100,7 @@ class _Joined:
         held = self.pending.pop(table, None)
         if held is not None:
             column_names, schema, batches = held
-            self.insert(table, column_names, None, arrow.ipc_stream(schema, batches))
+            self.insert(table, column_names, None, arrow.IpcStream(schema, batches))
 
     def flush(self) -> None:
         for table in list(self.pending):

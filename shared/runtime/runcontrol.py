@@ -350,24 +350,26 @@ async def run_usage(settings: Settings, run_id: str) -> int:
         return await RunControl(lambda: nc.jetstream())._read_counter(run_id)
 
 
+def check_budget(tokens: Any) -> int:
+    """A token budget as given (`--max-tokens-budget`, `budget_tokens`): a positive integer."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise ValueError(f"--max-tokens-budget / budget_tokens must be a positive number of tokens (an integer), "
+                         f"got {tokens!r}")
+    return tokens
+
+
 def set_budget(run_event: events.RunRequested, budget_tokens: int | None) -> None:
     """Record a token budget in the run's config (what `veribus run --max-tokens-budget N` does
     before submitting); the generation service stops dispatching once the run has spent it."""
     if budget_tokens is None:
         return
-    if budget_tokens <= 0:
-        raise ValueError(f"budget_tokens must be a positive number of tokens, got {budget_tokens}")
-    run_event.config = {**run_event.config, "budget_tokens": int(budget_tokens)}
+    run_event.config = {**run_event.config, "budget_tokens": check_budget(budget_tokens)}
 
 
 def pop_budget(config_data: dict[str, Any]) -> int | None:
     """Take `budget_tokens` out of a run-config mapping (it is not a VerificationConfig field)."""
     raw = config_data.pop("budget_tokens", None)
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
-        raise ValueError(f"budget_tokens: expected a positive integer number of tokens, got {raw!r}")
-    return raw
+    return None if raw is None else check_budget(raw)
 
 
 # =========================================================================== event ids of re-runs

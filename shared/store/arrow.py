@@ -82,7 +82,7 @@ def ipc_parts(table: Any) -> tuple[bytes, list[bytes]]:
     """An Arrow table as IPC messages: its schema's and its record batches'. Concatenated, the
     schema, the batches of any tables of that schema and `STREAM_END` are one IPC stream, what
     ClickHouse's `ArrowStream` input reads: a rebuild worker makes them, the inserting process
-    joins several chunks' into one insert without decoding them (`ipc_stream`)."""
+    joins several chunks' into one insert without decoding them (`IpcStream`)."""
     return table.schema.serialize().to_pybytes(), [b.serialize().to_pybytes() for b in table.to_batches()]
 
 
@@ -118,10 +118,6 @@ class IpcStream(tuple):
     def __bytes__(self) -> bytes:
         return b"".join(self)
 
-
-def ipc_stream(schema: bytes, batches: Sequence[bytes]) -> IpcStream:
-    """`IpcStream(schema, batches)`: what `Store.insert_block` inserts as `ArrowStream`."""
-    return IpcStream(schema, batches)
 
 
 def block_or_none(types_of: Callable[[str], Mapping[str, Any]], table: str, column_names: Sequence[str],

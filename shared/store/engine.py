@@ -76,11 +76,6 @@ _chdb_lock = threading.Lock()
 _result_values = operator.itemgetter(*RESULT_COLUMNS)  # a result row dict -> its values in column order (in C)
 
 
-def _result_row(row: list[Any] | Mapping[str, Any]) -> Sequence[Any]:
-    """A projection's result row in column order: `result_values`' list as it is, a dict by name."""
-    return row if type(row) is list else _result_values(row)
-
-
 def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Sequence[Any]]]]:
     """(table, column names, columns) of a projection's rows, in insert order: contents, results
     and runs first, events last (the store's inserts and the rebuild's workers share this)."""
@@ -88,7 +83,7 @@ def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Seq
     if p.contents:
         out.append(("contents", CONTENT_COLUMNS, list(zip(*p.contents, strict=True))))
     if p.results:
-        out.append(("verification_results", RESULT_COLUMNS, list(zip(*map(_result_row, p.results), strict=True))))
+        out.append(("verification_results", RESULT_COLUMNS, list(zip(*p.results, strict=True))))
     if p.runs:
         out.append(("runs", RUN_COLUMNS, list(zip(*p.runs, strict=True))))
     if p.events:

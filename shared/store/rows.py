@@ -529,10 +529,10 @@ class Projection:
     """Rows for the tables, from one batch of messages. `refs` (content key -> (kind, run_id)
     of its first mention) are the contents the batch's events refer to; the projector fetches the
     ones ClickHouse does not have yet into `contents` (rows in CONTENT_COLUMNS order). `results`
-    holds `result_values` lists (a `result_to_row` dict appended to it is taken as well)."""
+    holds `result_values` lists (RESULT_COLUMNS order)."""
 
     events: list[list[Any]] = field(default_factory=list)
-    results: list[list[Any] | dict[str, Any]] = field(default_factory=list)
+    results: list[list[Any]] = field(default_factory=list)
     runs: list[list[Any]] = field(default_factory=list)
     refs: dict[str, tuple[str, str]] = field(default_factory=dict)
     contents: list[list[Any]] = field(default_factory=list)

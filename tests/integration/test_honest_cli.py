@@ -23,8 +23,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -96,21 +97,27 @@ def run_requested(url: str, **auth: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def auth_nats(tmp_path: Path) -> Iterator[str]:
-    """A nats-server that requires a user and password (as a shared deployment would)."""
+@contextlib.contextmanager
+def listening(command: Callable[[int], list[str]], timeout: float, **popen: Any) -> Iterator[int]:
+    """A process of this test's, `command(port)` on a free loopback port, once it listens; killed after."""
     port = free_port()
-    conf = tmp_path / "auth.conf"
-    conf.write_text('authorization { user: "vb", password: "s3cret-pw" }\n')
-    proc = subprocess.Popen([str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
-                             str(tmp_path / "store"), "-c", str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
     try:
-        wait_for_port("127.0.0.1", port, 10)
-        yield f"nats://127.0.0.1:{port}"
+        wait_for_port("127.0.0.1", port, timeout)
+        yield port
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def auth_nats(tmp_path: Path) -> Iterator[str]:
+    """A nats-server that requires a user and password (as a shared deployment would)."""
+    conf = tmp_path / "auth.conf"
+    conf.write_text('authorization { user: "vb", password: "s3cret-pw" }\n')
+    with listening(lambda port: [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+                                 str(tmp_path / "store"), "-c", str(conf)], timeout=10) as port:
+        yield f"nats://127.0.0.1:{port}"
 
 
 def test_a_configured_bus_receives_the_run_and_no_temporary_stack_starts(nats_server, tmp_path: Path) -> None:
@@ -398,15 +405,9 @@ def test_a_temporary_stack_is_its_own_step(tmp_path: Path) -> None:
 def own_model_server(home: Path, *args: str) -> Iterator[str]:
     """An OpenAI-compatible server of the user's own (a simulator process started apart from the
     stack, with `args`), its base URL; killed after."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port),
-                             *args], cwd=REPO, env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port("127.0.0.1", port, 30)
+    with listening(lambda port: [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port),
+                                 *args], timeout=30, cwd=REPO, env=cli_env(home)) as port:
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture

@@ -143,7 +143,7 @@ def test_an_ipc_stream_of_joined_chunks_reads_back_as_their_rows(tmp_path: Path)
     chunks = [pa.table({"event_id": [f"e{i}-{j}" for j in range(3)], "attempt": pa.array([i, i, i], pa.uint16())})
               for i in range(3)]
     parts = [pickle.loads(pickle.dumps(arrow.ipc_buffers(t), protocol=5)) for t in chunks]
-    stream = arrow.ipc_stream(parts[0][0], [b for _, batches in parts for b in batches])
+    stream = arrow.IpcStream(parts[0][0], [b for _, batches in parts for b in batches])
     assert isinstance(stream, arrow.IpcStream) and len(stream) == 2 + 3
     assert pa.ipc.open_stream(bytes(stream)).read_all().equals(pa.concat_tables(chunks))
 

@@ -356,9 +356,10 @@ def test_arrow_inserts_store_the_same_rows_as_native_ones(store: Store, monkeypa
     envs.append(events.make_envelope(events.RUN_REQUESTED, "20250101T000000-arrowrun", events.RUN_KEY, events.RunRequested(
         run_id="20250101T000000-arrowrun", timestamp="t", job_count=3, answer_count=3, config={"a": [1, None]}), "cli"))
     p = project_envelopes(envs)
-    p.results.append(result_to_row(make_result(rubric=RUBRIC, usage=USAGE), "20250101T000000-arrowrun", version=7))
+    row = result_to_row(make_result(rubric=RUBRIC, usage=USAGE), "20250101T000000-arrowrun", version=7)
+    p.results.append(list(row.values()))  # a projection keeps result_values' lists, in RESULT_COLUMNS order
     p.events.append(undecodable_row("vb.x.y.r.s", b"\xff\xfe not utf-8 \x00", ValueError("bad")))
-    assert p.results[-1]["metric_trait_scores"] or p.results[-1]["llm_trait_scores"]  # maps are exercised
+    assert row["metric_trait_scores"] or row["llm_trait_scores"]  # maps are exercised
     native = store.client.insert
     store.client.insert = lambda *a, **k: pytest.fail("the Arrow insert fell back to the Native one")
     store.insert_projection(p)
