@@ -212,9 +212,18 @@ def replicas_override(settings: Settings | None) -> int | None:
 
 def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
     """Replicas for the stream and the KV buckets: VERIBUS_STREAM_REPLICAS when set, else
-    min(3, cluster size)."""
+    min(3, cluster size). On a clustered server the size is the members it advertised or the
+    nodes the URL lists, whichever is more: a node counts as healthy before its routes are all
+    up, so a process connecting then (docker-compose's stream-init) is told of fewer members, and
+    a stream created with that many replicas would keep them (`_create_placed` still steps down
+    when the cluster really cannot place them)."""
     override = replicas_override(settings)
-    return override if override is not None else min(MAX_REPLICAS, cluster_size(nc))
+    if override is not None:
+        return override
+    size = cluster_size(nc)
+    if (getattr(nc, "_server_info", None) or {}).get("cluster"):
+        size = max(size, len((settings or Settings.from_env("nats_url")).nats_servers))
+    return min(MAX_REPLICAS, size)
 
 
 def _cluster_not_ready(exc: BaseException) -> bool:
@@ -496,31 +505,13 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f}s")
 
 
-async def _init_stream(settings: Settings, timeout: float) -> int:
-    """Create the stream once the cluster has the nodes the settings list (up to MAX_REPLICAS): a
-    node's health check passes before its routes are all up, and a stream created then would get
-    fewer replicas for good. Past `timeout`, what has formed is used (as a service would)."""
-    want = min(MAX_REPLICAS, len(settings.nats_servers))
-    nc = await connect(settings, name="veribus-stream-init")
-    try:
-        deadline = time.monotonic() + timeout
-        while cluster_size(nc) < want and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        if cluster_size(nc) < want:
-            log.warning("the cluster has %d of the %d nodes listed after %.0f s; creating the stream with what is there",
-                        cluster_size(nc), want, timeout)
-        return await ensure_stream(nc.jetstream(), settings)
-    finally:
-        await nc.close()
-
-
 def main() -> int:
     """`python -m shared.runtime.bus`: create or update the events stream (the VERIBUS_* settings;
     as the operator's role, `cli`): docker-compose's one-shot `stream-init`, before the services,
     whose roles may not create it."""
     settings = Settings.from_env()
-    replicas = asyncio.run(_init_stream(settings, timeout=60.0))
-    print(f"stream {events.STREAM} ready on {settings.nats_url} ({replicas} replica(s))")
+    ensure_stream_blocking(settings, timeout=120.0)
+    print(f"stream {events.STREAM} ready on {settings.nats_url}")
     return 0
 
 

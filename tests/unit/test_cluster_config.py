@@ -69,6 +69,17 @@ def test_replicas_are_min_three_and_cluster_size(info: dict, size: int) -> None:
     assert bus.stream_config(bus.desired_replicas(nc, Settings())).num_replicas == min(3, size)  # type: ignore[arg-type]
 
 
+def test_a_cluster_still_forming_gets_the_replicas_of_the_nodes_listed() -> None:
+    """A node answers before its routes are all up and advertises fewer members: the nodes the
+    URL lists count (docker-compose's stream-init would otherwise make a stream of one replica
+    for good); a standalone server stays at one whatever the URL lists."""
+    three = Settings(nats_url="nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222")
+    forming = _Conn({"cluster": "veribus", "connect_urls": ["127.0.0.1:1"]})
+    assert bus.desired_replicas(forming, three) == 3  # type: ignore[arg-type]
+    assert bus.desired_replicas(forming, Settings()) == 1  # type: ignore[arg-type]
+    assert bus.desired_replicas(_Conn({"connect_urls": ["127.0.0.1:1"]}), three) == 1  # type: ignore[arg-type]
+
+
 def test_transient_cluster_errors_are_retried_and_others_are_not() -> None:
     from nats import errors as nats_errors
     from nats.js import errors as js_errors
