@@ -8,7 +8,8 @@
   temporary local stack; read commands open the embedded ClickHouse folder directly.
 
 `check_bus` connects once, without reconnecting, within a few seconds, and raises
-`Unreachable` with one line naming the URL, where it came from, and why.
+`Unreachable` with one line naming the URL, where it came from, and why. A clustered server that
+answers is given a while longer for its JetStream (a node just lost: the leader election).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from shared.core.config import Settings
 from shared.runtime import bus
 
 FLAG_ENV = "VERIBUS_NATS_URL_FROM_FLAG"  # set by the CLI when --nats-url gave the URL
-CHECK_TIMEOUT_S = 4.0
+CHECK_TIMEOUT_S = 4.0  # the connect
+JETSTREAM_READY_S = 20.0  # a clustered server electing a JetStream leader
 
 
 class Unreachable(RuntimeError):
@@ -100,14 +102,23 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _check(settings: Settings) -> None:
-    # one try, short: the probe must say at once that nothing answers (reasons in `_reason`)
+    # the connect gets one short try (reasons in `_reason`); a clustered server then gets up to
+    # JETSTREAM_READY_S for JetStream to answer, since a node that just lost a peer (or the meta
+    # leader) says "unavailable" until the election is over: that is not an unreachable bus
     async with bus.session(settings, name="veribus-cli-check", connect_timeout=min(2.0, CHECK_TIMEOUT_S),
-                           **bus.ONE_TRY) as nc:
+                           within=CHECK_TIMEOUT_S, **bus.ONE_TRY) as nc:
+        clustered = bool((getattr(nc, "_server_info", None) or {}).get("cluster"))
+        js = nc.jetstream(timeout=2.0)
         try:
-            await nc.jetstream().account_info()
+            if clustered:
+                await bus.retry_cluster(js.account_info, "JetStream probe", JETSTREAM_READY_S)
+            else:
+                await js.account_info()
         except Exception as exc:  # noqa: BLE001 - one line below
-            raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} has no JetStream "
-                              f"({type(exc).__name__}: {exc}); start it with -js") from None
+            waited = f" within {JETSTREAM_READY_S:.0f} s" if clustered else ""
+            raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} answers but its JetStream "
+                              f"did not{waited} ({type(exc).__name__}: {exc}); start it with -js, or "
+                              "check that the cluster has a majority of its nodes up") from None
 
 
 def _tcp_reason(url: str) -> str | None:
@@ -140,16 +151,17 @@ def check_bus(dep: Deployment) -> None:
 
     def target() -> None:
         try:
-            asyncio.run(asyncio.wait_for(_check(dep.settings), CHECK_TIMEOUT_S))
+            asyncio.run(_check(dep.settings))
             box["error"] = None
         except BaseException as exc:  # noqa: BLE001 - reported below as one line
             box["error"] = exc
 
     t = threading.Thread(target=target, name="veribus-bus-check", daemon=True)
     t.start()
-    t.join(CHECK_TIMEOUT_S + 1.0)
+    t.join(CHECK_TIMEOUT_S + JETSTREAM_READY_S + 3.0)
     if "error" not in box:
-        raise Unreachable(f"cannot reach the NATS server at {url}{where}: no answer within {CHECK_TIMEOUT_S:.0f} s")
+        raise Unreachable(f"cannot reach the NATS server at {url}{where}: no answer within "
+                          f"{CHECK_TIMEOUT_S + JETSTREAM_READY_S:.0f} s")
     exc = box["error"]
     if exc is None:
         return

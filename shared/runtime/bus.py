@@ -240,7 +240,7 @@ def _cluster_not_ready(exc: BaseException) -> bool:
     return False
 
 
-async def _retry_cluster(op: Any, what: str, timeout: float = CLUSTER_READY_TIMEOUT_S) -> Any:
+async def retry_cluster(op: Any, what: str, timeout: float = CLUSTER_READY_TIMEOUT_S) -> Any:
     deadline = time.monotonic() + timeout
     delay = 0.2
     while True:
@@ -266,7 +266,7 @@ async def _create_placed(create: Any, replicas: int, what: str, *, result: Any) 
     n = replicas
     while True:
         try:
-            return result(n, await _retry_cluster(lambda n=n: create(n), what, PLACEMENT_RETRY_S))
+            return result(n, await retry_cluster(lambda n=n: create(n), what, PLACEMENT_RETRY_S))
         except Exception as exc:
             if n <= 1 or not _placement_failed(exc):
                 raise
@@ -304,7 +304,7 @@ async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) 
             await js.update_stream(cfg)  # only when it differs: service roles may read, not change, the stream
         return replicas
 
-    return int(await _retry_cluster(op, "stream " + events.STREAM))
+    return int(await retry_cluster(op, "stream " + events.STREAM))
 
 
 async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None = None) -> Any:
@@ -336,7 +336,7 @@ async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None
                 raise
             return await js.key_value(config.bucket)
 
-    return await _retry_cluster(op, "bucket " + config.bucket)
+    return await retry_cluster(op, "bucket " + config.bucket)
 
 
 def _stream_differs(have: StreamConfig, want: StreamConfig) -> bool:
@@ -437,7 +437,7 @@ async def publish(js: JetStreamContext, env: events.Envelope) -> bool:
     except Exception as exc:  # noqa: BLE001 - filtered: only what a failing-over cluster says is retried
         if not _cluster_not_ready(exc):
             raise
-        ack = await _retry_cluster(lambda: _publish_one(js, env), "publish", PUBLISH_RETRY_S)
+        ack = await retry_cluster(lambda: _publish_one(js, env), "publish", PUBLISH_RETRY_S)
     return not ack.duplicate
 
 

@@ -25,7 +25,7 @@ def _env(i: int, run: str = "clu-run") -> events.Envelope:
 
 
 async def _stream_info(js: Any) -> Any:
-    return await bus._retry_cluster(lambda: js.stream_info(events.STREAM), "stream info")
+    return await bus.retry_cluster(lambda: js.stream_info(events.STREAM), "stream info")
 
 
 async def test_stream_and_buckets_get_three_replicas(nats_cluster: NatsCluster) -> None:

@@ -41,7 +41,7 @@ def cluster_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[St
 
 async def _stream_leader(st: Stack) -> str:
     async with bus.session(st.settings) as nc:
-        info = await bus._retry_cluster(lambda: nc.jetstream().stream_info(events.STREAM), "stream info")
+        info = await bus.retry_cluster(lambda: nc.jetstream().stream_info(events.STREAM), "stream info")
         return str(info.cluster.leader)
 
 
@@ -106,9 +106,27 @@ def test_kill_the_stream_leader_mid_run(cluster_stack, baseline) -> None:
     _check_run(st, run_id, baseline)
 
 
+def _meta_leader(st: Stack) -> str:
+    """The node leading the JetStream meta group (what every JetStream API call needs), from a
+    live node's /jsz."""
+    import json
+    import urllib.request
+
+    for p in st.reload().nats_procs():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{p.http_port}/jsz", timeout=2) as resp:
+                leader = (json.loads(resp.read()).get("meta_cluster") or {}).get("leader")
+        except OSError:
+            continue
+        if leader:
+            return str(leader)
+    raise AssertionError("no node names a JetStream meta leader")
+
+
 def test_cli_talks_to_the_cluster_through_any_live_node(cluster_stack, baseline) -> None:
-    """`veribus query` with VERIBUS_NATS_URL listing all three nodes, one of them dead: the CLI
-    connects through a live one and the projector answers."""
+    """`veribus query` with VERIBUS_NATS_URL listing all three nodes, the JetStream meta leader
+    among them just killed: the CLI connects through a live node, waits out the election instead
+    of calling the bus unreachable, and the projector answers."""
     import os
     import subprocess
     import sys
@@ -117,7 +135,7 @@ def test_cli_talks_to_the_cluster_through_any_live_node(cluster_stack, baseline)
 
     st, _ = cluster_stack
     st.ensure_all_alive()
-    victim = st.reload().nats_procs()[0]
+    victim = st.proc(_meta_leader(st))
     st.kill(victim.name)
     try:
         env = {**os.environ, "VERIBUS_HOME": st.state.home, "VERIBUS_NATS_URL": st.state.nats_url,

@@ -181,6 +181,21 @@ def test_an_unreachable_bus_fails_every_command_with_one_line(argv: tuple[str, .
     assert not (tmp_path / "home" / "stack.json").exists()
 
 
+def test_a_bus_without_jetstream_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A reachable nats-server started without -js: the command stops at once (a standalone
+    server is not waited on as a cluster electing a leader is) and says it is JetStream that is
+    missing, not the server."""
+    bench = write_bench(tmp_path / "b.yaml", 1)
+    with listening(lambda port: [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port)], timeout=10) as port:
+        out = veribus(cli_env(tmp_path / "home", VERIBUS_NATS_URL=f"nats://127.0.0.1:{port}"), "run", str(bench),
+                      "--model", "openai/m", "--judge", "openai/j", "--api-base", "http://127.0.0.1:9/v1", timeout=60)
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not ln.startswith("deployment:")]
+    assert len(lines) == 1 and f"the NATS server at nats://127.0.0.1:{port} answers but its JetStream did not " \
+        in lines[0] and "start it with -js" in lines[0], out.stderr
+    assert " within " not in lines[0], "a standalone server was waited on as a cluster electing a leader"
+
+
 @pytest.mark.parametrize("cmd", ["resume", "cancel", "regrade"])
 def test_lifecycle_commands_without_any_deployment_say_so(cmd: str, tmp_path: Path) -> None:
     out = veribus(cli_env(tmp_path / "home"), cmd, "some-run", timeout=60)
