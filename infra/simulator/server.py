@@ -392,11 +392,14 @@ def _error(status: int, message: str, typ: str, headers: dict[str, str] | None =
     return web.Response(status=status, body=_encode(body), content_type="application/json", headers=headers)
 
 
+SIMULATOR = web.AppKey("simulator", Simulator)
+
+
 def create_app(script: Script | None = None, config: SimConfig | None = None) -> web.Application:
-    """The aiohttp application; `app["simulator"]` is the `Simulator` state."""
+    """The aiohttp application; `app[SIMULATOR]` is the `Simulator` state."""
     sim = Simulator(script, config)
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app["simulator"] = sim
+    app[SIMULATOR] = sim
     app.router.add_post("/v1/chat/completions", sim.handle_chat)
     app.router.add_post("/chat/completions", sim.handle_chat)
     app.router.add_get("/v1/models", sim.handle_models)

@@ -13,7 +13,7 @@ import nats
 from aiohttp import web
 
 from infra.simulator.script import SimConfig
-from infra.simulator.server import create_app
+from infra.simulator.server import SIMULATOR, create_app
 from shared.control.processes import free_port
 from shared.core.events import ModelSpec
 from shared.runtime import call_limits
@@ -79,7 +79,7 @@ async def test_429s_shrink_the_shared_window(nats_server) -> None:  # noqa: ANN0
     client.limiter = lim
     model = ModelSpec(model_name="openai/tight", api_base=f"http://127.0.0.1:{port}/v1", max_concurrency=8,
                       max_retries=20)
-    sim = app["simulator"]
+    sim = app[SIMULATOR]
     sim.config = SimConfig(max_in_flight=2, retry_after_s=0.02, latency_ms=20)
     try:
         replies = await asyncio.gather(*(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import nats
 from aiohttp import web
 
-from infra.simulator.server import create_app
+from infra.simulator.server import SIMULATOR, create_app
 from shared.control.processes import free_port
 from shared.core.events import ModelSpec
 from shared.runtime import response_cache
@@ -23,7 +23,7 @@ async def test_run_scope_and_shared_scope(nats_server) -> None:  # noqa: ANN001
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     nc = await nats.connect(nats_server.url)
-    sim = app["simulator"]
+    sim = app[SIMULATOR]
     client = LLMClient(cache=service_cache(nc.jetstream(), run_scoped=True, max_age_s=3600))
     model = ModelSpec(model_name="openai/cached", api_base=f"http://127.0.0.1:{port}/v1")
     msgs = [{"role": "user", "content": "What is the answer?"}]
