@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,7 @@ class _Worker:
         self.returncode: int | None = None
         self.exited: asyncio.Future[None] | None = None
         self.in_pool = False  # idle in, or borrowed from, the pool (not starting, not retired)
+        self.scratch: str | None = None  # the host scratch folder of an unjailed worker
 
     async def start(self) -> None:
         pool = self.pool
@@ -112,7 +114,9 @@ class _Worker:
                     sys.executable, "-I", "-c", boot, json.dumps(cfg_d)]
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
             cwd = "/"
-        else:
+        else:  # no jail, so no tmpfs of its own: a scratch folder on the host, removed in `_release`
+            self.scratch = os.path.realpath(tempfile.mkdtemp(prefix="veribus-sandbox-"))
+            cfg_d["scratch"] = self.scratch
             argv = [sys.executable, "-I", "-c", boot, json.dumps(cfg_d), pool.tag]
             env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
             env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1",
@@ -253,6 +257,9 @@ class _Worker:
             for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 if f is not None:
                     f.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
     def _death_reply(self) -> dict[str, Any]:
         rc = self.returncode

@@ -321,8 +321,12 @@ def test_unsafe_mode_is_explicit_and_loud(monkeypatch: pytest.MonkeyPatch, caplo
         assert any("WITHOUT an OS boundary" in r.getMessage() for r in caplog.records)
         reply = asyncio.run(sb.call("exec", code="import os\nresult = os.getuid()"))
         assert reply == {"ok": True, "value": os.getuid()}  # no uid drop: it really is unconfined
+        cwd = asyncio.run(sb.call("exec", code="import os\nresult = os.getcwd()"))["value"]
+        root = os.path.dirname(cwd)  # a call runs in a folder of the worker's scratch root, on the host
+        assert os.path.basename(root).startswith("veribus-sandbox-") and os.path.isdir(root)
     finally:
         sb.terminate()
+    assert not os.path.exists(root), "the unjailed worker's scratch folder outlives it"
 
 
 async def test_a_scope_keeps_its_process_and_no_other_scope_sees_it() -> None:
