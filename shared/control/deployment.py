@@ -107,7 +107,7 @@ async def _check(settings: Settings) -> None:
     # leader) says "unavailable" until the election is over: that is not an unreachable bus
     async with bus.session(settings, name="veribus-cli-check", connect_timeout=min(2.0, CHECK_TIMEOUT_S),
                            within=CHECK_TIMEOUT_S, **bus.ONE_TRY) as nc:
-        clustered = bool((getattr(nc, "_server_info", None) or {}).get("cluster"))
+        clustered = bus.clustered(nc)
         js = nc.jetstream(timeout=2.0)
         try:
             if clustered:

@@ -194,14 +194,22 @@ CLUSTER_READY_TIMEOUT_S = 60.0
 PLACEMENT_RETRY_S = 5.0  # how long a creation waits for a missing node before using fewer replicas
 
 
+def _server_info(nc: NATS) -> dict[str, Any]:
+    return getattr(nc, "_server_info", None) or {}
+
+
+def clustered(nc: NATS) -> bool:
+    """The server we are connected to is a cluster member (its INFO names a `cluster`)."""
+    return bool(_server_info(nc).get("cluster"))
+
+
 def cluster_size(nc: NATS) -> int:
     """How many servers the cluster we are connected to has, from the server's INFO: a
     clustered server lists every member's client URL in `connect_urls`; a standalone one has
     no `cluster`."""
-    info = getattr(nc, "_server_info", None) or {}
-    if not info.get("cluster"):
+    if not clustered(nc):
         return 1
-    return max(1, len(set(info.get("connect_urls") or [])))
+    return max(1, len(set(_server_info(nc).get("connect_urls") or [])))
 
 
 def replicas_override(settings: Settings | None) -> int | None:
@@ -221,7 +229,7 @@ def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
     if override is not None:
         return override
     size = cluster_size(nc)
-    if (getattr(nc, "_server_info", None) or {}).get("cluster"):
+    if clustered(nc):
         size = max(size, len((settings or Settings.from_env("nats_url")).nats_servers))
     return min(MAX_REPLICAS, size)
 

@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 
 from shared.core import events
 from shared.core.outcome import COST_BUDGET_MESSAGE
-from shared.runtime.runcontrol import BudgetExhausted, RunControl, usage_growth
+from shared.runtime.runcontrol import BudgetExhausted, RunControl, positive, usage_growth
 
 log = logging.getLogger("veribus.cost")
 
@@ -108,7 +108,8 @@ class CostControl(RunControl):
 
 
 def _micro_budget(usd: Any) -> int | None:
-    return round(float(usd) * MICRO) if isinstance(usd, int | float) and not isinstance(usd, bool) and usd > 0 else None
+    dollars = positive(usd)
+    return None if dollars is None else round(dollars * MICRO)
 
 
 async def run_cost_spent(js: JetStreamContext, run_id: str) -> float:

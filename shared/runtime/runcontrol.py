@@ -202,8 +202,8 @@ class RunControl:
     # ---- the budget: tokens here, micro-dollars in `CostControl` ----
     def config_budget(self, config: dict[str, Any]) -> int | None:
         """The budget a run's `run.requested` config sets (None: none)."""
-        b = config.get("budget_tokens")
-        return int(b) if isinstance(b, int | float) and not isinstance(b, bool) and b > 0 else None
+        b = positive(config.get("budget_tokens"))
+        return None if b is None else int(b)
 
     def control_budget(self, control: events.RunControlChange) -> int | None:
         """The budget a control change (`resume --max-tokens-budget`) puts in force (None: unchanged)."""
@@ -348,6 +348,11 @@ async def run_usage(settings: Settings, run_id: str) -> int:
     """Tokens the run's services have reported spending so far (the budget counter)."""
     async with bus.session(settings) as nc:
         return await RunControl(lambda: nc.jetstream())._read_counter(run_id)
+
+
+def positive(x: Any) -> float | None:
+    """A budget as read back from a stored event: a positive number (not a bool), else None."""
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and x > 0 else None
 
 
 def check_budget(tokens: Any) -> int:

@@ -119,7 +119,6 @@ class IpcStream(tuple):
         return b"".join(self)
 
 
-
 def block_or_none(types_of: Callable[[str], Mapping[str, Any]], table: str, column_names: Sequence[str],
                   columns: Sequence[Sequence[Any]]) -> Any | None:
     """`to_arrow` with the column types `types_of(table)` gives, or None when either fails: the
