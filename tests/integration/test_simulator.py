@@ -318,26 +318,8 @@ def test_deterministic_for_same_seed(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def nats_url(tmp_path: Path) -> Iterator[str]:
-    binary = Path(sys.executable).parent / "nats-server"
-    if not binary.exists():
-        pytest.skip(f"nats-server not found at {binary}")
-    port = _free_port()
-    proc = subprocess.Popen([str(binary), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(tmp_path / "js")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("nats-server did not start") from None
-                time.sleep(0.03)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        stop_process(proc)
+def nats_url(nats_server) -> str:  # noqa: ANN001 - tests/conftest.py's real nats-server (JetStream on)
+    return nats_server.url
 
 
 async def test_nats_kv_cache_shared_between_clients(sim: Sim, nats_url: str) -> None:
