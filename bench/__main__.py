@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, default=64,
                    help="C, model calls in flight in total (each of the two models gets C/2)")
     b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
+    b.add_argument("--hedge-after-ms", type=float, default=None,
+                   help="both models' hedge_after_s, in ms: a second copy of a call unanswered that long, on a "
+                        "free slot (opt-in; off by default)")
     b.add_argument("--api-base", help="measure against this OpenAI-compatible server instead of the simulator")
     b.add_argument("--bench-model", help="answering model at --api-base (default openai/bench-answerer)")
     b.add_argument("--bench-judge", help="judge model at --api-base (default openai/bench-judge)")

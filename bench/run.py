@@ -222,10 +222,12 @@ def simulator_delays(url: str, since: int = 0) -> list[tuple[str, float]]:
 def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int],
              api_base: str | None = None, model: str | None = None, judge: str | None = None, *,
              extra_env: dict[str, str] | None = None, model_limit: int | None = None,
-             latency_dist: str = "lognormal", latency_sigma: float = 0.5) -> dict[str, Any]:
+             latency_dist: str = "lognormal", latency_sigma: float = 0.5,
+             hedge_after_ms: float | None = None) -> dict[str, Any]:
     """One measured run. With `api_base`, against that OpenAI-compatible server (no simulator;
     its latency is whatever it is, `latency_ms` is only a label). `extra_env` goes to every
-    process of the stack; `model_limit` replaces each model's `max_concurrency` (C/2)."""
+    process of the stack; `model_limit` replaces each model's `max_concurrency` (C/2);
+    `hedge_after_ms` sets both models' `hedge_after_s` (shared.runtime.llm.hedge)."""
     with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
         home = Path(tmp)
         settings = Settings(home=home / "home")
@@ -243,7 +245,8 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             # C is the total number of model calls in flight: each result makes two sequential
             # calls (answer, then parse) in two services, so each model gets C/2.
             models = {"api_base": api_base or state.simulator_url,
-                      "max_concurrency": model_limit or max(1, concurrency // 2)}
+                      "max_concurrency": model_limit or max(1, concurrency // 2),
+                      "hedge_after_s": hedge_after_ms / 1000 if hedge_after_ms else None}
             config = VerificationConfig(
                 answering_models=[ModelConfig(model_name=model or "openai/bench-answerer", **models)],
                 parsing_models=[ModelConfig(model_name=judge or "openai/bench-judge", **models)],
@@ -289,7 +292,9 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             pipeline_cpu = sum(v for k, v in per_service.items() if k not in ("nats", "simulator"))
             bound = concurrency / (2 * latency_ms / 1000) if latency_ms > 0 else None
             possible = None
-            if api_base is None and bound:
+            hedges = sum(int(((r.metadata.retry_counts or {}).get("hedge") or {}).get("used", 0))
+                         for r in outcome.results.values())
+            if api_base is None and bound and not hedge_after_ms:  # a hedge's draw would shift the replay
                 drawn = simulator_delays(state.simulator_url, since=delays0)
                 possible = ideal.replay_fraction([ms / 1000 for kind, ms in drawn if kind == "answer"],
                                                  [ms / 1000 for kind, ms in drawn if kind == "judge"],
@@ -315,6 +320,8 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "passed": sum(1 for r in outcome.results.values() if r.template and r.template.verify_result),
                 "stream_bytes_per_result": round(stream_delta / max(done, 1)),
                 "steady_results_per_s": steady,
+                "hedge_after_ms": hedge_after_ms or None,
+                "hedged_calls": hedges,
                 "replicas": dict(replicas),
                 "warmup_settled": quiet,
                 "timeline": tl,
@@ -342,6 +349,10 @@ replica there adds no capacity; at latency a replica adds its own worker slots."
 def _dist(args: argparse.Namespace) -> dict[str, Any]:
     return {"latency_dist": getattr(args, "latency_dist", "lognormal"),
             "latency_sigma": getattr(args, "latency_sigma", 0.5)}
+
+
+def _hedge(args: argparse.Namespace) -> dict[str, Any]:
+    return {"hedge_after_ms": getattr(args, "hedge_after_ms", None) or None}
 
 
 def scaling(args: argparse.Namespace) -> dict[str, Any]:
@@ -383,7 +394,8 @@ def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     api_base = getattr(args, "api_base", None)
     for lat in (args.latency_ms if api_base is None else [0.0]):
         row = run_once(args.questions, lat, args.concurrency, replicas, api_base,
-                       getattr(args, "bench_model", None), getattr(args, "bench_judge", None), **_dist(args))
+                       getattr(args, "bench_model", None), getattr(args, "bench_judge", None), **_dist(args),
+                       **_hedge(args))
         rows.append(row)
         where = f"server {api_base}" if api_base else latency_label(lat, **_dist(args))
         print(f"\n== {where}, {row['results']} results, concurrency {args.concurrency}")
@@ -400,6 +412,10 @@ def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
             c = row["simulator_ceiling_fraction"]
             print(f"  the simulator itself allows {c} of C/(2L) now (minimal callers, no veribus): whole run "
                   f"{row['fraction_of_bound'] / c:.3f} of that, steady {(row['steady_fraction_of_bound'] or 0) / c:.3f}")
+        if row.get("hedge_after_ms"):
+            print(f"  hedged requests: a second copy of a call unanswered after {row['hedge_after_ms']:g} ms, on a "
+                  f"free slot; {row['hedged_calls']} copies sent ({row['hedged_calls'] / max(1, 2 * row['results']):.1%}"
+                  " of the calls), each counted in cost as the reply it raced")
         print(timeline_line(row["timeline"]))
         print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
         print(f"  event stream: {row['stream_bytes_per_result']} bytes per result (target <= 6144)")
@@ -450,8 +466,10 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
     for row in rows:
         lat = row["latency_ms"]
         label = latency_label(lat, row.get("latency_dist") or "fixed", row.get("latency_sigma") or 0.5)
-        lines.append("  your server:" if api_base else f"  {label}, {row.get('results', '?')} results, "
-                     f"C = {row.get('concurrency', '?')}:")
+        hedged = (f", hedged after {row['hedge_after_ms']:g} ms ({row.get('hedged_calls', 0)} copies)"
+                  if row.get("hedge_after_ms") else "")
+        lines.append(f"  your server{hedged}:" if api_base else f"  {label}, {row.get('results', '?')} results, "
+                     f"C = {row.get('concurrency', '?')}{hedged}:")
         queryable = "until `veribus run` returns: the projector wrote every row"
         if lat == 0:
             lines.append(_figure("results/s, whole run", row["results_per_s"], ">= 120"))

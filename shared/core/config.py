@@ -45,6 +45,10 @@ class ModelConfig(BaseModel):
     limit_scope: Literal["model", "endpoint"] = Field(
         default="model", description="share the limits per model, or per endpoint (api_base) across its models")
     timeout: float = Field(default=120.0, gt=0)
+    hedge_after_s: float | None = Field(
+        default=None, gt=0, description="opt-in: a call still unanswered after this many seconds gets a second "
+        "copy when the model's limit has a free slot; the first reply wins, and the other copy is cancelled and "
+        "counted as costing what the winner did")
     max_retries: int = Field(default=4, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
     mcp_urls_dict: dict[str, str] | None = None
@@ -89,6 +93,7 @@ class ModelConfig(BaseModel):
             system_prompt=self.system_prompt,
             max_concurrency=self.max_concurrency,
             timeout=self.timeout,
+            hedge_after_s=self.hedge_after_s,
             max_retries=self.max_retries,
             params=dict(self.params),
             mcp_servers=dict(self.mcp_urls_dict or {}),

@@ -72,6 +72,7 @@ class ModelSpec(msgspec.Struct, omit_defaults=True, frozen=True):
     limit_scope: str = "model"  # "model" or "endpoint": what max_concurrency/rpm/tpm are shared by
     input_cost_per_million_tokens: float | None = None  # price overrides (shared.core.usage)
     output_cost_per_million_tokens: float | None = None
+    hedge_after_s: float | None = None  # a second copy of a slow call (shared.runtime.llm.hedge)
 
     @property
     def tools(self) -> list[str]:

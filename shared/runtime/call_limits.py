@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from shared.core.events import ModelSpec
 
 DEFAULT_ANSWER_TOKENS = 512  # a call's output estimate for tokens/minute when max_tokens is unset
+# a hedge's slot (`try_acquire`) must have been idle this long: every slot busy, or a call waiting,
+# within it means work is coming (a stage's next message arrives ms after its last call ends)
+IDLE_FOR_HEDGE_S = 0.1
 
 
 def limit_identity(model: ModelSpec) -> str:
@@ -52,13 +56,27 @@ class LocalLimiter:
 
     def __init__(self) -> None:
         self._sems: dict[str, asyncio.Semaphore] = {}
+        self._full_at: dict[str, float] = {}  # when every slot was last taken (or a call waited)
 
     async def acquire(self, model: ModelSpec, estimate: int = 0) -> Lease:
         key = limit_key(model)
         sem = self._sems.get(key)
         if sem is None:
             sem = self._sems[key] = asyncio.Semaphore(max(1, model.max_concurrency))
+        if sem.locked():
+            self._full_at[key] = time.monotonic()
         await sem.acquire()
+        if sem.locked():
+            self._full_at[key] = time.monotonic()
+        return Lease(key, estimate)
+
+    async def try_acquire(self, model: ModelSpec, estimate: int = 0) -> Lease | None:
+        """A lease only if a slot is free now and has been for `IDLE_FOR_HEDGE_S` (a hedge's slot)."""
+        key = limit_key(model)
+        sem = self._sems.get(key)
+        if sem is None or sem.locked() or time.monotonic() - self._full_at.get(key, 0.0) < IDLE_FOR_HEDGE_S:
+            return None
+        await sem.acquire()  # not locked: returns without yielding
         return Lease(key, estimate)
 
     def release(self, lease: Lease, *, tokens: int | None = None, rate_limited: bool = False) -> None:

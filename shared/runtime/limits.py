@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from shared.core.events import ModelSpec
-from shared.runtime.call_limits import Lease, limit_key
+from shared.runtime.call_limits import IDLE_FOR_HEDGE_S, Lease, limit_key
 from shared.runtime.ledger import (
     Bucket,
     Holder,
@@ -90,6 +90,7 @@ class _KeyState:
     successes: int = 0
     rate_limited: bool = False
     last_busy: float = 0.0
+    full_at: float = 0.0  # when every held slot was last in use, or a call last had to wait
     next_retry: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -128,6 +129,7 @@ class Limiter:
             return Lease(st.key, estimate)
         waiter = _Waiter(asyncio.get_running_loop().create_future(), estimate)
         st.waiters.append(waiter)
+        st.full_at = time.monotonic()
         st.wake.set()
         try:
             await waiter.fut
@@ -140,6 +142,20 @@ class Limiter:
                 except ValueError:
                     pass
             raise
+        return Lease(st.key, estimate)
+
+    async def try_acquire(self, model: ModelSpec, estimate: int = 0) -> Lease | None:
+        """A lease only if this process holds a free slot now, none of its calls waits, and its
+        slots have not all been busy for `IDLE_FOR_HEDGE_S`: a hedge (`shared.runtime.llm.hedge`)
+        uses capacity that would otherwise idle, never a slot the next call is about to take."""
+        st = self._state(model)
+        if st.tpm is None:
+            estimate = 0
+        if (st.waiters or time.monotonic() - st.full_at < IDLE_FOR_HEDGE_S
+                or not self._can_admit(st, estimate)):
+            return None
+        self.calls += 1
+        self._admit(st, estimate)
         return Lease(st.key, estimate)
 
     def release(self, lease: Lease, *, tokens: int | None = None, rate_limited: bool = False) -> None:
@@ -175,6 +191,8 @@ class Limiter:
     def _admit(self, st: _KeyState, estimate: int) -> None:
         st.in_use += 1
         st.last_busy = time.monotonic()
+        if st.in_use >= st.held:
+            st.full_at = st.last_busy
         if st.rpm is not None:
             st.rpm_local -= 1
         if st.tpm is not None:

@@ -118,6 +118,15 @@ def slow_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def tail_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
+    """A long-tailed latency (lognormal, median 40 ms, sigma 2): a few calls take seconds."""
+    s = _start(tmp_path_factory.mktemp("tailsim"), "--latency-ms", "40", "--latency-dist", "lognormal",
+               "--latency-sigma", "2.0", "--seed", "5")
+    yield s
+    s.stop()
+
+
 @pytest.fixture(autouse=True, params=["direct", "litellm"])
 def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every behaviour holds on both HTTP paths: the direct OpenAI-compatible one and litellm."""
@@ -127,7 +136,7 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.fixture(autouse=True)
 def _reset(request: pytest.FixtureRequest) -> None:
-    for name in ("sim", "slow_sim"):
+    for name in ("sim", "slow_sim", "tail_sim"):
         if name in request.fixturenames:
             request.getfixturevalue(name).post("/simulator/reset")
 
@@ -291,6 +300,29 @@ async def test_concurrency_limit_respected(slow_sim: Sim) -> None:
     await asyncio.gather(*[client.complete(other, [{"role": "user", "content": f"q {i}"}], stage="a")
                            for i in range(12)])
     assert slow_sim.get("/simulator/stats")["max_in_flight"] == 6
+
+
+async def test_hedged_calls_cut_the_tail_on_a_real_server(tail_sim: Sim) -> None:
+    """40 calls at once on a long-tailed server, hedged after 0.3 s: the slowest first copies are
+    raced by a second one (the server draws a repeated request afresh) and the batch ends well
+    before its slowest first copy would have; every reply is the server's for its question."""
+    questions = [f"tail question {i}" for i in range(40)]
+    spec = tail_sim.model(max_concurrency=64, hedge_after_s=0.3)
+    client = _client()
+    await client.complete(spec, [{"role": "user", "content": "warm up"}], stage="answer_generation")  # imports
+    tail_sim.post("/simulator/reset")
+    t0 = time.monotonic()
+    replies = await asyncio.gather(*[client.complete(spec, [{"role": "user", "content": q}], stage="answer_generation")
+                                     for q in questions])
+    elapsed = time.monotonic() - t0
+    drawn = [ms / 1000 for _, ms in tail_sim.get("/simulator/delays")]
+    first, copies = drawn[:40], drawn[40:]
+    hedges = sum(r.retries.get("hedge", 0) for r in replies)
+    assert max(first) > 2.0, "the seed gives a slow first copy (else this test shows nothing)"
+    assert hedges == len(copies) >= sum(1 for d in first if d > 1.0)  # every copy slower than 1 s was raced
+    assert elapsed < max(first) - 0.5
+    assert all(r.text and r.attempts == 1 + r.retries.get("hedge", 0) for r in replies)
+    assert tail_sim.get("/simulator/stats")["requests"] == 40 + hedges
 
 
 def test_deterministic_for_same_seed(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from shared.runtime.endpoints import EndpointRefused
 from shared.runtime.endpoints import check_model as check_endpoint
 from shared.runtime.llm import transport
 from shared.runtime.llm.cache import ResponseCache, cache_key
+from shared.runtime.llm.hedge import first_reply
 from shared.runtime.llm.pricing import call_cost
 from shared.runtime.llm.reply import (
     DUMMY_KEY,
@@ -134,9 +135,11 @@ class LLMClient:
         retries: dict[str, int] = {}
         last_error = ""
         for round_ in range(MAX_OUTPUT_RETRIES + 1):
-            resp, n = await self._call(model, convo, kwargs, stage, api_key, attempts, retries)
+            resp, n, abandoned = await self._call(model, convo, kwargs, stage, api_key, attempts, retries)
             attempts += n
-            usage = add_usage(usage, _usage_of(resp, model.model_name))
+            used = _usage_of(resp, model.model_name)
+            for _ in range(1 + abandoned):  # an abandoned hedge copy counts as costing what the reply did
+                usage = add_usage(usage, used)
             text, tool_calls = _message_of(resp)
             if tool_calls or (not structured and validate is None):
                 parsed = None
@@ -240,9 +243,11 @@ class LLMClient:
         return kwargs
 
     async def _call(self, model: ModelSpec, messages: list[dict[str, Any]], kwargs: dict[str, Any], stage: str,
-                    api_key: str | None, prior_attempts: int, retries: dict[str, int] | None = None) -> tuple[Any, int]:
-        """One reply, retrying transient failures; returns (response, attempts used). Each retry is
-        counted by its error kind in `retries` (metadata.retry_counts)."""
+                    api_key: str | None, prior_attempts: int,
+                    retries: dict[str, int] | None = None) -> tuple[Any, int, int]:
+        """One reply, retrying transient failures; returns (response, requests sent, hedged copies
+        abandoned in flight). Each retry is counted by its error kind in `retries`
+        (metadata.retry_counts), a hedge (`shared.runtime.llm.hedge`) as "hedge"."""
         direct = transport_for(model) == "direct"
         litellm = None if direct else transport._get_litellm()
         limiter = self.limiter
@@ -250,6 +255,30 @@ class LLMClient:
         attempt = 0
         dropped_format = False
         hard_timeout = model.timeout * 1.5 + 5.0
+        hedges = 0
+
+        def send() -> Awaitable[Any]:
+            if direct:
+                return transport._direct.complete(model, messages, kwargs, api_key)
+            return litellm.acompletion(messages=messages, **kwargs)
+
+        def hedged() -> None:  # a second copy went out: a request sent, counted as a retry of kind "hedge"
+            nonlocal hedges
+            hedges += 1
+            if retries is not None:
+                retries["hedge"] = retries.get("hedge", 0) + 1
+            METRICS.model_call(model.model_name, "hedge")
+
+        async def may_hedge() -> bool:  # not once the run's budget is spent or it was cancelled
+            gate = CALL_GATE.get()
+            return gate is None or await gate() is None
+
+        def tokens_of(resp: Any) -> int:
+            return int(_usage_of(resp, model.model_name)["total_tokens"])
+
+        def is_rate_limit(exc: BaseException) -> bool:
+            return _classify(exc)[0] == "rate_limit"
+
         while True:
             attempt += 1
             lease = await limiter.acquire(model, estimate)
@@ -260,13 +289,12 @@ class LLMClient:
                 raise stop
             try:
                 async with asyncio.timeout(hard_timeout):
-                    if direct:
-                        resp = await transport._direct.complete(model, messages, kwargs, api_key)
-                    else:
-                        resp = await litellm.acompletion(messages=messages, **kwargs)
-                limiter.release(lease, tokens=_usage_of(resp, model.model_name)["total_tokens"])
+                    got = await first_reply(send, model, limiter, estimate, on_hedge=hedged,
+                                            may_hedge=may_hedge, tokens_of=tokens_of, is_rate_limit=is_rate_limit)
+                resp = got.response
+                limiter.release(lease, tokens=tokens_of(resp))
                 METRICS.model_call(model.model_name, "ok")
-                return resp, attempt
+                return resp, attempt + hedges, got.abandoned
             except asyncio.CancelledError:
                 limiter.release(lease)
                 raise
@@ -280,7 +308,7 @@ class LLMClient:
                     dropped_format = True
                     continue
                 ra = _retry_after(exc) if kind == "rate_limit" else None
-                total = prior_attempts + attempt
+                total = prior_attempts + attempt + hedges
                 if kind in RETRYABLE and attempt <= model.max_retries:
                     if retries is not None:
                         retries[kind] = retries.get(kind, 0) + 1
