@@ -48,12 +48,12 @@ async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limi
     if the first is unanswered after `model.hedge_after_s` and a slot is free (`on_hedge()` is
     called as the copy goes; `may_hedge()` False holds it back, as a spent budget must). Raises
     the first copy's error when every copy sent failed; cancelling this cancels every copy."""
+    after = model.hedge_after_s
+    if not after:
+        return Hedged(await send())  # no task of its own: the path of every call without hedging
     primary = asyncio.ensure_future(send())
     tasks = [primary]
     try:
-        after = model.hedge_after_s
-        if not after:
-            return Hedged(await primary)
         done, _ = await asyncio.wait({primary}, timeout=after)
         lease = None
         while not done:
