@@ -42,7 +42,8 @@ STREAM = events.STREAM
 # every KV bucket a stage service uses: run-scoped and shared response caches, run usage and cost
 # (budgets), the deployment's model limits (watched: ordered consumers), job contents by hash
 CONTENT_BUCKET = "vb_content"
-KV_BUCKETS = ("vb_llm_cache", "vb_llm_cache_shared", "vb_run_usage", "vb_run_cost", "vb_model_limits", "vb_content")
+LIMITS_BUCKET = "vb_model_limits"
+KV_BUCKETS = ("vb_llm_cache", "vb_llm_cache_shared", "vb_run_usage", "vb_run_cost", LIMITS_BUCKET, "vb_content")
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,10 @@ def roles() -> dict[str, Role]:
         pub = [events.subscription(t) for t in (*outputs, events.STAGE_FAILED, events.DEAD_LETTER)]
         for durable in inputs:
             pub += _consumer_api(durable)
-        out[name] = Role(publish=tuple(pub + _stream_read_api()), durables=tuple(inputs))
+        # the model-limit ledgers are watched by a core subscription on their KV subjects: without
+        # it another process's wait went unseen until a lease renewal (seconds of a starved stage)
+        out[name] = Role(publish=tuple(pub + _stream_read_api()), durables=tuple(inputs),
+                         subscribe=("_INBOX.>", f"$KV.{LIMITS_BUCKET}.>"))
     b = CONTENT_BUCKET  # the projector copies job contents into ClickHouse: it reads that bucket
     content_read = [f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.STREAM.CREATE.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}",
                     f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}"]

@@ -10,9 +10,10 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from shared.runtime.bus import ensure_kv
+from shared.runtime.bus_auth import LIMITS_BUCKET
 from shared.runtime.ledger import Ledger, decode_ledger, encode_ledger
 
-BUCKET = "vb_model_limits"
+BUCKET = LIMITS_BUCKET  # the roles' permissions name it (shared.runtime.bus_auth)
 
 
 class Conflict(Exception):

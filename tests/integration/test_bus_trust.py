@@ -218,6 +218,53 @@ def test_roles_limit_what_each_may_publish_and_read(tstack: Stack) -> None:
         assert got["sub_ok"] is False, role
 
 
+def test_a_stage_waiting_on_a_shared_model_limit_is_seen_at_once_by_the_holder(tstack: Stack) -> None:
+    """Two stages share one endpoint limit, each with its own role's credentials. The answering
+    stage holds every slot with work queued; the parsing stage's wait, written to the ledger, must
+    reach it through its watch so it sheds to a fair share within a call or two. When the service
+    roles could not subscribe to the ledger's KV subject the watch failed silently and parsing
+    starved until the holder's lease renewal, seconds later (measured: 1,000 answers first)."""
+    from shared.core.events import ModelSpec
+    from shared.runtime.limits import deployment_limiter
+
+    answerer = ModelSpec(model_name="openai/a", api_base="http://gpu-box:8000/v1", limit_scope="endpoint",
+                         max_concurrency=16)
+    judge = msgspec.structs.replace(answerer, model_name="openai/b")
+
+    async def main() -> tuple[float, list[str]]:
+        errors: list[str] = []
+        gen_nc = await _connect(_as(tstack, "generation"), errors)
+        par_nc = await _connect(_as(tstack, "parsing"), errors)
+        gen, par = deployment_limiter(gen_nc, "generation@test"), deployment_limiter(par_nc, "parsing@test")
+        stop = asyncio.Event()
+
+        async def answering() -> None:  # a stage with a backlog: a slot is reused as soon as it frees
+            while not stop.is_set():
+                lease = await gen.acquire(answerer)
+                await asyncio.sleep(0.1)
+                gen.release(lease)
+
+        workers = [asyncio.ensure_future(answering()) for _ in range(32)]
+        try:
+            await asyncio.sleep(1.0)  # the answering stage holds all 16
+            t0 = time.monotonic()
+            lease = await asyncio.wait_for(par.acquire(judge), 30)
+            waited = time.monotonic() - t0
+            par.release(lease)
+        finally:
+            stop.set()
+            await asyncio.gather(*workers)
+            await gen.close()
+            await par.close()
+            await gen_nc.close()
+            await par_nc.close()
+        return waited, errors
+
+    waited, errors = sync(main())
+    assert not [e for e in errors if "permissions violation" in e.lower()], errors
+    assert waited < 1.5, f"the parsing stage waited {waited:.2f} s for its first slot"
+
+
 # ------------------------------------------------------ item 5: forged jobs and dead letters
 
 
