@@ -157,7 +157,12 @@ def stream_config(replicas: int = 1, limits: dict[str, Any] | None = None) -> St
 
 async def _quiet_error_cb(exc: Exception) -> None:
     """nats-py's default error callback logs a traceback per failed (re)connect attempt; one
-    line at debug is enough (callers report what failed)."""
+    line at debug is enough (callers report what failed). A permissions violation is different:
+    nats-py reports a refused subscription only here, the subscribing call succeeds, and what
+    depended on it silently gets nothing, so it is a warning."""
+    if "permissions violation" in str(exc).lower():
+        log.warning("nats: %s (this process's bus role does not allow it)", exc)
+        return
     log.debug("nats: %s: %s", type(exc).__name__, exc)
 
 
