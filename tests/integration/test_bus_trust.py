@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import stat
 import threading
@@ -263,6 +264,25 @@ def test_a_stage_waiting_on_a_shared_model_limit_is_seen_at_once_by_the_holder(t
     waited, errors = sync(main())
     assert not [e for e in errors if "permissions violation" in e.lower()], errors
     assert waited < 1.5, f"the parsing stage waited {waited:.2f} s for its first slot"
+
+
+def test_a_refused_subscription_is_logged_as_a_warning(tstack: Stack, caplog: pytest.LogCaptureFixture) -> None:
+    """nats-py reports a subscription the server refuses only to the error callback; the call
+    itself succeeds and the subscriber silently gets nothing. A service must say so in its log."""
+    async def main() -> None:
+        nc = await bus.connect(_as(tstack, "guards"))  # the services' own connect options
+        try:
+            await nc.subscribe("vb.>")  # the whole stream: not this role's to read
+            await nc.flush()
+            await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+
+    with caplog.at_level(logging.WARNING, logger="veribus.bus"):
+        sync(main())
+    refused = [r for r in caplog.records if r.name == "veribus.bus" and r.levelno == logging.WARNING
+               and "permissions violation" in r.getMessage().lower()]
+    assert refused and "vb.>" in refused[0].getMessage()
 
 
 # ------------------------------------------------------ item 5: forged jobs and dead letters
