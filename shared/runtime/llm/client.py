@@ -289,10 +289,11 @@ class LLMClient:
                 raise stop
             try:
                 async with asyncio.timeout(hard_timeout):
-                    got = await first_reply(send, model, limiter, estimate, on_hedge=hedged,
+                    got = await first_reply(send, model, limiter, lease, estimate, on_hedge=hedged,
                                             may_hedge=may_hedge, tokens_of=tokens_of, is_rate_limit=is_rate_limit)
                 resp = got.response
-                limiter.release(lease, tokens=tokens_of(resp))
+                if not got.owns_lease:
+                    limiter.release(lease, tokens=tokens_of(resp))
                 METRICS.model_call(model.model_name, "ok")
                 return resp, attempt + hedges, got.abandoned
             except asyncio.CancelledError:

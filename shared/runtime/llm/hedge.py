@@ -27,10 +27,16 @@ POLL_S = 0.05  # how often a slow call looks for a free slot once it is due a he
 
 @dataclass
 class Hedged:
-    """What `first_reply` got: the response, and how many copies were abandoned in flight."""
+    """What `first_reply` got: the response, how many copies were abandoned in flight, and
+    whether it took over the caller's lease (a hedge went out: the lease goes with its copy)."""
 
     response: Any
     abandoned: int = 0
+    owns_lease: bool = False
+
+
+# losing copies still running: referenced until they end (asyncio keeps only weak references)
+_RUNNING_ON: set[asyncio.Future[Any]] = set()
 
 
 def _quiet(task: asyncio.Future[Any]) -> None:
@@ -39,33 +45,28 @@ def _quiet(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limiter: Any, estimate: int,
-                      *, on_hedge: Callable[[], None] | None = None,
+async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limiter: Any, lease: Any,
+                      estimate: int, *, on_hedge: Callable[[], None] | None = None,
                       may_hedge: Callable[[], Awaitable[bool]] | None = None,
                       tokens_of: Callable[[Any], int] | None = None,
                       is_rate_limit: Callable[[BaseException], bool] | None = None) -> Hedged:
-    """`send()` once (the caller holds its lease), and a second time under a lease of its own
-    if the first is unanswered after `model.hedge_after_s` and a slot is free (`on_hedge()` is
-    called as the copy goes; `may_hedge()` False holds it back, as a spent budget must). Raises
-    the first copy's error when every copy sent failed; cancelling this cancels every copy."""
+    """`send()` under the caller's `lease`, and a second time under a lease of its own if the
+    first is unanswered after `model.hedge_after_s` and a slot is free (`on_hedge()` is called as
+    the copy goes; `may_hedge()` False holds it back, as a spent budget must). Raises the first
+    copy's error when every copy sent failed.
+
+    Each copy's lease is released when that copy ends, and a losing copy is *not* cancelled: it
+    runs on in the background holding its slot until its reply comes, because a provider goes on
+    with a request whose client hung up, and a slot freed at once would put one call more on it
+    than the limit allows (measured: 4 in flight for a limit of 3). Releasing the caller's lease
+    is left to the caller unless a hedge went out (`owns_lease`). Cancelling this cancels every
+    copy."""
     after = model.hedge_after_s
     if not after:
         return Hedged(await send())  # no task of its own: the path of every call without hedging
-    primary = asyncio.ensure_future(send())
-    tasks = [primary]
-    try:
-        done, _ = await asyncio.wait({primary}, timeout=after)
-        lease = None
-        while not done:
-            if may_hedge is None or await may_hedge():
-                lease = await limiter.try_acquire(model, estimate)
-            if lease is not None:
-                break
-            done, _ = await asyncio.wait({primary}, timeout=POLL_S)
-        if done:
-            return Hedged(primary.result())
 
-        async def copy() -> Any:
+    def leased(copy_lease: Any) -> Callable[[], Awaitable[Any]]:
+        async def run() -> Any:
             rate_limited = False
             tokens = None
             try:
@@ -78,21 +79,59 @@ async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limi
                 rate_limited = is_rate_limit(exc) if is_rate_limit is not None else False
                 raise
             finally:
-                limiter.release(lease, tokens=tokens, rate_limited=rate_limited)
+                limiter.release(copy_lease, tokens=tokens, rate_limited=rate_limited)
+        return run
 
+    primary = asyncio.ensure_future(send())
+    tasks = [primary]
+    finished = False
+    try:
+        done, _ = await asyncio.wait({primary}, timeout=after)
+        second = None
+        while not done:
+            if may_hedge is None or await may_hedge():
+                second = await limiter.try_acquire(model, estimate)
+            if second is not None:
+                break
+            done, _ = await asyncio.wait({primary}, timeout=POLL_S)
+        if done:
+            finished = True
+            return Hedged(primary.result())
         if on_hedge is not None:
             on_hedge()
-        secondary = asyncio.ensure_future(copy())
+        # from here each copy releases its own lease when it ends: the primary's is the caller's
+        tasks[0] = primary = asyncio.ensure_future(_then_release(primary, limiter, lease, tokens_of, is_rate_limit))
+        secondary = asyncio.ensure_future(leased(second)())
         tasks.append(secondary)
         pending = {primary, secondary}
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in (primary, secondary):  # the primary first when both end together
                 if task in done and not task.cancelled() and task.exception() is None:
-                    return Hedged(task.result(), abandoned=len(pending))
+                    finished = True
+                    for loser in pending:  # runs on with its slot (see above)
+                        _RUNNING_ON.add(loser)
+                        loser.add_done_callback(_RUNNING_ON.discard)
+                    return Hedged(task.result(), abandoned=len(pending), owns_lease=True)
+        finished = True
         raise primary.exception()  # type: ignore[misc]  # both failed: the first copy's error
     finally:
         for task in tasks:
-            if not task.done():
-                task.cancel()
+            if not finished and not task.done():
+                task.cancel()  # this call was cancelled (a run cancel, the hard timeout): every copy goes
             task.add_done_callback(_quiet)
+
+
+async def _then_release(task: asyncio.Future[Any], limiter: Any, lease: Any, tokens_of: Any, is_rate_limit: Any) -> Any:
+    """The primary copy's outcome, its lease released when it ends (once a hedge raced it)."""
+    try:
+        resp = await task
+    except asyncio.CancelledError:
+        task.cancel()
+        limiter.release(lease)
+        raise
+    except Exception as exc:
+        limiter.release(lease, rate_limited=bool(is_rate_limit and is_rate_limit(exc)))
+        raise
+    limiter.release(lease, tokens=tokens_of(resp) if tokens_of is not None else None)
+    return resp
