@@ -91,6 +91,8 @@ class _KeyState:
     rate_limited: bool = False
     last_busy: float = 0.0
     full_at: float = 0.0  # when every held slot was last in use, or a call last had to wait
+    spare_asked: float = 0.0  # when a hedge last asked the ledger for a free slot (`try_acquire`)
+    spare_wanted: bool = False
     next_retry: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -151,8 +153,17 @@ class Limiter:
         st = self._state(model)
         if st.tpm is None:
             estimate = 0
-        if (st.waiters or time.monotonic() - st.full_at < IDLE_FOR_HEDGE_S
-                or not self._can_admit(st, estimate)):
+        now = time.monotonic()
+        if st.waiters or now - st.full_at < IDLE_FOR_HEDGE_S:
+            return None
+        if not self._can_admit(st, estimate):
+            # an idle process gives its free slots back after `linger_s`, so a call that turns slow
+            # later (hedge_after_s of many seconds) finds none here: ask the writer for one the
+            # ledger has free and nobody wants, at most once per `poll_s`; the caller polls again
+            if now - st.spare_asked >= self.poll_s:
+                st.spare_asked = now
+                st.spare_wanted = True
+                st.wake.set()
             return None
         self.calls += 1
         self._admit(st, estimate)
@@ -266,7 +277,7 @@ class Limiter:
 
     def _needs_write(self, st: _KeyState) -> bool:
         now = time.monotonic()
-        if st.rate_limited:
+        if st.rate_limited or st.spare_wanted:
             return True
         if st.waiters and time.time() >= st.next_retry:
             free_local = st.held - st.in_use
@@ -322,6 +333,10 @@ class Limiter:
             if give:
                 give_back(ledger, self.owner, give, wall, self.lease_s)
             need = max(0, len(st.waiters) - (free_local - give))
+            spare = (st.spare_wanted and not need and slots(ledger) > held_total(ledger)
+                     and not any(h.want > 0 for k, h in ledger.holders.items() if k != self.owner))
+            if spare:  # a hedge's slot: only one that is free and wanted by no one
+                need = 1
             got = 0
             if need or st.held - give > 0:
                 got = grant(ledger, self.owner, need, need, wall, self.lease_s)
@@ -337,8 +352,11 @@ class Limiter:
             st.last_written = encode_ledger(ledger)
             st.last_write = time.monotonic()
             st.dirty = False
-            st.wanting = need - got > 0
+            st.wanting = need - got > 0 and not spare
             st.held = st.held - give + got
+            st.spare_wanted = False  # asked once: granted now, or the hedge's next poll asks again
+            if spare:
+                st.last_busy = time.monotonic()  # not given back as idle before the hedge takes it
             st.rpm_local += int(rpm_got)
             st.tpm_local += tpm_got
             st.rate_limited = False

@@ -295,3 +295,45 @@ def test_hedging_is_opt_in_and_checked() -> None:
     assert ModelConfig(model_name="openai/m", hedge_after_s=2.5).to_spec().hedge_after_s == 2.5
     with pytest.raises(ValueError, match="hedge_after_s"):
         ModelConfig(model_name="openai/m", hedge_after_s=0)
+
+
+async def test_a_call_slow_long_after_the_rest_still_gets_a_slot_from_the_ledger() -> None:
+    """An idle process gives its free slots back to the ledger after `linger_s`, so a call that
+    turns slow later (a `hedge_after_s` of many seconds) holds the only slot it has. The hedge asks
+    the ledger for one that is free and wanted by nobody; it never takes one another process waits
+    for, and never goes past the cap."""
+    store = MemoryLedgerStore()
+    lim = Limiter(store, "p0", linger_s=0.05, poll_s=0.1)
+    other = Limiter(store, "p1", linger_s=5.0, poll_s=0.1)
+    spec = _spec(hedge_after_s=0.02, max_concurrency=3)
+    try:
+        stuck = await lim.acquire(spec)
+        await asyncio.sleep(0.4)  # everything else done long ago: the spare slots went back
+        assert lim.snapshot()[stuck.key]["held"] == 1
+        lease = None
+        for _ in range(40):
+            lease = await lim.try_acquire(spec)
+            if lease is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert lease is not None, "no spare slot came from the ledger"
+        ledger, _ = await store.get(stuck.key)
+        assert sum(h.n for h in ledger.holders.values()) == 2
+        lim.release(lease)
+
+        # another process takes the free slots and waits for more: a hedge gets none of them
+        taken = [await other.acquire(spec) for _ in range(2)]
+        waiting = asyncio.ensure_future(other.acquire(spec))
+        await asyncio.sleep(0.3)
+        for _ in range(10):
+            assert await lim.try_acquire(spec) is None
+            await asyncio.sleep(0.05)
+        ledger, _ = await store.get(stuck.key)
+        assert sum(h.n for h in ledger.holders.values()) <= 3
+        lim.release(stuck)
+        await asyncio.wait_for(waiting, 5)  # the stuck call's slot goes to the waiting process
+        for lease in [*taken, waiting.result()]:
+            other.release(lease)
+    finally:
+        await lim.close()
+        await other.close()
