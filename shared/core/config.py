@@ -47,8 +47,8 @@ class ModelConfig(BaseModel):
     timeout: float = Field(default=120.0, gt=0)
     hedge_after_s: float | None = Field(
         default=None, gt=0, description="opt-in: a call still unanswered after this many seconds gets a second "
-        "copy when the model's limit has a free slot; the first reply wins, and the other copy is cancelled and "
-        "counted as costing what the winner did")
+        "copy when the model's limit has a free slot; the first reply wins, and the other copy runs to its end "
+        "holding its slot and is counted as costing what the winner did")
     max_retries: int = Field(default=4, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
     mcp_urls_dict: dict[str, str] | None = None

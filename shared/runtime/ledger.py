@@ -84,6 +84,17 @@ def _starving(ledger: Ledger, me: str, floor: int) -> bool:
     return any(h.want > 0 and h.n < least for k, h in ledger.holders.items() if k != me)
 
 
+def others_want(ledger: Ledger, me: str) -> bool:
+    """Another holder waits for slots."""
+    return any(h.want > 0 for k, h in ledger.holders.items() if k != me)
+
+
+def spare(ledger: Ledger, me: str) -> bool:
+    """A slot is free and no other holder wants one: what a hedge may take (never one that
+    another process waits for, nor past the window)."""
+    return slots(ledger) > held_total(ledger) and not others_want(ledger, me)
+
+
 def grant(ledger: Ledger, me: str, want: int, batch: int, now: float, lease_s: float) -> int:
     """Give `me` up to min(want, batch) free slots, no more than its share while others wait;
     record what it still wants; renew its lease."""
@@ -94,7 +105,7 @@ def grant(ledger: Ledger, me: str, want: int, batch: int, now: float, lease_s: f
     floor, ceil = shares(ledger)
     if _starving(ledger, me, floor):
         g = min(g, max(0, max(1, floor) - h.n))
-    elif any(o.want > 0 for k, o in ledger.holders.items() if k != me):
+    elif others_want(ledger, me):
         g = min(g, max(0, ceil - h.n))
     h.n += g
     h.want = max(0, want - g)

@@ -58,6 +58,7 @@ from shared.runtime.ledger import (
     set_cap,
     shed_amount,
     slots,
+    spare,
     take,
     wait_for,
 )
@@ -333,10 +334,9 @@ class Limiter:
             if give:
                 give_back(ledger, self.owner, give, wall, self.lease_s)
             need = max(0, len(st.waiters) - (free_local - give))
-            spare = (st.spare_wanted and not need and slots(ledger) > held_total(ledger)
-                     and not any(h.want > 0 for k, h in ledger.holders.items() if k != self.owner))
-            if spare:  # a hedge's slot: only one that is free and wanted by no one
-                need = 1
+            for_hedge = st.spare_wanted and not need and spare(ledger, self.owner)
+            if for_hedge:
+                need = 1  # a hedge's slot: only one that is free and wanted by no one
             got = 0
             if need or st.held - give > 0:
                 got = grant(ledger, self.owner, need, need, wall, self.lease_s)
@@ -352,10 +352,10 @@ class Limiter:
             st.last_written = encode_ledger(ledger)
             st.last_write = time.monotonic()
             st.dirty = False
-            st.wanting = need - got > 0 and not spare
+            st.wanting = need - got > 0
             st.held = st.held - give + got
             st.spare_wanted = False  # asked once: granted now, or the hedge's next poll asks again
-            if spare:
+            if for_hedge:
                 st.last_busy = time.monotonic()  # not given back as idle before the hedge takes it
             st.rpm_local += int(rpm_got)
             st.tpm_local += tpm_got

@@ -5,12 +5,12 @@ slots sit free (the drain). A model with `hedge_after_s` set gets, for a call st
 after that long, one more copy of the same request, but only when its limit has a free slot that
 no call of this process waits for (`try_acquire`): in the steady state every slot is busy and
 nothing is hedged, so a hedge never delays other work and never goes past the model's limits.
-The first good reply wins; the other copy is cancelled.
+The first good reply wins; the other copy runs to its end holding its slot (see `first_reply`).
 
-What it costs, said plainly: a cancelled copy may still be billed by the provider (the request
-was sent), and its tokens are not known. It is counted as costing what the winning reply did
-(`abandoned`, which the caller adds to the usage), and each hedge is counted in the result's
-`retry_counts` as `hedge` and in `model_calls`. Opt-in for that reason.
+What it costs, said plainly: the losing copy is billed by the provider, and its reply comes after
+the result is written. It is counted as costing what the winning reply did (`abandoned`, which
+the caller adds to the usage), and each hedge is counted in the result's `retry_counts` as
+`hedge` and in `model_calls`. Opt-in for that reason.
 """
 
 from __future__ import annotations
@@ -65,23 +65,6 @@ async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limi
     if not after:
         return Hedged(await send())  # no task of its own: the path of every call without hedging
 
-    def leased(copy_lease: Any) -> Callable[[], Awaitable[Any]]:
-        async def run() -> Any:
-            rate_limited = False
-            tokens = None
-            try:
-                resp = await send()
-                tokens = tokens_of(resp) if tokens_of is not None else None
-                return resp
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                rate_limited = is_rate_limit(exc) if is_rate_limit is not None else False
-                raise
-            finally:
-                limiter.release(copy_lease, tokens=tokens, rate_limited=rate_limited)
-        return run
-
     primary = asyncio.ensure_future(send())
     tasks = [primary]
     finished = False
@@ -100,8 +83,8 @@ async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limi
         if on_hedge is not None:
             on_hedge()
         # from here each copy releases its own lease when it ends: the primary's is the caller's
-        tasks[0] = primary = asyncio.ensure_future(_then_release(primary, limiter, lease, tokens_of, is_rate_limit))
-        secondary = asyncio.ensure_future(leased(second)())
+        tasks[0] = primary = asyncio.ensure_future(_released_after(primary, limiter, lease, tokens_of, is_rate_limit))
+        secondary = asyncio.ensure_future(_released_after(send(), limiter, second, tokens_of, is_rate_limit))
         tasks.append(secondary)
         pending = {primary, secondary}
         while pending:
@@ -122,12 +105,16 @@ async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limi
             task.add_done_callback(_quiet)
 
 
-async def _then_release(task: asyncio.Future[Any], limiter: Any, lease: Any, tokens_of: Any, is_rate_limit: Any) -> Any:
-    """The primary copy's outcome, its lease released when it ends (once a hedge raced it)."""
+async def _released_after(copy: Awaitable[Any], limiter: Any, lease: Any,
+                          tokens_of: Callable[[Any], int] | None,
+                          is_rate_limit: Callable[[BaseException], bool] | None) -> Any:
+    """A copy's outcome (its request, or the task already running it), its lease released when
+    the copy ends (with its tokens, or whether it got a 429); cancelled, the copy goes with it."""
     try:
-        resp = await task
+        resp = await copy
     except asyncio.CancelledError:
-        task.cancel()
+        if isinstance(copy, asyncio.Future):
+            copy.cancel()
         limiter.release(lease)
         raise
     except Exception as exc:
