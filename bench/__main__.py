@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hedge-after-ms", type=float, default=None,
                    help="both models' hedge_after_s, in ms: a second copy of a call unanswered that long, on a "
                         "free slot (opt-in; off by default)")
+    b.add_argument("--limit-scope", choices=("model", "endpoint"), default="model",
+                   help="model: each model's limit is C/2 (the issue's workload); endpoint: both models share "
+                        "one limit of C on their common endpoint (limit_scope: endpoint)")
     b.add_argument("--api-base", help="measure against this OpenAI-compatible server instead of the simulator")
     b.add_argument("--bench-model", help="answering model at --api-base (default openai/bench-answerer)")
     b.add_argument("--bench-judge", help="judge model at --api-base (default openai/bench-judge)")

@@ -223,11 +223,12 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
              api_base: str | None = None, model: str | None = None, judge: str | None = None, *,
              extra_env: dict[str, str] | None = None, model_limit: int | None = None,
              latency_dist: str = "lognormal", latency_sigma: float = 0.5,
-             hedge_after_ms: float | None = None) -> dict[str, Any]:
+             hedge_after_ms: float | None = None, limit_scope: str = "model") -> dict[str, Any]:
     """One measured run. With `api_base`, against that OpenAI-compatible server (no simulator;
     its latency is whatever it is, `latency_ms` is only a label). `extra_env` goes to every
     process of the stack; `model_limit` replaces each model's `max_concurrency` (C/2);
-    `hedge_after_ms` sets both models' `hedge_after_s` (shared.runtime.llm.hedge)."""
+    `hedge_after_ms` sets both models' `hedge_after_s` (shared.runtime.llm.hedge); `limit_scope`
+    "endpoint" gives both models one limit of C on their common endpoint instead of C/2 each."""
     with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
         home = Path(tmp)
         settings = Settings(home=home / "home")
@@ -244,8 +245,9 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 httpx.post(state.simulator_url.removesuffix("/v1") + "/simulator/script", json=script, timeout=10)
             # C is the total number of model calls in flight: each result makes two sequential
             # calls (answer, then parse) in two services, so each model gets C/2.
-            models = {"api_base": api_base or state.simulator_url,
-                      "max_concurrency": model_limit or max(1, concurrency // 2),
+            shared_limit = limit_scope == "endpoint"
+            models = {"api_base": api_base or state.simulator_url, "limit_scope": limit_scope,
+                      "max_concurrency": model_limit or (concurrency if shared_limit else max(1, concurrency // 2)),
                       "hedge_after_s": hedge_after_ms / 1000 if hedge_after_ms else None}
             config = VerificationConfig(
                 answering_models=[ModelConfig(model_name=model or "openai/bench-answerer", **models)],
@@ -294,7 +296,8 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             possible = None
             hedges = sum(int(((r.metadata.retry_counts or {}).get("hedge") or {}).get("used", 0))
                          for r in outcome.results.values())
-            if api_base is None and bound and not hedge_after_ms:  # a hedge's draw would shift the replay
+            # a hedge's draw would shift the replay; the replay models C/2 slots per model
+            if api_base is None and bound and not hedge_after_ms and not shared_limit:
                 drawn = simulator_delays(state.simulator_url, since=delays0)
                 possible = ideal.replay_fraction([ms / 1000 for kind, ms in drawn if kind == "answer"],
                                                  [ms / 1000 for kind, ms in drawn if kind == "judge"],
@@ -321,6 +324,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "stream_bytes_per_result": round(stream_delta / max(done, 1)),
                 "steady_results_per_s": steady,
                 "hedge_after_ms": hedge_after_ms or None,
+                "limit_scope": limit_scope,
                 "hedged_calls": hedges,
                 "replicas": dict(replicas),
                 "warmup_settled": quiet,
@@ -352,7 +356,8 @@ def _dist(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hedge(args: argparse.Namespace) -> dict[str, Any]:
-    return {"hedge_after_ms": getattr(args, "hedge_after_ms", None) or None}
+    return {"hedge_after_ms": getattr(args, "hedge_after_ms", None) or None,
+            "limit_scope": getattr(args, "limit_scope", None) or "model"}
 
 
 def scaling(args: argparse.Namespace) -> dict[str, Any]:
@@ -398,7 +403,8 @@ def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                        **_hedge(args))
         rows.append(row)
         where = f"server {api_base}" if api_base else latency_label(lat, **_dist(args))
-        print(f"\n== {where}, {row['results']} results, concurrency {args.concurrency}")
+        shared_limit = " (one limit shared by both models on their endpoint)" if row.get("limit_scope") == "endpoint" else ""
+        print(f"\n== {where}, {row['results']} results, concurrency {args.concurrency}{shared_limit}")
         print(f"  throughput, whole run: {row['results_per_s']} results/s in {row['elapsed_s']} s"
               + (f"  (bound C/(2L) = {row['bound_results_per_s']}/s, {100 * row['fraction_of_bound']:.1f}% of it)"
                  if row["bound_results_per_s"] else ""))
@@ -468,6 +474,8 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
         label = latency_label(lat, row.get("latency_dist") or "fixed", row.get("latency_sigma") or 0.5)
         hedged = (f", hedged after {row['hedge_after_ms']:g} ms ({row.get('hedged_calls', 0)} copies)"
                   if row.get("hedge_after_ms") else "")
+        if row.get("limit_scope") == "endpoint":
+            hedged += ", one limit of C shared by both models on their endpoint"
         lines.append(f"  your server{hedged}:" if api_base else f"  {label}, {row.get('results', '?')} results, "
                      f"C = {row.get('concurrency', '?')}{hedged}:")
         queryable = "until `veribus run` returns: the projector wrote every row"
