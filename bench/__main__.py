@@ -1,7 +1,8 @@
 """`python -m bench` (what `veribus bench` runs): throughput, CPU and memory per service through
 the real stack, by default on issue 12's workload (1,000 generated questions, template-only,
-64 model calls in flight, latency 0 and 300 ms lognormal); `--all` adds the replica scaling and
-the projections rebuild and prints every issue-12 figure beside its target; `--backpressure`,
+64 model calls in flight, latency 0 and 300 ms lognormal); `--all` adds the first latency again with
+opt-in hedged requests, the replica scaling and the projections rebuild, and prints every
+issue-12 figure beside its target; `--backpressure`,
 `--analysis`, `--limits`, `--sandbox`, `--scaling`, `--rebuild` and `--projection-rows` select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
@@ -19,7 +20,8 @@ from bench import analysis, backpressure, limits, rebuild, rows, run, sandbox
 def build_parser() -> argparse.ArgumentParser:
     b = argparse.ArgumentParser(prog="veribus bench", description=__doc__)
     b.add_argument("--all", action="store_true",
-                   help="the main runs, --scaling and --rebuild, then every issue-12 figure beside its target")
+                   help="the main runs, the first latency again hedged after 1.5 latencies (opt-in hedging), "
+                        "--scaling and --rebuild, then every issue-12 figure beside its target")
     b.add_argument("--questions", type=int, default=1000, help="generated questions (template-only)")
     b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0],
                    help="the simulator's mean model latency, one run each")

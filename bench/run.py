@@ -388,6 +388,34 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_whole_run": ratio("results_per_s")}
 
 
+def print_run(row: dict[str, Any], where: str, concurrency: int) -> None:
+    """One run's figures, as it ends."""
+    shared_limit = " (one limit shared by both models on their endpoint)" if row.get("limit_scope") == "endpoint" else ""
+    print(f"\n== {where}, {row['results']} results, concurrency {concurrency}{shared_limit}")
+    print(f"  throughput, whole run: {row['results_per_s']} results/s in {row['elapsed_s']} s"
+          + (f"  (bound C/(2L) = {row['bound_results_per_s']}/s, {100 * row['fraction_of_bound']:.1f}% of it)"
+             if row["bound_results_per_s"] else ""))
+    print(f"  steady state (10th to 90th percentile of results): {row['steady_results_per_s']} results/s"
+          + (f", {100 * row['steady_fraction_of_bound']:.1f}% of the bound" if row["steady_fraction_of_bound"] else ""))
+    if row.get("zero_overhead_fraction"):
+        z = row["zero_overhead_fraction"]
+        print(f"  a pipeline without overhead, on this run's own drawn latencies, reaches {z} of C/(2L) "
+              f"(its fill and the slowest last calls): veribus reached {row['fraction_of_bound'] / z:.3f} of that")
+    if row.get("simulator_ceiling_fraction"):
+        c = row["simulator_ceiling_fraction"]
+        print(f"  the simulator itself allows {c} of C/(2L) now (minimal callers, no veribus): whole run "
+              f"{row['fraction_of_bound'] / c:.3f} of that, steady {(row['steady_fraction_of_bound'] or 0) / c:.3f}")
+    if row.get("hedge_after_ms"):
+        print(f"  hedged requests: a second copy of a call unanswered after {row['hedge_after_ms']:g} ms, on a "
+              f"free slot; {row['hedged_calls']} copies sent ({row['hedged_calls'] / max(1, 2 * row['results']):.1%}"
+              " of the calls), each counted in cost as the reply it raced")
+    print(timeline_line(row["timeline"]))
+    print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
+    print(f"  event stream: {row['stream_bytes_per_result']} bytes per result (target <= 6144)")
+    for name, ms in row["cpu_ms_per_result"].items():
+        print(f"    {name:<14} {ms:>8.3f} ms/result   peak RSS {row['peak_rss_mb'].get(name, 0):>7.1f} MB")
+
+
 def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The main measurement: one run per `--latency-ms` (one run against `--api-base`), each
     printed as it ends."""
@@ -402,32 +430,26 @@ def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                        getattr(args, "bench_model", None), getattr(args, "bench_judge", None), **_dist(args),
                        **_hedge(args))
         rows.append(row)
-        where = f"server {api_base}" if api_base else latency_label(lat, **_dist(args))
-        shared_limit = " (one limit shared by both models on their endpoint)" if row.get("limit_scope") == "endpoint" else ""
-        print(f"\n== {where}, {row['results']} results, concurrency {args.concurrency}{shared_limit}")
-        print(f"  throughput, whole run: {row['results_per_s']} results/s in {row['elapsed_s']} s"
-              + (f"  (bound C/(2L) = {row['bound_results_per_s']}/s, {100 * row['fraction_of_bound']:.1f}% of it)"
-                 if row["bound_results_per_s"] else ""))
-        print(f"  steady state (10th to 90th percentile of results): {row['steady_results_per_s']} results/s"
-              + (f", {100 * row['steady_fraction_of_bound']:.1f}% of the bound" if row["steady_fraction_of_bound"] else ""))
-        if row.get("zero_overhead_fraction"):
-            z = row["zero_overhead_fraction"]
-            print(f"  a pipeline without overhead, on this run's own drawn latencies, reaches {z} of C/(2L) "
-                  f"(its fill and the slowest last calls): veribus reached {row['fraction_of_bound'] / z:.3f} of that")
-        if row.get("simulator_ceiling_fraction"):
-            c = row["simulator_ceiling_fraction"]
-            print(f"  the simulator itself allows {c} of C/(2L) now (minimal callers, no veribus): whole run "
-                  f"{row['fraction_of_bound'] / c:.3f} of that, steady {(row['steady_fraction_of_bound'] or 0) / c:.3f}")
-        if row.get("hedge_after_ms"):
-            print(f"  hedged requests: a second copy of a call unanswered after {row['hedge_after_ms']:g} ms, on a "
-                  f"free slot; {row['hedged_calls']} copies sent ({row['hedged_calls'] / max(1, 2 * row['results']):.1%}"
-                  " of the calls), each counted in cost as the reply it raced")
-        print(timeline_line(row["timeline"]))
-        print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
-        print(f"  event stream: {row['stream_bytes_per_result']} bytes per result (target <= 6144)")
-        for name, ms in row["cpu_ms_per_result"].items():
-            print(f"    {name:<14} {ms:>8.3f} ms/result   peak RSS {row['peak_rss_mb'].get(name, 0):>7.1f} MB")
+        print_run(row, f"server {api_base}" if api_base else latency_label(lat, **_dist(args)), args.concurrency)
     return rows
+
+
+HEDGE_AFTER_LATENCIES = 1.5
+"""`--all`'s hedged run: a call is raced after 1.5 mean latencies (450 ms at 300 ms)."""
+
+
+def hedged_run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`--all` on the simulator, unless `--hedge-after-ms` hedged the main runs already: the first
+    latency's run again with opt-in hedging (`hedge_after_s`), so the figures show what it buys
+    beside the issue's unhedged workload."""
+    lat = next((x for x in args.latency_ms if x > 0), None)
+    if lat is None or getattr(args, "api_base", None) or getattr(args, "hedge_after_ms", None):
+        return []
+    hedge_ms = round(HEDGE_AFTER_LATENCIES * lat)
+    row = run_once(args.questions, lat, args.concurrency, {}, **_dist(args), hedge_after_ms=hedge_ms,
+                   limit_scope=getattr(args, "limit_scope", None) or "model")
+    print_run(row, latency_label(lat, **_dist(args)) + f", hedged after {hedge_ms} ms (opt-in)", args.concurrency)
+    return [row]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -435,6 +457,8 @@ def main(args: argparse.Namespace) -> int:
     and the rebuild, then one block with every issue-12 figure beside its target."""
     everything = getattr(args, "all", False)
     rows = main_runs(args) if everything or not getattr(args, "scaling", False) else []
+    if everything:
+        rows += hedged_run(args)
     scaled = scaling(args) if everything or getattr(args, "scaling", False) else None
     rebuilt = None
     if everything:

@@ -94,3 +94,29 @@ def test_all_shows_the_rebuild_and_the_queryable_figures_beside_the_run() -> Non
     assert "rebuild events/s, fold               51000   target >= 50,000" in text
     assert "rebuild events/s (>= 50,000" not in text, "measured, so not listed as unmeasured"
     assert "replica scaling (>= 1.8x" in text
+
+
+def test_all_adds_one_hedged_run_at_the_first_latency_and_labels_it(monkeypatch: object) -> None:
+    """`--all` on the simulator runs the first latency again hedged after 1.5 latencies, and the
+    targets block says so; it adds none against a server or when the main runs were hedged."""
+    from bench import run
+
+    calls: list[tuple[float, dict]] = []
+
+    def fake_run_once(n: int, lat: float, c: int, replicas: dict, **kw: object) -> dict:
+        calls.append((lat, kw))
+        return {**_row(lat, 90.0, 12.0, 0.88), "results": n, "hedge_after_ms": kw["hedge_after_ms"],
+                "hedged_calls": 30, "latency_dist": kw["latency_dist"], "latency_sigma": kw["latency_sigma"],
+                "steady_results_per_s": 100.0, "bound_results_per_s": 106.7, "steady_fraction_of_bound": 0.95,
+                "timeline": {}, "cpu_ms_per_result": {}, "peak_rss_mb": {}, "elapsed_s": 11.0,
+                "cpu_ms_per_result_services_total": 12.0, "stream_bytes_per_result": 5900}
+
+    monkeypatch.setattr(run, "run_once", fake_run_once)  # type: ignore[attr-defined]
+    monkeypatch.setattr(run, "timeline_line", lambda tl: "")  # type: ignore[attr-defined]
+    rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "0", "300"]))
+    assert [(lat, kw["hedge_after_ms"]) for lat, kw in calls] == [(300.0, 450)]
+    assert "hedged after 450 ms (30 copies)" in targets_block(rows)
+    for argv in (["--all", "--api-base", "http://x/v1"], ["--all", "--hedge-after-ms", "400"],
+                 ["--all", "--latency-ms", "0"]):
+        assert run.hedged_run(build_parser().parse_args(argv)) == []
+    assert len(calls) == 1
