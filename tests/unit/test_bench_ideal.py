@@ -8,7 +8,7 @@ import random
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from bench.ideal import makespan, replay_fraction, zero_overhead_fraction
+from bench.ideal import hedged_fraction, hedged_makespan, makespan, replay_fraction, zero_overhead_fraction
 from infra.simulator.script import SimConfig
 from infra.simulator.server import create_app
 
@@ -42,6 +42,19 @@ def test_the_lognormal_tail_lowers_the_ceiling_more_the_shorter_the_run() -> Non
     assert short < long < 1.0
     assert 0.9 < fixed < 1.0
     assert zero_overhead_fraction(1000, 0, 64) is None
+
+
+def test_hedging_wins_back_part_of_the_drain_and_only_on_idle_slots() -> None:
+    unhedged = hedged_fraction(1000, 300, 64, 1e6, trials=30)
+    hedged = hedged_fraction(1000, 300, 64, 450, trials=30)
+    assert unhedged is not None and hedged is not None
+    assert unhedged[1] == 0.0, "a call never waits a thousand seconds: no copy"
+    assert hedged[0] > unhedged[0] and 0 < hedged[1] < 0.03, "a few copies, in the drain"
+    assert hedged[0] < 0.95, "the fill and the drain of two stages remain"
+    # one slot per model: a running call holds the only slot, so no copy can ever be sent
+    span, copies = hedged_makespan(50, 0.3, 2, 0.01, random.Random(1))
+    assert copies == 0 and span > 50 * 0.3
+    assert hedged_fraction(10, 0, 64, 450) is None
 
 
 async def test_the_simulator_lists_each_calls_drawn_latency_in_call_order() -> None:

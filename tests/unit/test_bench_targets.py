@@ -106,7 +106,7 @@ def test_all_adds_one_hedged_run_at_the_first_latency_and_labels_it(monkeypatch:
     def fake_run_once(n: int, lat: float, c: int, replicas: dict, **kw: object) -> dict:
         calls.append((lat, kw))
         return {**_row(lat, 90.0, 12.0, 0.88), "results": n, "hedge_after_ms": kw["hedge_after_ms"],
-                "hedged_calls": 30, "latency_dist": kw["latency_dist"], "latency_sigma": kw["latency_sigma"],
+                "hedged_calls": 30, "hedged_zero_overhead_fraction": 0.912, "latency_dist": kw["latency_dist"], "latency_sigma": kw["latency_sigma"],
                 "steady_results_per_s": 100.0, "bound_results_per_s": 106.7, "steady_fraction_of_bound": 0.95,
                 "timeline": {}, "cpu_ms_per_result": {}, "peak_rss_mb": {}, "elapsed_s": 11.0,
                 "cpu_ms_per_result_services_total": 12.0, "stream_bytes_per_result": 5900}
@@ -115,7 +115,9 @@ def test_all_adds_one_hedged_run_at_the_first_latency_and_labels_it(monkeypatch:
     monkeypatch.setattr(run, "timeline_line", lambda tl: "")  # type: ignore[attr-defined]
     rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "0", "300"]))
     assert [(lat, kw["hedge_after_ms"]) for lat, kw in calls] == [(300.0, 450)]
-    assert "hedged after 450 ms (30 copies)" in targets_block(rows)
+    text = targets_block(rows)
+    assert "hedged after 450 ms (30 copies)" in text
+    assert "zero-overhead pipeline, hedged       0.912" in text and "veribus reached 0.965 of it" in text
     for argv in (["--all", "--api-base", "http://x/v1"], ["--all", "--hedge-after-ms", "400"],
                  ["--all", "--latency-ms", "0"]):
         assert run.hedged_run(build_parser().parse_args(argv)) == []
