@@ -425,13 +425,19 @@ def print_run(row: dict[str, Any], where: str, concurrency: int) -> None:
         print(f"    {name:<14} {ms:>8.3f} ms/result   peak RSS {row['peak_rss_mb'].get(name, 0):>7.1f} MB")
 
 
-def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The main measurement: one run per `--latency-ms` (one run against `--api-base`), each
-    printed as it ends."""
+def _replicas(args: argparse.Namespace) -> dict[str, int]:
+    """`--replicas SERVICE=N ...` as {service: N}."""
     replicas = {}
     for item in getattr(args, "replicas", None) or []:
         name, _, k = item.partition("=")
         replicas[name] = int(k)
+    return replicas
+
+
+def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The main measurement: one run per `--latency-ms` (one run against `--api-base`), each
+    printed as it ends."""
+    replicas = _replicas(args)
     rows = []
     api_base = getattr(args, "api_base", None)
     for lat in (args.latency_ms if api_base is None else [0.0]):
@@ -455,15 +461,15 @@ def hedged_run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if lat is None or getattr(args, "api_base", None) or getattr(args, "hedge_after_ms", None):
         return []
     hedge_ms = round(HEDGE_AFTER_LATENCIES * lat)
-    row = run_once(args.questions, lat, args.concurrency, {}, **_dist(args), hedge_after_ms=hedge_ms,
+    row = run_once(args.questions, lat, args.concurrency, _replicas(args), **_dist(args), hedge_after_ms=hedge_ms,
                    limit_scope=getattr(args, "limit_scope", None) or "model")
     print_run(row, latency_label(lat, **_dist(args)) + f", hedged after {hedge_ms} ms (opt-in)", args.concurrency)
     return [row]
 
 
 def main(args: argparse.Namespace) -> int:
-    """`veribus bench` (the main runs), `--scaling`, or `--all`: the main runs, the scaling runs
-    and the rebuild, then one block with every issue-12 figure beside its target."""
+    """`veribus bench` (the main runs), `--scaling`, or `--all`: the main runs, the hedged run,
+    the scaling runs and the rebuild, then one block with every issue-12 figure beside its target."""
     everything = getattr(args, "all", False)
     rows = main_runs(args) if everything or not getattr(args, "scaling", False) else []
     if everything:
