@@ -31,9 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, default=64,
                    help="C, model calls in flight in total (each of the two models gets C/2)")
     b.add_argument("--replicas", nargs="*", metavar="SERVICE=N")
-    b.add_argument("--hedge-after-ms", type=float, default=None,
+    b.add_argument("--hedge-after-ms", type=run.hedge_after_arg, default=None,
                    help="both models' hedge_after_s, in ms: a second copy of a call unanswered that long, on a "
-                        "free slot (opt-in; off by default)")
+                        "free slot, or 'auto' (the model's own 95th percentile; opt-in, off by default)")
     b.add_argument("--limit-scope", choices=("model", "endpoint"), default="model",
                    help="model: each model's limit is C/2 (the issue's workload); endpoint: both models share "
                         "one limit of C on their common endpoint (limit_scope: endpoint)")

@@ -223,11 +223,11 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
              api_base: str | None = None, model: str | None = None, judge: str | None = None, *,
              extra_env: dict[str, str] | None = None, model_limit: int | None = None,
              latency_dist: str = "lognormal", latency_sigma: float = 0.5,
-             hedge_after_ms: float | None = None, limit_scope: str = "model") -> dict[str, Any]:
+             hedge_after_ms: float | str | None = None, limit_scope: str = "model") -> dict[str, Any]:
     """One measured run. With `api_base`, against that OpenAI-compatible server (no simulator;
     its latency is whatever it is, `latency_ms` is only a label). `extra_env` goes to every
     process of the stack; `model_limit` replaces each model's `max_concurrency` (C/2);
-    `hedge_after_ms` sets both models' `hedge_after_s` (shared.runtime.llm.hedge); `limit_scope`
+    `hedge_after_ms` sets both models' `hedge_after_s` (shared.runtime.llm.hedge; "auto" too); `limit_scope`
     "endpoint" gives both models one limit of C on their common endpoint instead of C/2 each."""
     with tempfile.TemporaryDirectory(prefix="veribus-bench-") as tmp:
         home = Path(tmp)
@@ -248,7 +248,8 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             shared_limit = limit_scope == "endpoint"
             models = {"api_base": api_base or state.simulator_url, "limit_scope": limit_scope,
                       "max_concurrency": model_limit or (concurrency if shared_limit else max(1, concurrency // 2)),
-                      "hedge_after_s": hedge_after_ms / 1000 if hedge_after_ms else None}
+                      "hedge_after_s": (hedge_after_ms if hedge_after_ms == "auto"
+                                        else hedge_after_ms / 1000 if hedge_after_ms else None)}
             config = VerificationConfig(
                 answering_models=[ModelConfig(model_name=model or "openai/bench-answerer", **models)],
                 parsing_models=[ModelConfig(model_name=judge or "openai/bench-judge", **models)],
@@ -304,8 +305,9 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                                                  concurrency, latency_ms)
             hedged_possible = None  # a hedge draws afresh: random draws' average, not this run's replay
             if api_base is None and bound and hedge_after_ms and not shared_limit and latency_dist == "lognormal":
-                hedged_possible = ideal.hedged_fraction(done, latency_ms, concurrency, hedge_after_ms,
-                                                        latency_sigma, trials=30)
+                after_ms = (ideal.lognormal_quantile_ms(latency_ms, latency_sigma, 0.95) if hedge_after_ms == "auto"
+                            else float(hedge_after_ms))  # auto: the model's 95th percentile, once it has one
+                hedged_possible = ideal.hedged_fraction(done, latency_ms, concurrency, after_ms, latency_sigma, trials=30)
             rate = done / elapsed if elapsed else 0.0
             steady = steady_rate(arrivals)
             return {
@@ -393,6 +395,20 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_whole_run": ratio("results_per_s")}
 
 
+def hedge_label(hedge_after_ms: float | str) -> str:
+    return "its model's 95th percentile (auto)" if hedge_after_ms == "auto" else f"{hedge_after_ms:g} ms"
+
+
+def hedge_after_arg(text: str) -> float | str:
+    """`--hedge-after-ms`: milliseconds, or "auto"."""
+    if text == "auto":
+        return text
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--hedge-after-ms must be above 0 or 'auto', not {text}")
+    return value
+
+
 def print_run(row: dict[str, Any], where: str, concurrency: int) -> None:
     """One run's figures, as it ends."""
     shared_limit = " (one limit shared by both models on their endpoint)" if row.get("limit_scope") == "endpoint" else ""
@@ -415,7 +431,7 @@ def print_run(row: dict[str, Any], where: str, concurrency: int) -> None:
         print(f"  the simulator itself allows {c} of C/(2L) now (minimal callers, no veribus): whole run "
               f"{row['fraction_of_bound'] / c:.3f} of that, steady {(row['steady_fraction_of_bound'] or 0) / c:.3f}")
     if row.get("hedge_after_ms"):
-        print(f"  hedged requests: a second copy of a call unanswered after {row['hedge_after_ms']:g} ms, on a "
+        print(f"  hedged requests: a second copy of a call unanswered after {hedge_label(row['hedge_after_ms'])}, on a "
               f"free slot; {row['hedged_calls']} copies sent ({row['hedged_calls'] / max(1, 2 * row['results']):.1%}"
               " of the calls), each counted in cost as the reply it raced")
     print(timeline_line(row["timeline"]))
@@ -511,7 +527,7 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
     for row in rows:
         lat = row["latency_ms"]
         label = latency_label(lat, row.get("latency_dist") or "fixed", row.get("latency_sigma") or 0.5)
-        hedged = (f", hedged after {row['hedge_after_ms']:g} ms ({row.get('hedged_calls', 0)} copies)"
+        hedged = (f", hedged after {hedge_label(row['hedge_after_ms'])} ({row.get('hedged_calls', 0)} copies)"
                   if row.get("hedge_after_ms") else "")
         if row.get("limit_scope") == "endpoint":
             hedged += ", one limit of C shared by both models on their endpoint"

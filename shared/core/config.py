@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -45,10 +45,11 @@ class ModelConfig(BaseModel):
     limit_scope: Literal["model", "endpoint"] = Field(
         default="model", description="share the limits per model, or per endpoint (api_base) across its models")
     timeout: float = Field(default=120.0, gt=0)
-    hedge_after_s: float | None = Field(
-        default=None, gt=0, description="opt-in: a call still unanswered after this many seconds gets a second "
+    hedge_after_s: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+        default=None, description="opt-in: a call still unanswered after this many seconds gets a second "
         "copy when the model's limit has a free slot; the first reply wins, and the other copy runs to its end "
-        "holding its slot and is counted as costing what the winner did")
+        "holding its slot and is counted as costing what the winner did. 'auto': after the 95th percentile of "
+        "the model's last 200 call latencies in this process, once it has 20")
     max_retries: int = Field(default=4, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
     mcp_urls_dict: dict[str, str] | None = None

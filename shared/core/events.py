@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -72,7 +72,8 @@ class ModelSpec(msgspec.Struct, omit_defaults=True, frozen=True):
     limit_scope: str = "model"  # "model" or "endpoint": what max_concurrency/rpm/tpm are shared by
     input_cost_per_million_tokens: float | None = None  # price overrides (shared.core.usage)
     output_cost_per_million_tokens: float | None = None
-    hedge_after_s: float | None = None  # a second copy of a slow call (shared.runtime.llm.hedge)
+    # a second copy of a slow call after this long, or "auto" (shared.runtime.llm.hedge)
+    hedge_after_s: Annotated[float, msgspec.Meta(gt=0)] | Literal["auto"] | None = None
 
     @property
     def tools(self) -> list[str]:

@@ -122,3 +122,22 @@ def test_all_adds_one_hedged_run_at_the_first_latency_and_labels_it(monkeypatch:
                  ["--all", "--latency-ms", "0"]):
         assert run.hedged_run(build_parser().parse_args(argv)) == []
     assert len(calls) == 1
+
+
+def test_hedge_after_takes_milliseconds_or_auto_and_refuses_the_rest() -> None:
+    import argparse
+
+    import pytest
+
+    from bench.ideal import lognormal_quantile_ms
+    from bench.run import hedge_after_arg, hedge_label
+
+    assert hedge_after_arg("450") == 450.0 and hedge_after_arg("auto") == "auto"
+    for bad in ("0", "-5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="above 0 or 'auto'"):
+            hedge_after_arg(bad)
+    with pytest.raises(ValueError):
+        hedge_after_arg("soon")
+    assert hedge_label(450.0) == "450 ms" and "95th percentile (auto)" in hedge_label("auto")
+    # the bench's lognormal (mean 300 ms, sigma 0.5): median 265 ms, 95th percentile 603 ms
+    assert round(lognormal_quantile_ms(300, 0.5, 0.5)) == 265 and round(lognormal_quantile_ms(300, 0.5, 0.95)) == 603

@@ -1,6 +1,6 @@
 """Hedged requests (shared/runtime/llm/hedge.py): a second copy of a slow call goes out only on a
-free slot, the first good reply wins, the loser is cancelled and its lease comes back, and what
-it may have cost is counted. Through `LLMClient.complete` with a scripted litellm stand-in, and
+free slot, the first good reply wins, the loser runs to its end holding its lease, and what it
+may have cost is counted; `auto` hedges after the model's own 95th percentile. Through `LLMClient.complete` with a scripted litellm stand-in, and
 against both limiters (per process, and the deployment-wide ledger)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 from shared.core.config import ModelConfig
@@ -15,6 +16,7 @@ from shared.core.events import ModelSpec
 from shared.runtime.call_limits import IDLE_FOR_HEDGE_S
 from shared.runtime.ledger_store import MemoryLedgerStore
 from shared.runtime.limits import Limiter
+from shared.runtime.llm import hedge
 from shared.runtime.llm import transport as llm_transport
 from shared.runtime.llm.client import CALL_GATE, LLMClient
 from shared.runtime.llm.hedge import first_reply
@@ -293,8 +295,52 @@ async def test_the_deployment_limiter_lends_only_an_idle_slot() -> None:
 def test_hedging_is_opt_in_and_checked() -> None:
     assert ModelConfig(model_name="openai/m").to_spec().hedge_after_s is None
     assert ModelConfig(model_name="openai/m", hedge_after_s=2.5).to_spec().hedge_after_s == 2.5
-    with pytest.raises(ValueError, match="hedge_after_s"):
-        ModelConfig(model_name="openai/m", hedge_after_s=0)
+    assert ModelConfig(model_name="openai/m", hedge_after_s="auto").to_spec().hedge_after_s == "auto"
+    for bad in (0, -1, "soon"):
+        with pytest.raises(ValueError, match="hedge_after_s"):
+            ModelConfig(model_name="openai/m", hedge_after_s=bad)
+
+
+def test_a_forged_hedge_setting_on_the_bus_is_refused() -> None:
+    """A job's model comes off the bus: a negative delay (a hedge at once for every call) or an
+    unknown word does not decode."""
+    dec = msgspec.json.Decoder(ModelSpec)
+    assert dec.decode(b'{"model_name": "openai/m", "hedge_after_s": "auto"}').hedge_after_s == "auto"
+    for bad in (b'-1', b'0', b'"soon"', b'"AUTO"'):
+        with pytest.raises(msgspec.ValidationError, match="hedge_after_s"):
+            dec.decode(b'{"model_name": "openai/m", "hedge_after_s": %s}' % bad)
+
+
+async def test_auto_hedges_after_the_models_own_95th_percentile(slow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hedge_after_s: auto`: nothing is hedged before `AUTO_MIN_CALLS` replies, however slow a
+    call; then a call slower than the 95th percentile of the replies seen is raced after about
+    that long, and the losing copy's time joins the window when it ends (so the window is not
+    only the winners)."""
+    monkeypatch.setattr(hedge, "_LATENCIES", {})
+    n = hedge.AUTO_MIN_CALLS
+    # five fast replies, then a slow call: over the fast ones' percentile, but too early to hedge
+    script = [(0.01, f"fast {i}") for i in range(5)] + [(0.5, "slow early")]
+    script += [(0.01, f"fast {i}") for i in range(5, n)]
+    t = slow([*script, (1.0, "slow late"), (0.01, "its hedge")])
+    spec = _spec(hedge_after_s="auto", max_concurrency=4)
+    client = LLMClient()
+    assert hedge.hedge_delay(spec) is None
+    for i in range(n + 1):
+        reply = await client.complete(spec, [{"role": "user", "content": f"q{i}"}], stage="answer")
+        assert reply.retries == {}, f"call {i}: fewer than {n} replies seen, nothing is hedged"
+    assert t.sent == n + 1
+    delay = hedge.hedge_delay(spec)
+    assert delay is not None and delay < 0.25, "the 95th percentile of 20 fast replies and one slow"
+    assert max(hedge._LATENCIES[hedge._latency_key(spec)]) < 0.95
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    late = await client.complete(spec, [{"role": "user", "content": "q-late"}], stage="answer")
+    assert late.text == "its hedge" and late.retries == {"hedge": 1} and loop.time() - t0 < 0.8
+    window = hedge._LATENCIES[hedge._latency_key(spec)]
+    assert await _soon(lambda: max(window) >= 0.95), "the losing copy's second counts too"
+    assert len(window) == n + 3
+    # another model, or the same name at another endpoint, has a window of its own
+    assert hedge.hedge_delay(_spec(hedge_after_s="auto", api_base="http://127.0.0.1:10/v1")) is None
 
 
 async def test_a_call_slow_long_after_the_rest_still_gets_a_slot_from_the_ledger() -> None:
