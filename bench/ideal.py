@@ -31,13 +31,14 @@ def _draws(rng: random.Random, n: int, latency_s: float, dist: str, sigma: float
         return [latency_s] * n
     if dist == "uniform":
         return [2 * latency_s * rng.random() for _ in range(n)]
-    median = latency_s * math.exp(-sigma * sigma / 2)  # the bench's lognormal has mean `latency_s`
+    median = lognormal_quantile(latency_s, sigma, 0.5)  # the bench's lognormal has mean `latency_s`
     return [median * math.exp(sigma * rng.gauss(0.0, 1.0)) for _ in range(n)]
 
 
-def lognormal_quantile_ms(mean_ms: float, sigma: float, q: float) -> float:
-    """The `q` quantile of the bench's lognormal latency with mean `mean_ms`."""
-    return mean_ms * math.exp(-sigma * sigma / 2 + sigma * statistics.NormalDist().inv_cdf(q))
+def lognormal_quantile(mean: float, sigma: float, q: float) -> float:
+    """The `q` quantile of the bench's lognormal latency with mean `mean` (in its unit); q = 0.5
+    is the median the simulator is given."""
+    return mean * math.exp(-sigma * sigma / 2 + sigma * statistics.NormalDist().inv_cdf(q))
 
 
 def _finish_times(ready: list[float], durations: list[float], slots: int) -> list[float]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import tempfile
 import threading
 import time
@@ -91,7 +90,7 @@ def simulator_latency(latency_ms: float, dist: str = "lognormal", sigma: float =
     median is set below the mean (`latency_ms * exp(-sigma**2 / 2)`), so C/(2L) is the real bound."""
     if latency_ms <= 0 or dist == "fixed":
         return ["--latency-ms", f"{latency_ms:g}"]
-    median = latency_ms * math.exp(-sigma * sigma / 2)
+    median = ideal.lognormal_quantile(latency_ms, sigma, 0.5)
     return ["--latency-ms", f"{median:.3f}", "--latency-dist", dist, "--latency-sigma", f"{sigma:g}"]
 
 
@@ -305,7 +304,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                                                  concurrency, latency_ms)
             hedged_possible = None  # a hedge draws afresh: random draws' average, not this run's replay
             if api_base is None and bound and hedge_after_ms and not shared_limit and latency_dist == "lognormal":
-                after_ms = (ideal.lognormal_quantile_ms(latency_ms, latency_sigma, 0.95) if hedge_after_ms == "auto"
+                after_ms = (ideal.lognormal_quantile(latency_ms, latency_sigma, 0.95) if hedge_after_ms == "auto"
                             else float(hedge_after_ms))  # auto: the model's 95th percentile, once it has one
                 hedged_possible = ideal.hedged_fraction(done, latency_ms, concurrency, after_ms, latency_sigma, trials=30)
             rate = done / elapsed if elapsed else 0.0
@@ -362,7 +361,8 @@ def _dist(args: argparse.Namespace) -> dict[str, Any]:
             "latency_sigma": getattr(args, "latency_sigma", 0.5)}
 
 
-def _hedge(args: argparse.Namespace) -> dict[str, Any]:
+def _model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`--hedge-after-ms` and `--limit-scope`, as `run_once` takes them."""
     return {"hedge_after_ms": getattr(args, "hedge_after_ms", None) or None,
             "limit_scope": getattr(args, "limit_scope", None) or "model"}
 
@@ -459,7 +459,7 @@ def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     for lat in (args.latency_ms if api_base is None else [0.0]):
         row = run_once(args.questions, lat, args.concurrency, replicas, api_base,
                        getattr(args, "bench_model", None), getattr(args, "bench_judge", None), **_dist(args),
-                       **_hedge(args))
+                       **_model_options(args))
         rows.append(row)
         print_run(row, f"server {api_base}" if api_base else latency_label(lat, **_dist(args)), args.concurrency)
     return rows
@@ -477,8 +477,8 @@ def hedged_run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if lat is None or getattr(args, "api_base", None) or getattr(args, "hedge_after_ms", None):
         return []
     hedge_ms = round(HEDGE_AFTER_LATENCIES * lat)
-    row = run_once(args.questions, lat, args.concurrency, _replicas(args), **_dist(args), hedge_after_ms=hedge_ms,
-                   limit_scope=getattr(args, "limit_scope", None) or "model")
+    row = run_once(args.questions, lat, args.concurrency, _replicas(args), **_dist(args),
+                   **{**_model_options(args), "hedge_after_ms": hedge_ms})
     print_run(row, latency_label(lat, **_dist(args)) + f", hedged after {hedge_ms} ms (opt-in)", args.concurrency)
     return [row]
 

@@ -129,7 +129,7 @@ def test_hedge_after_takes_milliseconds_or_auto_and_refuses_the_rest() -> None:
 
     import pytest
 
-    from bench.ideal import lognormal_quantile_ms
+    from bench.ideal import lognormal_quantile
     from bench.run import hedge_after_arg, hedge_label
 
     assert hedge_after_arg("450") == 450.0 and hedge_after_arg("auto") == "auto"
@@ -140,4 +140,4 @@ def test_hedge_after_takes_milliseconds_or_auto_and_refuses_the_rest() -> None:
         hedge_after_arg("soon")
     assert hedge_label(450.0) == "450 ms" and "95th percentile (auto)" in hedge_label("auto")
     # the bench's lognormal (mean 300 ms, sigma 0.5): median 265 ms, 95th percentile 603 ms
-    assert round(lognormal_quantile_ms(300, 0.5, 0.5)) == 265 and round(lognormal_quantile_ms(300, 0.5, 0.95)) == 603
+    assert round(lognormal_quantile(300, 0.5, 0.5)) == 265 and round(lognormal_quantile(300, 0.5, 0.95)) == 603

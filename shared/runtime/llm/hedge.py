@@ -58,9 +58,10 @@ def hedge_delay(model: ModelSpec) -> float | None:
 
 def _timed(send: Callable[[], Awaitable[Any]], model: ModelSpec) -> Callable[[], Awaitable[Any]]:
     """`send`, each reply's time added to the model's window (for `auto`)."""
-    window = _LATENCIES.get(_latency_key(model))
+    key = _latency_key(model)
+    window = _LATENCIES.get(key)
     if window is None:
-        window = _LATENCIES[_latency_key(model)] = deque(maxlen=AUTO_WINDOW)
+        window = _LATENCIES[key] = deque(maxlen=AUTO_WINDOW)
 
     async def timed() -> Any:
         start = time.monotonic()
