@@ -8,7 +8,9 @@ runs everything. Builders and helpers the test modules share live in `tests/supp
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -130,6 +132,17 @@ class NatsCluster:
 
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """SIGSTOP one node (the other two commit without it, and its copy falls behind), and
+        SIGCONT it on leaving, whatever happened meanwhile."""
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            proc.send_signal(signal.SIGCONT)
 
     def healthy(self, name: str) -> bool:
         """/healthz ok and every member's client URL known (see `nats_nodes.nats_healthy`)."""

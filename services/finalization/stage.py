@@ -1,9 +1,9 @@
 """FinalizeResult (spec/003 stage 13): join the branches the job's mode expects, then fold.
 
-The join reads the other branch's event from the stream (direct get of the last message on
-its exact subject). Two finalizers racing on the two branch events cannot both miss: the one
-handling the later-published event sees the earlier one. Both may finalize; the deterministic
-event id makes the server keep one.
+The join reads the other branch's event from the stream (the last message on its exact
+subject: a direct get, and the stream's leader on a miss, as a replica may lag). Two finalizers
+racing on the two branch events cannot both miss: the one handling the later-published event
+sees the earlier one. Both may finalize; the deterministic event id makes the server keep one.
 """
 
 from __future__ import annotations

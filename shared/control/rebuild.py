@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from shared.control import processes, rebuild_parallel, stack
-from shared.control.rebuild_parallel import StreamReader, ephemeral_consumer
+from shared.control.rebuild_parallel import stream_range
 from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
 from shared.core import events
 from shared.core.config import Settings
@@ -93,7 +92,7 @@ async def _consumer_caught_up(js: JetStreamContext, durable: str) -> bool:
 async def _stream_state(settings: Settings) -> Any:
     """The events stream's state (messages, first_seq, last_seq)."""
     async with bus.session(settings) as nc:
-        return (await nc.jetstream().stream_info(events.STREAM)).state
+        return await bus.leader_stream_state(nc.jetstream())
 
 
 def _stream_messages(settings: Settings) -> int:
@@ -143,11 +142,11 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            async with ephemeral_consumer(js, DeliverPolicy.ALL) as info:
-                async for msgs in StreamReader(nc, info.name).batches(int(info.num_pending or 0), batch):
-                    p = projector.project_batch(msgs)
-                    await projector.attach_contents(p)
-                    projector.insert(p)
+            state = await bus.leader_stream_state(js)
+            async for msgs in stream_range(nc, int(state.first_seq), int(state.last_seq), batch):
+                p = projector.project_batch(msgs)
+                await projector.attach_contents(p)
+                projector.insert(p)
         finally:
             if gc_was_on:
                 gc.enable()

@@ -34,12 +34,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from shared.control.stream_read import StreamReader
+from shared.control.streams import leader_next_seq
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
@@ -296,13 +298,40 @@ async def ephemeral_consumer(js: Any, deliver_policy: DeliverPolicy, **config: A
 
 # ---- the worker side ----
 
+async def stream_range(nc: Any, start: int, end: int, batch: int, timeout: float = 300.0) -> AsyncIterator[list[Any]]:
+    """The messages with stream sequence start..end (fewer where the stream has gaps), in
+    batches, complete as the stream's leader holds them.
+
+    The ephemeral consumer reads the copy of the member the server placed it on, which may lag
+    the leader; its pending count then ends the read short. So after it the leader is asked for
+    the first message past the last one read: one at or before `end` means the copy was behind,
+    and a new consumer reads on from there (`streams.read_consumer` closes a read the same way)."""
+    js = nc.jetstream()
+    deadline = time.monotonic() + timeout
+    nxt = max(start, 1)
+    while nxt <= end:
+        async with ephemeral_consumer(js, DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=nxt) as info:
+            pending = int(info.num_pending or 0)
+            if pending:
+                async for msgs in StreamReader(nc, info.name).batches(min(pending, end - nxt + 1), batch, end_seq=end):
+                    if msgs:
+                        nxt = max(nxt, int(msgs[-1].metadata.sequence.stream) + 1)
+                        yield msgs
+        behind = await leader_next_seq(js, events.STREAM_SUBJECTS[0], nxt - 1) if nxt <= end else None
+        if behind is None or behind > end:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"reading the stream: the leader holds message {behind}, which the replica "
+                               f"serving the read had not caught up on after {timeout:.0f} s")
+        log.debug("stream read: the consumer's replica is behind the leader (seq %d); reading on", behind)
+        await asyncio.sleep(0.05)
+
+
 async def _read_chunk(nc: Any, start: int, end: int, batch: int) -> list[Any]:
     """The messages with stream sequence start..end (fewer where the stream has gaps)."""
     out: list[Any] = []
-    async with ephemeral_consumer(nc.jetstream(), DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start) as info:
-        pending = int(info.num_pending or 0)
-        async for msgs in StreamReader(nc, info.name).batches(min(pending, end - start + 1), batch, end_seq=end):
-            out.extend(msgs)
+    async for msgs in stream_range(nc, start, end, batch):
+        out.extend(msgs)
     return out
 
 

@@ -27,16 +27,51 @@ class LifecycleError(RuntimeError):
 
 async def read_events(js: JetStreamContext, subject_filter: str, *, batch: int = 1000,
                       timeout: float = 60.0) -> list[events.Envelope]:
-    """Every decodable event on `subject_filter`, in stream order (an ephemeral consumer)."""
+    """Every decodable event on `subject_filter`, in stream order (an ephemeral consumer),
+    complete as the stream's leader holds it (see `read_consumer`)."""
     psub = await js.pull_subscribe(
         subject_filter, durable=None, stream=events.STREAM,
         config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
                               inactive_threshold=30.0, max_ack_pending=-1),
     )
+    try:
+        return await read_consumer(js, psub, subject_filter, batch=batch, timeout=timeout)
+    finally:
+        try:
+            await psub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def leader_next_seq(js: JetStreamContext, subject_filter: str, after: int) -> int | None:
+    """The stream sequence of the first message on `subject_filter` past `after`, as the stream's
+    leader holds it, or None. (A non-direct message get is answered by the leader only.)"""
+    try:
+        msg = await bus.retry_cluster(
+            lambda: js.get_msg(events.STREAM, seq=after + 1, subject=subject_filter, next=True), "message get")
+    except NotFoundError:
+        return None
+    return int(msg.seq or 0) or None
+
+
+async def read_consumer(js: JetStreamContext, psub: JetStreamContext.PullSubscription, subject_filter: str, *,
+                        batch: int = 1000, timeout: float = 60.0) -> list[events.Envelope]:
+    """Every decodable event an unacknowledged consumer on `subject_filter` delivers, until the
+    stream's leader holds nothing past the last one.
+
+    On a replicated stream the server places an R1 consumer on any member, and it delivers from
+    that member's copy, which may lag the leader (a node just restarted, or the one the quorum
+    did not wait for): its pending count, read right after the run's last event, can be short,
+    and a read that stops there returns a run without its newest results. So the leader closes
+    the read: past the last sequence delivered, it must have no message on the filter that
+    existed when the read began; the consumer is asked again until its copy catches up, and a
+    read still short at `timeout` is an error, never a shorter answer."""
     out: list[events.Envelope] = []
     deadline = time.monotonic() + timeout
-    try:
-        remaining = (await psub.consumer_info()).num_pending
+    target = int((await bus.leader_stream_state(js)).last_seq or 0)  # what the read must cover
+    last = 0
+    remaining = (await psub.consumer_info()).num_pending
+    while True:
         while remaining > 0:
             if time.monotonic() > deadline:
                 raise LifecycleError(f"reading {subject_filter} from the stream took longer than {timeout:.0f} s")
@@ -50,13 +85,20 @@ async def read_events(js: JetStreamContext, subject_filter: str, *, batch: int =
                     out.append(events.decode(m.data, m.subject))
                 except Exception:  # noqa: BLE001 - undecodable: not part of the run's history
                     pass
-            remaining = msgs[-1].metadata.num_pending if msgs and msgs[-1].metadata else remaining - len(msgs)
-    finally:
-        try:
-            await psub.unsubscribe()
-        except Exception:  # noqa: BLE001
-            pass
-    return out
+            meta = msgs[-1].metadata if msgs else None
+            if meta is not None:
+                last = max(last, int(meta.sequence.stream))
+            remaining = meta.num_pending if meta is not None else remaining - len(msgs)
+        behind = await leader_next_seq(js, subject_filter, last) if last < target else None
+        if behind is None or behind > target:
+            return out
+        if time.monotonic() > deadline:
+            raise LifecycleError(
+                f"reading {subject_filter}: the stream's leader holds message {behind}, which the "
+                f"replica serving the read had not caught up on after {timeout:.0f} s")
+        log.debug("read of %s: the consumer's replica is behind the leader (seq %d); asking again",
+                  subject_filter, behind)
+        remaining = 1
 
 
 async def subject_counts(js: JetStreamContext, subject_filter: str) -> dict[str, int]:

@@ -482,10 +482,41 @@ async def publish_many(js: JetStreamContext, envs: Iterable[events.Envelope], wi
     return new
 
 
+async def leader_stream_state(js: JetStreamContext, timeout: float = CLUSTER_READY_TIMEOUT_S) -> Any:
+    """The events stream's state (messages, first_seq, last_seq) as its leader holds it. While a
+    replicated stream has no leader, every member answers a stream info from its own copy, which
+    may be behind (the info then names no leader): asked again until one is elected."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await retry_cluster(lambda: js.stream_info(events.STREAM), "stream info", timeout)
+        if info.cluster is None or info.cluster.leader:
+            return info.state
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the stream {events.STREAM} has had no leader for {timeout:.0f} s: "
+                               "its state cannot be read (are most of the NATS nodes down?)")
+        await asyncio.sleep(0.2)
+
+
 async def last_event(js: JetStreamContext, subject: str) -> events.Envelope | None:
-    """The newest event on an exact subject (direct get), or None."""
+    """The newest event on an exact subject, or None: a direct get, and on a miss the stream's
+    leader is asked (`leader_last_event`)."""
     try:
         msg = await js.get_last_msg(events.STREAM, subject, direct=True)
+    except NotFoundError:
+        return await leader_last_event(js, subject)
+    return events.decode(msg.data, subject) if msg.data else None
+
+
+async def leader_last_event(js: JetStreamContext, subject: str) -> events.Envelope | None:
+    """The newest event on an exact subject as the stream's leader holds it, or None.
+
+    Any member of a replicated stream answers a direct get from its own copy, which may lag the
+    leader (a node just restarted, or the one the quorum did not wait for): a miss there is not
+    an answer. The finalization join depends on it: two branch events published together, each
+    handler's direct get served by a member that has not applied the other one, and neither
+    would finalize the job. A non-direct get is answered by the leader only."""
+    try:
+        msg = await retry_cluster(lambda: js.get_last_msg(events.STREAM, subject), "message get")
     except NotFoundError:
         return None
     return events.decode(msg.data, subject) if msg.data else None

@@ -374,7 +374,10 @@ class StageService:
         event being handled (a resumed job's join must not pick up its broken first attempt)."""
         env = await bus.last_event(self.js, subject)
         if env is not None and attempt_key(env) != ATTEMPT_KEY.get():
-            return None
+            # a replica's copy may hold only the earlier attempt: the leader's newest decides
+            env = await bus.leader_last_event(self.js, subject)
+            if env is not None and attempt_key(env) != ATTEMPT_KEY.get():
+                return None
         return env
 
     def emit(self, event_type: str, job: events.Job, payload: Any, attempt: int = 1) -> events.Envelope:

@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Any
 
-from nats.js.api import KeyValueConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig
 
 from shared.control import streams
 from shared.core import events
@@ -138,3 +138,113 @@ async def test_a_bucket_can_be_made_while_a_node_is_down(nats_cluster: NatsClust
         assert (await kv.get("k")).value == b"v"
     finally:
         await nc.close()
+
+
+UNACKED = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                         inactive_threshold=60.0, max_ack_pending=-1)
+
+
+def _pausable(cluster: NatsCluster, nc: Any, leader: str) -> set[str]:
+    """The nodes that may be stopped under a test: neither the stream's leader nor the node this
+    client is connected to (its requests would go unanswered)."""
+    port = nc.connected_url.port if nc.connected_url else None
+    return {n.name for n in cluster.nodes if n.name != leader and n.port != port}
+
+
+async def _consumer_on_a_follower(js: Any, subject_filter: str, hosts: set[str]) -> Any:
+    """An unacknowledged R1 consumer the server placed on one of `hosts` (placement is the
+    server's choice: make them until one lands there)."""
+    for _ in range(40):
+        psub = await js.pull_subscribe(subject_filter, durable=None, stream=events.STREAM, config=UNACKED)
+        info = await psub.consumer_info()
+        if info.cluster and info.cluster.leader in hosts:
+            return psub
+        await psub.unsubscribe()
+    raise AssertionError(f"the server placed none of 40 consumers on {sorted(hosts)}")
+
+
+async def test_a_read_served_by_a_lagging_replica_is_completed_by_the_leader(nats_cluster: NatsCluster) -> None:
+    """An R1 consumer delivers from the copy of the member it sits on. Put one on a follower,
+    stop that node while the other two commit 300 events, and read the moment it runs again:
+    the consumer's own pending count is still short (a read that trusted it returned a run
+    without its newest results), yet `read_consumer` returns all 300, as the leader holds them."""
+    settings = Settings(nats_url=nats_cluster.url)
+    nc = await bus.connect(settings)
+    lagged = 0
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js, settings)
+        for rnd in range(4):
+            run = f"lag{rnd}"
+            subject_filter = events.subject(events.RUN_REQUESTED, run, "*")
+            leader = (await _stream_info(js)).cluster.leader
+            psub = await _consumer_on_a_follower(js, subject_filter, _pausable(nats_cluster, nc, leader))
+            host = (await psub.consumer_info()).cluster.leader
+            sent = [_env(i, run) for i in range(300)]
+            with nats_cluster.paused(host):
+                assert await bus.publish_many(js, sent) == 300
+            seen_pending = (await psub.consumer_info()).num_pending
+            try:
+                got = await streams.read_consumer(js, psub, subject_filter, timeout=30)
+            finally:
+                await psub.unsubscribe()
+            assert sorted(e.event_id for e in got) == sorted(e.event_id for e in sent)
+            lagged += seen_pending < 300
+    finally:
+        await nc.close()
+    assert lagged, "the follower's copy was never behind when read: the lag this test is about did not occur"
+
+
+async def test_a_stream_range_served_by_a_lagging_replica_reads_on(nats_cluster: NatsCluster, monkeypatch) -> None:
+    """`projections rebuild` reads the stream by sequence range (`rebuild_parallel.stream_range`).
+    Its first consumer is one the server put on a follower that was stopped while 300 events were
+    committed, with its pending count as read the moment the node runs again: that copy ends
+    short, and the range still comes back whole, each sequence once and in order (a new
+    consumer reads on from where the short one stopped)."""
+    import contextlib
+
+    from shared.control import rebuild_parallel
+
+    real = rebuild_parallel.ephemeral_consumer
+    settings = Settings(nats_url=nats_cluster.url)
+    nc = await bus.connect(settings)
+    lagged = 0
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js, settings)
+        for rnd in range(4):
+            hosts = _pausable(nats_cluster, nc, (await _stream_info(js)).cluster.leader)
+            for _ in range(40):
+                placed = await js.add_consumer(events.STREAM, UNACKED)
+                if placed.cluster and placed.cluster.leader in hosts:
+                    break
+                await js.delete_consumer(events.STREAM, placed.name)
+            else:
+                raise AssertionError(f"the server placed none of 40 consumers on {sorted(hosts)}")
+            with nats_cluster.paused(placed.cluster.leader):
+                assert await bus.publish_many(js, [_env(i, f"range{rnd}") for i in range(300)]) == 300
+            stale = await js.consumer_info(events.STREAM, placed.name)
+            state = (await _stream_info(js)).state
+            calls: list[dict] = []
+
+            @contextlib.asynccontextmanager
+            async def first_on_the_follower(js_: Any, policy: Any, calls: list = calls, stale: Any = stale,
+                                            **kw: Any) -> Any:
+                calls.append(kw)
+                if len(calls) == 1:
+                    yield stale
+                    return
+                async with real(js_, policy, **kw) as info:
+                    yield info
+
+            monkeypatch.setattr(rebuild_parallel, "ephemeral_consumer", first_on_the_follower)
+            seqs = [m.metadata.sequence.stream
+                    async for batch in rebuild_parallel.stream_range(nc, int(state.first_seq), int(state.last_seq), 50)
+                    for m in batch]
+            await js.delete_consumer(events.STREAM, placed.name)
+            assert seqs == list(range(int(state.first_seq), int(state.last_seq) + 1))
+            lagged += len(calls) > 1
+    finally:
+        await nc.close()
+    assert lagged, "the follower's copy was never behind when read: the lag this test is about did not occur"
+

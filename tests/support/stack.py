@@ -178,6 +178,15 @@ def verdicts(results: dict[str, VerificationResult]) -> dict[str, bool | None]:
     return {r.metadata.question_id: (r.template.verify_result if r.template else None) for r in results.values()}
 
 
+def verdict_diff(got: dict[str, bool | None], want: dict[str, bool | None], n_results: int) -> str:
+    """What differs between two verdict maps, so a failure names the questions."""
+    missing = sorted(want.keys() - got.keys())
+    extra = sorted(got.keys() - want.keys())
+    changed = sorted((q, want[q], got[q]) for q in want.keys() & got.keys() if want[q] != got[q])
+    return (f"{n_results} results read; missing {missing[:10]} ({len(missing)}), extra {extra[:10]}, "
+            f"changed (question, expected, got) {changed[:10]} ({len(changed)})")
+
+
 def rows(st: Stack, sql: str, **params: Any) -> list[tuple]:
     return run_query(st.settings, sql, params).rows
 
@@ -289,7 +298,8 @@ def check_run_complete(st: Stack, run_id: str, baseline: dict[str, bool | None],
     res = results_of(st, run_id)
     assert all(r.metadata.completed_without_errors for r in res.values()), \
         [r.metadata.error for r in res.values() if not r.metadata.completed_without_errors][:3]
-    assert verdicts(res) == baseline
+    got = verdicts(res)
+    assert got == baseline, verdict_diff(got, baseline, len(res))
     wait_projected(st, run_id, n, timeout=projected_timeout)
     wait_projector_idle(st, timeout=idle_timeout)  # a batch's results rows are inserted before its events rows
     assert rows(st, "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}", r=run_id) == [(n,)]

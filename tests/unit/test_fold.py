@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import Any
 
 from services.finalization.stage import try_finalize
 from shared.core import events
@@ -108,3 +110,74 @@ def test_envelope_round_trip_and_schema_version() -> None:
 
     with pytest.raises(events.SchemaVersionError, match="schema_version 99"):
         events.decode(events.encode(env))
+
+
+class _LaggingStream:
+    """A replicated stream seen through nats-py's `get_last_msg`: a direct get is answered from a
+    replica's copy (`replica`), a plain get by the leader (`leader`); subject -> message."""
+
+    def __init__(self, leader: dict[str, events.Envelope], replica: dict[str, events.Envelope]) -> None:
+        self.leader, self.replica = leader, replica
+        self.asked: list[str] = []
+
+    async def get_last_msg(self, stream: str, subject: str, direct: bool = False) -> Any:
+        from nats.js.errors import NotFoundError
+
+        self.asked.append("replica" if direct else "leader")
+        env = (self.replica if direct else self.leader).get(subject)
+        if env is None:
+            raise NotFoundError
+        return SimpleNamespace(data=events.encode(env))
+
+
+def test_the_join_asks_the_leader_when_the_replica_missed_the_other_branch() -> None:
+    """Both branch events published together; the handler's direct get is served by a replica
+    that has not applied the template branch yet. A miss there is not an answer: the leader is
+    asked, it holds the branch, and the job finalizes (trusting the replica, neither handler
+    would have, and the job would never end)."""
+    from shared.runtime import bus
+
+    job = make_job("template_and_rubric")
+    t_ev = events.StageEvent(job=job, state=events.State(template={"verify_result": True}))
+    r_ev = events.StageEvent(job=job, state=events.State(rubric={"rubric_evaluation_performed": True}))
+    t_subject = events.subject(events.TEMPLATE_VERIFIED, job.run_id, job.result_id)
+    t_env = events.make_envelope(events.TEMPLATE_VERIFIED, job.run_id, job.result_id, t_ev, "test")
+    js = _LaggingStream(leader={t_subject: t_env}, replica={})
+
+    async def lookup(subject: str) -> events.StageEvent | None:
+        env = await bus.last_event(js, subject)  # type: ignore[arg-type]
+        return events.payload_as(env, events.StageEvent) if env else None
+
+    result = asyncio.run(try_finalize(events.RUBRIC_EVALUATED, r_ev, lookup))
+    assert result is not None and result.template.verify_result is True
+    assert js.asked == ["replica", "leader"]
+    # nothing anywhere: still None (the other branch has not ended), after asking both
+    js2 = _LaggingStream(leader={}, replica={})
+    assert asyncio.run(bus.last_event(js2, t_subject)) is None and js2.asked == ["replica", "leader"]
+    # a replica hit is the answer: the leader is not asked
+    js3 = _LaggingStream(leader={}, replica={t_subject: t_env})
+    assert asyncio.run(bus.last_event(js3, t_subject)) is not None and js3.asked == ["replica"]
+
+
+def test_a_replica_holding_only_the_earlier_attempt_is_not_the_answer() -> None:
+    """A resumed job's join must read its own attempt's branch event. A replica's copy that holds
+    only the broken first attempt's event is checked against the leader, whose newest is the
+    resumed attempt's; with the leader also on the old attempt, there is no branch yet."""
+    from shared.runtime import harness, runcontrol
+
+    job = make_job("template_and_rubric")
+    t_ev = events.StageEvent(job=job, state=events.State(template={"verify_result": True}))
+    subject = events.subject(events.TEMPLATE_VERIFIED, job.run_id, job.result_id)
+    old = events.make_envelope(events.TEMPLATE_VERIFIED, job.run_id, job.result_id, t_ev, "test")
+    new = events.make_envelope(events.TEMPLATE_VERIFIED, job.run_id, job.result_id, t_ev, "test")
+    runcontrol.carry_attempt_key("k2", [new])
+    service = harness.StageService("finalization")
+    token = harness.ATTEMPT_KEY.set("k2")
+    try:
+        service._js = _LaggingStream(leader={subject: new}, replica={subject: old})  # type: ignore[assignment]
+        got = asyncio.run(service.last_event(subject))
+        assert got is not None and got.attempt_key == "k2"
+        service._js = _LaggingStream(leader={subject: old}, replica={subject: old})  # type: ignore[assignment]
+        assert asyncio.run(service.last_event(subject)) is None
+    finally:
+        harness.ATTEMPT_KEY.reset(token)
