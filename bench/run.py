@@ -23,11 +23,10 @@ from typing import Any
 
 import httpx
 import psutil
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench import ideal, rebuild
 from bench.workload import generated_benchmark
-from shared.control import processes, runner, stack, wait
+from shared.control import processes, runner, stack, streams, wait
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import ModelConfig, Settings, VerificationConfig
@@ -124,21 +123,11 @@ async def event_times(settings: Settings, run_id: str) -> dict[str, list[float]]
     time went, read from the stream after the run (not part of the measurement)."""
     out: dict[str, list[float]] = {}
     async with bus.session(settings) as nc:
-        psub = await nc.jetstream().pull_subscribe(
-            events.subject("*.*", run_id, "*"), durable=None, stream=events.STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                                  max_ack_pending=-1, inactive_threshold=30.0))
-        try:
-            remaining = (await psub.consumer_info()).num_pending
-            while remaining > 0:
-                msgs = await psub.fetch(min(1000, remaining), timeout=5.0)
-                for m in msgs:
-                    parts = m.subject.split(".")
-                    if m.metadata and m.metadata.timestamp is not None:
-                        out.setdefault(f"{parts[1]}.{parts[2]}", []).append(m.metadata.timestamp.timestamp())
-                remaining = msgs[-1].metadata.num_pending if msgs[-1].metadata else remaining - len(msgs)
-        finally:
-            await psub.unsubscribe()
+        msgs = await streams.read_messages(nc.jetstream(), events.subject("*.*", run_id, "*"))
+    for m in msgs:
+        parts = m.subject.split(".")
+        if m.metadata and m.metadata.timestamp is not None:
+            out.setdefault(f"{parts[1]}.{parts[2]}", []).append(m.metadata.timestamp.timestamp())
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
@@ -27,8 +28,21 @@ class LifecycleError(RuntimeError):
 
 async def read_events(js: JetStreamContext, subject_filter: str, *, batch: int = 1000,
                       timeout: float = 60.0) -> list[events.Envelope]:
-    """Every decodable event on `subject_filter`, in stream order (an ephemeral consumer),
-    complete as the stream's leader holds it (see `read_consumer`)."""
+    """Every decodable event on `subject_filter`, in stream order, complete as the stream's
+    leader holds it (`read_messages`); an undecodable message is not part of a run's history."""
+    out: list[events.Envelope] = []
+    for m in await read_messages(js, subject_filter, batch=batch, timeout=timeout):
+        try:
+            out.append(events.decode(m.data, m.subject))
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+async def read_messages(js: JetStreamContext, subject_filter: str, *, batch: int = 1000,
+                        timeout: float = 60.0) -> list[Msg]:
+    """Every message on `subject_filter`, in stream order (an ephemeral consumer), complete as
+    the stream's leader holds it (`read_consumer`)."""
     psub = await js.pull_subscribe(
         subject_filter, durable=None, stream=events.STREAM,
         config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
@@ -55,9 +69,9 @@ async def leader_next_seq(js: JetStreamContext, subject_filter: str, after: int)
 
 
 async def read_consumer(js: JetStreamContext, psub: JetStreamContext.PullSubscription, subject_filter: str, *,
-                        batch: int = 1000, timeout: float = 60.0) -> list[events.Envelope]:
-    """Every decodable event an unacknowledged consumer on `subject_filter` delivers, until the
-    stream's leader holds nothing past the last one.
+                        batch: int = 1000, timeout: float = 60.0) -> list[Msg]:
+    """Every message an unacknowledged consumer on `subject_filter` delivers, until the stream's
+    leader holds nothing past the last one.
 
     On a replicated stream the server places an R1 consumer on any member, and it delivers from
     that member's copy, which may lag the leader (a node just restarted, or the one the quorum
@@ -66,7 +80,7 @@ async def read_consumer(js: JetStreamContext, psub: JetStreamContext.PullSubscri
     the read: past the last sequence delivered, it must have no message on the filter that
     existed when the read began; the consumer is asked again until its copy catches up, and a
     read still short at `timeout` is an error, never a shorter answer."""
-    out: list[events.Envelope] = []
+    out: list[Msg] = []
     deadline = time.monotonic() + timeout
     target = int((await bus.leader_stream_state(js)).last_seq or 0)  # what the read must cover
     last = 0
@@ -80,11 +94,7 @@ async def read_consumer(js: JetStreamContext, psub: JetStreamContext.PullSubscri
             except Exception as exc:  # noqa: BLE001 - nats TimeoutError: ask again
                 log.debug("fetch %s: %s", subject_filter, exc)
                 continue
-            for m in msgs:
-                try:
-                    out.append(events.decode(m.data, m.subject))
-                except Exception:  # noqa: BLE001 - undecodable: not part of the run's history
-                    pass
+            out.extend(msgs)
             meta = msgs[-1].metadata if msgs else None
             if meta is not None:
                 last = max(last, int(meta.sequence.stream))

@@ -188,7 +188,7 @@ async def test_a_read_served_by_a_lagging_replica_is_completed_by_the_leader(nat
                 got = await streams.read_consumer(js, psub, subject_filter, timeout=30)
             finally:
                 await psub.unsubscribe()
-            assert sorted(e.event_id for e in got) == sorted(e.event_id for e in sent)
+            assert sorted(events.decode(m.data, m.subject).event_id for m in got) == sorted(e.event_id for e in sent)
             lagged += seen_pending < 300
     finally:
         await nc.close()
