@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 
 from shared.control import processes, rebuild_parallel, stack
 from shared.control.rebuild_parallel import stream_range
-from shared.control.streams import PROJECTOR_DURABLE, LifecycleError
+from shared.control.streams import PROJECTOR_DURABLE, LifecycleError, leader_next_seq
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
@@ -82,11 +82,16 @@ class RebuildReport:
 
 
 async def _consumer_caught_up(js: JetStreamContext, durable: str) -> bool:
+    """Nothing pending or unacknowledged, and the stream's leader holds no message past the
+    consumer's ack floor (the consumer's counts are its own member's copy, which may lag)."""
     try:
         ci = await js.consumer_info(events.STREAM, durable)
     except NotFoundError:
         return False
-    return int(ci.num_pending or 0) == 0 and int(ci.num_ack_pending or 0) == 0
+    if int(ci.num_pending or 0) or int(ci.num_ack_pending or 0):
+        return False
+    floor = int(ci.ack_floor.stream_seq or 0) if ci.ack_floor else 0
+    return await leader_next_seq(js, events.STREAM_SUBJECTS[0], floor) is None
 
 
 async def _stream_state(settings: Settings) -> Any:

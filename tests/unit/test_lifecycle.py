@@ -555,3 +555,31 @@ def test_a_forged_attempt_key_is_refused_at_decode(key: str) -> None:
     with pytest.raises(ValueError, match="attempt_key"):
         events.decode(msgspec.json.encode(wire))
     assert events.decode(events.encode(env)).attempt_key == "resume-ab12"
+
+
+def test_a_consumer_is_caught_up_only_when_the_leader_has_nothing_past_its_ack_floor() -> None:
+    """`projections rebuild` waits for the projector's consumer. Its counts are its own member's
+    copy: nothing pending there, all acknowledged up to 110, while the leader holds message 150,
+    is not caught up; with the leader holding nothing past 110, it is."""
+    from types import SimpleNamespace
+
+    from shared.control import rebuild
+
+    class Stream:
+        def __init__(self, leader_last: int) -> None:
+            self.leader_last = leader_last
+            self.asked: list[tuple[int, str, bool]] = []
+
+        async def consumer_info(self, stream: str, durable: str) -> Any:
+            return SimpleNamespace(num_pending=0, num_ack_pending=0, ack_floor=SimpleNamespace(stream_seq=110))
+
+        async def get_msg(self, stream: str, seq: int, subject: str, next: bool) -> Any:  # noqa: A002
+            self.asked.append((seq, subject, next))
+            if self.leader_last >= seq:
+                return SimpleNamespace(seq=self.leader_last)
+            raise NotFoundError
+
+    behind = Stream(150)
+    assert asyncio.run(rebuild._consumer_caught_up(behind, "projector")) is False  # type: ignore[arg-type]
+    assert behind.asked == [(111, events.STREAM_SUBJECTS[0], True)]
+    assert asyncio.run(rebuild._consumer_caught_up(Stream(110), "projector")) is True  # type: ignore[arg-type]
