@@ -131,7 +131,11 @@ async def run_event(js: JetStreamContext, run_id: str) -> events.RunRequested:
 
 
 async def queued_for_services(js: JetStreamContext) -> dict[str, int]:
-    """Messages the stage services still have to handle (pending + unacked), per durable."""
+    """Messages the stage services still have to handle (pending + unacked), per durable.
+
+    A consumer's counts are its own member's copy, which may lag the stream's leader: when they
+    say nothing is queued, the leader is asked for a message on its filter past the last one it
+    delivered, and one there counts as queued (at least 1: how many, that copy cannot tell)."""
     out: dict[str, int] = {}
     for name in STAGE_DURABLES:
         try:
@@ -139,6 +143,14 @@ async def queued_for_services(js: JetStreamContext) -> dict[str, int]:
         except NotFoundError:
             continue
         n = int(ci.num_pending or 0) + int(ci.num_ack_pending or 0)
+        if not n:
+            delivered = int(ci.delivered.stream_seq or 0) if ci.delivered else 0
+            filters = ([ci.config.filter_subject] if ci.config.filter_subject else list(ci.config.filter_subjects or [])
+                       ) or events.STREAM_SUBJECTS
+            for f in filters:
+                if await leader_next_seq(js, f, delivered) is not None:
+                    n = 1
+                    break
         if n:
             out[name] = n
     return out

@@ -583,3 +583,35 @@ def test_a_consumer_is_caught_up_only_when_the_leader_has_nothing_past_its_ack_f
     assert asyncio.run(rebuild._consumer_caught_up(behind, "projector")) is False  # type: ignore[arg-type]
     assert behind.asked == [(111, events.STREAM_SUBJECTS[0], True)]
     assert asyncio.run(rebuild._consumer_caught_up(Stream(110), "projector")) is True  # type: ignore[arg-type]
+
+
+def test_a_durable_whose_copy_lags_still_counts_as_queued() -> None:
+    """`resume` refuses to publish while the services have messages queued. A stage consumer on a
+    member whose copy lags says 0 pending and 0 unacknowledged; the leader holds a message on its
+    filter past the last one it delivered, so it counts as queued (1, at least). With nothing
+    there, it is idle."""
+    from types import SimpleNamespace
+
+    from shared.control import streams
+
+    class Stream:
+        def __init__(self, leader_has: dict[str, int]) -> None:
+            self.leader_has = leader_has  # filter -> the leader's last sequence on it
+            self.asked: list[tuple[str, int]] = []
+
+        async def consumer_info(self, stream: str, durable: str) -> Any:
+            if durable != "parsing":
+                raise NotFoundError
+            return SimpleNamespace(num_pending=0, num_ack_pending=0, delivered=SimpleNamespace(stream_seq=500),
+                                   config=SimpleNamespace(filter_subject="vb.answer.generated.>", filter_subjects=None))
+
+        async def get_msg(self, stream: str, seq: int, subject: str, next: bool) -> Any:  # noqa: A002
+            self.asked.append((subject, seq))
+            if self.leader_has.get(subject, 0) >= seq:
+                return SimpleNamespace(seq=self.leader_has[subject])
+            raise NotFoundError
+
+    behind = Stream({"vb.answer.generated.>": 510})
+    assert asyncio.run(streams.queued_for_services(behind)) == {"parsing": 1}  # type: ignore[arg-type]
+    assert behind.asked == [("vb.answer.generated.>", 501)]
+    assert asyncio.run(streams.queued_for_services(Stream({"vb.answer.generated.>": 500}))) == {}  # type: ignore[arg-type]
