@@ -129,7 +129,13 @@ async def test_a_bucket_can_be_made_while_a_node_is_down(nats_cluster: NatsClust
     finally:
         await nc.close()
     nats_cluster.kill("nats-3")
-    nc = await bus.connect(settings)
+    deadline = time.monotonic() + 15
+    while True:  # a live node drops the dead one's URL from its INFO once it notices the route gone
+        nc = await bus.connect(settings)
+        if bus.cluster_size(nc) == 2 or time.monotonic() > deadline:
+            break
+        await nc.close()
+        await asyncio.sleep(0.2)
     try:
         js = nc.jetstream()
         assert bus.cluster_size(nc) == 2
@@ -165,6 +171,24 @@ def _meta_leader(cluster: NatsCluster) -> str | None:
     return None
 
 
+class _LagRounds:
+    """Rounds of a lag test, each `_on_the_leader`, until the lag has shown (and at least two):
+    a round sets `lagged` when it saw it."""
+
+    def __init__(self, cluster: NatsCluster) -> None:
+        self.cluster, self.lagged = cluster, 0
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Any, set[str]]]:
+        settings = Settings(nats_url=self.cluster.url)
+        async with bus.session(settings) as nc:
+            await bus.ensure_stream(nc.jetstream(), settings)
+        for rnd in range(ROUNDS):
+            if self.lagged and rnd >= 2:
+                return
+            async with _on_the_leader(self.cluster) as (nc, hosts):
+                yield rnd, nc, hosts
+
+
 @contextlib.asynccontextmanager
 async def _on_the_leader(cluster: NatsCluster) -> AsyncIterator[tuple[Any, set[str]]]:
     """A round of a lag test: once every node is healthy, a client connected to the stream
@@ -180,16 +204,24 @@ async def _on_the_leader(cluster: NatsCluster) -> AsyncIterator[tuple[Any, set[s
         await nc.close()
 
 
-async def _consumer_on_a_follower(js: Any, subject_filter: str, hosts: set[str]) -> Any:
-    """An unacknowledged R1 consumer the server placed on one of `hosts` (placement is the
-    server's choice: make them until one lands there)."""
+async def _placed_on(hosts: set[str], make: Any, drop: Any) -> tuple[Any, Any]:
+    """A consumer the server placed on one of `hosts` (placement is the server's choice: make
+    them until one lands there); `make()` returns the consumer and its info, `drop(it)` ends it."""
     for _ in range(40):
-        psub = await js.pull_subscribe(subject_filter, durable=None, stream=events.STREAM, config=UNACKED)
-        info = await psub.consumer_info()
+        made, info = await make()
         if info.cluster and info.cluster.leader in hosts:
-            return psub
-        await psub.unsubscribe()
+            return made, info
+        await drop(made)
     raise AssertionError(f"the server placed none of 40 consumers on {sorted(hosts)}")
+
+
+async def _consumer_on_a_follower(js: Any, subject_filter: str, hosts: set[str]) -> Any:
+    """A pull subscription on an unacknowledged R1 consumer placed on one of `hosts`."""
+    async def make() -> tuple[Any, Any]:
+        psub = await js.pull_subscribe(subject_filter, durable=None, stream=events.STREAM, config=UNACKED)
+        return psub, await psub.consumer_info()
+
+    return (await _placed_on(hosts, make, lambda psub: psub.unsubscribe()))[0]
 
 
 class _AskedEarly:
@@ -215,27 +247,22 @@ async def test_a_read_served_by_a_lagging_replica_is_completed_by_the_leader(nat
     stop that node while the other two commit 300 events, and read from the count it gives the
     moment it runs again: that count is still short (a read that trusted it returned a run
     without its newest results), yet `read_consumer` returns all 300, as the leader holds them."""
-    async with bus.session(Settings(nats_url=nats_cluster.url)) as nc:
-        await bus.ensure_stream(nc.jetstream(), Settings(nats_url=nats_cluster.url))
-    lagged = 0
-    for rnd in range(ROUNDS):  # until the lag has shown, at least twice over
-        if lagged and rnd >= 2:
-            break
-        async with _on_the_leader(nats_cluster) as (nc, hosts):
-            js = nc.jetstream()
-            subject_filter = events.subject(events.RUN_REQUESTED, f"lag{rnd}", "*")
-            psub = await _consumer_on_a_follower(js, subject_filter, hosts)
-            sent = [_env(i, f"lag{rnd}") for i in range(300)]
-            with nats_cluster.paused((await psub.consumer_info()).cluster.leader):
-                assert await bus.publish_many(js, sent) == 300
-            stale = await psub.consumer_info()  # asked the moment the node runs again
-            try:
-                got = await streams.read_consumer(js, _AskedEarly(psub, stale), subject_filter, timeout=30)
-            finally:
-                await psub.unsubscribe()
-            assert sorted(events.decode(m.data, m.subject).event_id for m in got) == sorted(e.event_id for e in sent)
-            lagged += stale.num_pending < 300
-    assert lagged, "the follower's copy was never behind when read: the lag this test is about did not occur"
+    rounds = _LagRounds(nats_cluster)
+    async for rnd, nc, hosts in rounds:
+        js = nc.jetstream()
+        subject_filter = events.subject(events.RUN_REQUESTED, f"lag{rnd}", "*")
+        psub = await _consumer_on_a_follower(js, subject_filter, hosts)
+        sent = [_env(i, f"lag{rnd}") for i in range(300)]
+        with nats_cluster.paused((await psub.consumer_info()).cluster.leader):
+            assert await bus.publish_many(js, sent) == 300
+        stale = await psub.consumer_info()  # asked the moment the node runs again
+        try:
+            got = await streams.read_consumer(js, _AskedEarly(psub, stale), subject_filter, timeout=30)
+        finally:
+            await psub.unsubscribe()
+        assert sorted(events.decode(m.data, m.subject).event_id for m in got) == sorted(e.event_id for e in sent)
+        rounds.lagged += stale.num_pending < 300
+    assert rounds.lagged, "the follower's copy was never behind when read: the lag this test is about did not occur"
 
 
 async def test_a_stream_range_served_by_a_lagging_replica_reads_on(nats_cluster: NatsCluster, monkeypatch) -> None:
@@ -247,42 +274,35 @@ async def test_a_stream_range_served_by_a_lagging_replica_reads_on(nats_cluster:
     from shared.control import rebuild_parallel
 
     real = rebuild_parallel.ephemeral_consumer
-    async with bus.session(Settings(nats_url=nats_cluster.url)) as nc:
-        await bus.ensure_stream(nc.jetstream(), Settings(nats_url=nats_cluster.url))
-    lagged = 0
-    for rnd in range(ROUNDS):  # until the lag has shown, at least twice over
-        if lagged and rnd >= 2:
-            break
-        async with _on_the_leader(nats_cluster) as (nc, hosts):
-            js = nc.jetstream()
-            for _ in range(40):
-                placed = await js.add_consumer(events.STREAM, UNACKED)
-                if placed.cluster and placed.cluster.leader in hosts:
-                    break
-                await js.delete_consumer(events.STREAM, placed.name)
-            else:
-                raise AssertionError(f"the server placed none of 40 consumers on {sorted(hosts)}")
-            with nats_cluster.paused(placed.cluster.leader):
-                assert await bus.publish_many(js, [_env(i, f"range{rnd}") for i in range(300)]) == 300
-            stale = await js.consumer_info(events.STREAM, placed.name)
-            state = (await _stream_info(js)).state
-            calls: list[dict] = []
+    rounds = _LagRounds(nats_cluster)
+    async for rnd, nc, hosts in rounds:
+        js = nc.jetstream()
+        async def make(js: Any = js) -> tuple[Any, Any]:
+            info = await js.add_consumer(events.STREAM, UNACKED)
+            return info, info
 
-            @contextlib.asynccontextmanager
-            async def first_on_the_follower(js_: Any, policy: Any, calls: list = calls, stale: Any = stale,
-                                            **kw: Any) -> Any:
-                calls.append(kw)
-                if len(calls) == 1:
-                    yield stale
-                    return
-                async with real(js_, policy, **kw) as info:
-                    yield info
+        placed, _ = await _placed_on(hosts, make, lambda info, js=js: js.delete_consumer(events.STREAM, info.name))
+        with nats_cluster.paused(placed.cluster.leader):
+            assert await bus.publish_many(js, [_env(i, f"range{rnd}") for i in range(300)]) == 300
+        stale = await js.consumer_info(events.STREAM, placed.name)
+        state = (await _stream_info(js)).state
+        calls: list[dict] = []
 
-            monkeypatch.setattr(rebuild_parallel, "ephemeral_consumer", first_on_the_follower)
-            seqs = [m.metadata.sequence.stream
-                    async for batch in rebuild_parallel.stream_range(nc, int(state.first_seq), int(state.last_seq), 50)
-                    for m in batch]
-            await js.delete_consumer(events.STREAM, placed.name)
-            assert seqs == list(range(int(state.first_seq), int(state.last_seq) + 1))
-            lagged += len(calls) > 1
-    assert lagged, "the follower's copy was never behind when read: the lag this test is about did not occur"
+        @contextlib.asynccontextmanager
+        async def first_on_the_follower(js_: Any, policy: Any, calls: list = calls, stale: Any = stale,
+                                        **kw: Any) -> Any:
+            calls.append(kw)
+            if len(calls) == 1:
+                yield stale
+                return
+            async with real(js_, policy, **kw) as info:
+                yield info
+
+        monkeypatch.setattr(rebuild_parallel, "ephemeral_consumer", first_on_the_follower)
+        seqs = [m.metadata.sequence.stream
+                async for batch in rebuild_parallel.stream_range(nc, int(state.first_seq), int(state.last_seq), 50)
+                for m in batch]
+        await js.delete_consumer(events.STREAM, placed.name)
+        assert seqs == list(range(int(state.first_seq), int(state.last_seq) + 1))
+        rounds.lagged += len(calls) > 1
+    assert rounds.lagged, "the follower's copy was never behind when read: the lag this test is about did not occur"
