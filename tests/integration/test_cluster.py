@@ -17,6 +17,7 @@ from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus, runcontrol
 from tests.conftest import NatsCluster, NatsServer
+from tests.support.jetstream import meta_leader
 
 
 def _env(i: int, run: str = "clu-run") -> events.Envelope:
@@ -155,22 +156,6 @@ UNACKED = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy
                          inactive_threshold=60.0, max_ack_pending=-1)
 
 
-def _meta_leader(cluster: NatsCluster) -> str | None:
-    """The node leading the JetStream meta group (every API call needs it), from /jsz."""
-    import json
-    import urllib.request
-
-    for n in cluster.nodes:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{n.http_port}/jsz", timeout=2) as resp:
-                leader = (json.loads(resp.read()).get("meta_cluster") or {}).get("leader")
-        except OSError:
-            continue
-        if leader:
-            return str(leader)
-    return None
-
-
 class _LagRounds:
     """Rounds of a lag test, each `_on_the_leader`, until the lag has shown (and at least two):
     a round sets `lagged` when it saw it."""
@@ -199,7 +184,7 @@ async def _on_the_leader(cluster: NatsCluster) -> AsyncIterator[tuple[Any, set[s
         leader = (await _stream_info(nc0.jetstream())).cluster.leader
     nc = await bus.connect(Settings(nats_url=f"nats://127.0.0.1:{cluster.node(leader).port}"))
     try:
-        yield nc, {n.name for n in cluster.nodes} - {leader, _meta_leader(cluster)}
+        yield nc, {n.name for n in cluster.nodes} - {leader, meta_leader(n.http_port for n in cluster.nodes)}
     finally:
         await nc.close()
 

@@ -17,6 +17,7 @@ from bench.workload import expected_verdicts
 from shared.control import nats_nodes, processes, stack
 from shared.core import events
 from shared.runtime import bus
+from tests.support.jetstream import meta_leader
 from tests.support.stack import (
     Stack,
     check_run_complete,
@@ -110,20 +111,9 @@ def test_kill_the_stream_leader_mid_run(cluster_stack, baseline) -> None:
 
 
 def _meta_leader(st: Stack) -> str:
-    """The node leading the JetStream meta group (what every JetStream API call needs), from a
-    live node's /jsz."""
-    import json
-    import urllib.request
-
-    for p in st.reload().nats_procs():
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{p.http_port}/jsz", timeout=2) as resp:
-                leader = (json.loads(resp.read()).get("meta_cluster") or {}).get("leader")
-        except OSError:
-            continue
-        if leader:
-            return str(leader)
-    raise AssertionError("no node names a JetStream meta leader")
+    leader = meta_leader(p.http_port for p in st.reload().nats_procs())
+    assert leader, "no node names a JetStream meta leader"
+    return leader
 
 
 def test_cli_talks_to_the_cluster_through_any_live_node(cluster_stack, baseline) -> None:
