@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 
 from shared.control import processes, rebuild_parallel, stack
 from shared.control.rebuild_parallel import stream_range
-from shared.control.streams import PROJECTOR_DURABLE, LifecycleError, leader_next_seq
+from shared.control.streams import PROJECTOR_DURABLE, LifecycleError, consumer_lags_leader
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
@@ -90,8 +90,7 @@ async def _consumer_caught_up(js: JetStreamContext, durable: str) -> bool:
         return False
     if int(ci.num_pending or 0) or int(ci.num_ack_pending or 0):
         return False
-    floor = int(ci.ack_floor.stream_seq or 0) if ci.ack_floor else 0
-    return await leader_next_seq(js, events.STREAM_SUBJECTS[0], floor) is None
+    return not await consumer_lags_leader(js, ci)
 
 
 async def _stream_state(settings: Settings) -> Any:
@@ -133,8 +132,10 @@ def _recreate_tables(settings: Settings) -> None:
         store.close()
 
 
-async def _project_in_process(settings: Settings, store: Store, batch: int = 10_000) -> None:
-    """Fold the whole stream into the tables of `store` from this process (no projector running)."""
+async def _project_in_process(settings: Settings, store: Store, first_seq: int, last_seq: int,
+                              batch: int = 10_000) -> None:
+    """Fold the stream's messages first_seq..last_seq into the tables of `store` from this
+    process (no projector running)."""
     async with bus.session(settings) as nc:
         js = nc.jetstream()
         projector = Projector(settings, fetch_content=ContentStore(lambda: js).get_raw)
@@ -147,8 +148,7 @@ async def _project_in_process(settings: Settings, store: Store, batch: int = 10_
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            state = await bus.leader_stream_state(js)
-            async for msgs in stream_range(nc, int(state.first_seq), int(state.last_seq), batch):
+            async for msgs in stream_range(nc, first_seq, last_seq, batch):
                 p = projector.project_batch(msgs)
                 await projector.attach_contents(p)
                 projector.insert(p)
@@ -253,7 +253,7 @@ def _rebuild_in_process(settings: Settings, say: Callable[[str], None], t0: floa
                 asyncio.run(_copy_contents(settings, store))
             else:
                 say("folding the stream in this process")
-                asyncio.run(_project_in_process(settings, store))
+                asyncio.run(_project_in_process(settings, store, int(state.first_seq), int(state.last_seq)))
             fold_s = time.monotonic() - t_fold
             say("fingerprinting the rebuilt tables")
             after = fingerprint(store.query)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -130,12 +131,23 @@ async def run_event(js: JetStreamContext, run_id: str) -> events.RunRequested:
     return events.payload_as(env, events.RunRequested)
 
 
-async def queued_for_services(js: JetStreamContext) -> dict[str, int]:
-    """Messages the stage services still have to handle (pending + unacked), per durable.
+async def consumer_lags_leader(js: JetStreamContext, ci: Any) -> bool:
+    """Whether the stream's leader holds a message on the consumer's filter past its ack floor.
+    A consumer's counts are its own member's copy, which may lag the leader, so counts that say
+    nothing is left are checked with this before they are believed."""
+    floor = int(ci.ack_floor.stream_seq or 0) if ci.ack_floor else 0
+    filters = ([ci.config.filter_subject] if ci.config.filter_subject else list(ci.config.filter_subjects or [])
+               ) or events.STREAM_SUBJECTS
+    for f in filters:
+        if await leader_next_seq(js, f, floor) is not None:
+            return True
+    return False
 
-    A consumer's counts are its own member's copy, which may lag the stream's leader: when they
-    say nothing is queued, the leader is asked for a message on its filter past the last one it
-    delivered, and one there counts as queued (at least 1: how many, that copy cannot tell)."""
+
+async def queued_for_services(js: JetStreamContext) -> dict[str, int]:
+    """Messages the stage services still have to handle (pending + unacked), per durable; a
+    durable whose counts say none while its copy lags the leader (`consumer_lags_leader`) counts
+    1, at least (how many, that copy cannot tell)."""
     out: dict[str, int] = {}
     for name in STAGE_DURABLES:
         try:
@@ -143,14 +155,6 @@ async def queued_for_services(js: JetStreamContext) -> dict[str, int]:
         except NotFoundError:
             continue
         n = int(ci.num_pending or 0) + int(ci.num_ack_pending or 0)
-        if not n:
-            delivered = int(ci.delivered.stream_seq or 0) if ci.delivered else 0
-            filters = ([ci.config.filter_subject] if ci.config.filter_subject else list(ci.config.filter_subjects or [])
-                       ) or events.STREAM_SUBJECTS
-            for f in filters:
-                if await leader_next_seq(js, f, delivered) is not None:
-                    n = 1
-                    break
-        if n:
-            out[name] = n
+        if n or await consumer_lags_leader(js, ci):
+            out[name] = n or 1
     return out

@@ -504,7 +504,7 @@ async def last_event(js: JetStreamContext, subject: str) -> events.Envelope | No
         msg = await js.get_last_msg(events.STREAM, subject, direct=True)
     except NotFoundError:
         return await leader_last_event(js, subject)
-    return events.decode(msg.data, subject) if msg.data else None
+    return _event_of(msg, subject)
 
 
 async def leader_last_event(js: JetStreamContext, subject: str) -> events.Envelope | None:
@@ -519,6 +519,10 @@ async def leader_last_event(js: JetStreamContext, subject: str) -> events.Envelo
         msg = await retry_cluster(lambda: js.get_last_msg(events.STREAM, subject), "message get")
     except NotFoundError:
         return None
+    return _event_of(msg, subject)
+
+
+def _event_of(msg: Any, subject: str) -> events.Envelope | None:
     return events.decode(msg.data, subject) if msg.data else None
 
 

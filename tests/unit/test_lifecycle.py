@@ -557,27 +557,43 @@ def test_a_forged_attempt_key_is_refused_at_decode(key: str) -> None:
     assert events.decode(events.encode(env)).attempt_key == "resume-ab12"
 
 
+
+class _IdleConsumerOnALaggingCopy:
+    """The JetStream calls the lag checks make: one durable (`name`) whose counts say nothing is
+    pending or unacknowledged, acknowledged up to `floor`, filtered on `filter_subject` (None:
+    the whole stream); `leader_has`: filter -> the leader's last sequence on it (a plain message
+    get, which only the leader answers)."""
+
+    def __init__(self, name: str, floor: int, filter_subject: str | None, leader_has: dict[str, int]) -> None:
+        from types import SimpleNamespace
+
+        self.name, self.leader_has = name, leader_has
+        self.info = SimpleNamespace(num_pending=0, num_ack_pending=0, ack_floor=SimpleNamespace(stream_seq=floor),
+                                    config=SimpleNamespace(filter_subject=filter_subject, filter_subjects=None))
+        self.asked: list[tuple[int, str, bool]] = []
+
+    async def consumer_info(self, stream: str, durable: str) -> Any:
+        if durable != self.name:
+            raise NotFoundError
+        return self.info
+
+    async def get_msg(self, stream: str, seq: int, subject: str, next: bool) -> Any:  # noqa: A002
+        from types import SimpleNamespace
+
+        self.asked.append((seq, subject, next))
+        if self.leader_has.get(subject, 0) >= seq:
+            return SimpleNamespace(seq=self.leader_has[subject])
+        raise NotFoundError
+
+
 def test_a_consumer_is_caught_up_only_when_the_leader_has_nothing_past_its_ack_floor() -> None:
     """`projections rebuild` waits for the projector's consumer. Its counts are its own member's
     copy: nothing pending there, all acknowledged up to 110, while the leader holds message 150,
     is not caught up; with the leader holding nothing past 110, it is."""
-    from types import SimpleNamespace
-
     from shared.control import rebuild
 
-    class Stream:
-        def __init__(self, leader_last: int) -> None:
-            self.leader_last = leader_last
-            self.asked: list[tuple[int, str, bool]] = []
-
-        async def consumer_info(self, stream: str, durable: str) -> Any:
-            return SimpleNamespace(num_pending=0, num_ack_pending=0, ack_floor=SimpleNamespace(stream_seq=110))
-
-        async def get_msg(self, stream: str, seq: int, subject: str, next: bool) -> Any:  # noqa: A002
-            self.asked.append((seq, subject, next))
-            if self.leader_last >= seq:
-                return SimpleNamespace(seq=self.leader_last)
-            raise NotFoundError
+    def Stream(leader_last: int) -> _IdleConsumerOnALaggingCopy:  # noqa: N802
+        return _IdleConsumerOnALaggingCopy("projector", 110, None, {events.STREAM_SUBJECTS[0]: leader_last})
 
     behind = Stream(150)
     assert asyncio.run(rebuild._consumer_caught_up(behind, "projector")) is False  # type: ignore[arg-type]
@@ -590,28 +606,12 @@ def test_a_durable_whose_copy_lags_still_counts_as_queued() -> None:
     member whose copy lags says 0 pending and 0 unacknowledged; the leader holds a message on its
     filter past the last one it delivered, so it counts as queued (1, at least). With nothing
     there, it is idle."""
-    from types import SimpleNamespace
-
     from shared.control import streams
 
-    class Stream:
-        def __init__(self, leader_has: dict[str, int]) -> None:
-            self.leader_has = leader_has  # filter -> the leader's last sequence on it
-            self.asked: list[tuple[str, int]] = []
-
-        async def consumer_info(self, stream: str, durable: str) -> Any:
-            if durable != "parsing":
-                raise NotFoundError
-            return SimpleNamespace(num_pending=0, num_ack_pending=0, delivered=SimpleNamespace(stream_seq=500),
-                                   config=SimpleNamespace(filter_subject="vb.answer.generated.>", filter_subjects=None))
-
-        async def get_msg(self, stream: str, seq: int, subject: str, next: bool) -> Any:  # noqa: A002
-            self.asked.append((subject, seq))
-            if self.leader_has.get(subject, 0) >= seq:
-                return SimpleNamespace(seq=self.leader_has[subject])
-            raise NotFoundError
+    def Stream(leader_has: dict[str, int]) -> _IdleConsumerOnALaggingCopy:  # noqa: N802
+        return _IdleConsumerOnALaggingCopy("parsing", 500, "vb.answer.generated.>", leader_has)
 
     behind = Stream({"vb.answer.generated.>": 510})
     assert asyncio.run(streams.queued_for_services(behind)) == {"parsing": 1}  # type: ignore[arg-type]
-    assert behind.asked == [("vb.answer.generated.>", 501)]
+    assert [(subject, seq) for seq, subject, _ in behind.asked] == [("vb.answer.generated.>", 501)]
     assert asyncio.run(streams.queued_for_services(Stream({"vb.answer.generated.>": 500}))) == {}  # type: ignore[arg-type]
