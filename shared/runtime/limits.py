@@ -8,8 +8,10 @@ calls a model shares one *ledger* per limit key (a JetStream KV entry, updated b
 - **Slots.** The ledger records, per process ("holder"), how many slots it holds and until when
   (`exp`, a lease). A process takes a small batch of slots in one CAS and reuses them for call
   after call without touching the bus; it gives surplus back when it idles, when others wait
-  (fair share) or when the window shrinks. A holder that dies stops renewing; once its lease has
-  expired any other process drops it from the ledger and its slots are free again.
+  (fair share) or when the window shrinks. A slot it was granted serves one call before it can
+  be shed, so with more processes than slots each still gets its turn. A holder that dies stops
+  renewing; once its lease has expired any other process drops it from the ledger and its slots
+  are free again.
 - **Rates.** Requests and tokens per minute are token buckets in the same ledger; a process
   takes a batch of permits at a time (lost if it dies: conservative, never an overshoot).
 - **AIMD.** A 429 halves the shared window (at most once per `decrease_interval_s`, so one burst
@@ -81,6 +83,7 @@ class _KeyState:
     tpm: int | None
     held: int = 0
     in_use: int = 0
+    fresh: int = 0  # held slots granted and not used since: never shed before one call has used them
     rpm_local: int = 0
     tpm_local: float = 0.0
     waiters: deque[_Waiter] = field(default_factory=deque)
@@ -194,14 +197,15 @@ class Limiter:
     def _can_admit(self, st: _KeyState, estimate: int) -> bool:
         if st.in_use >= st.held or time.monotonic() >= st.valid_until:
             return False
-        if st.view is not None and must_shed(st.view, self.owner, st.held):
-            return False
+        if not st.fresh and st.view is not None and must_shed(st.view, self.owner, st.held):
+            return False  # a slot freed by a call goes back to a process that waits for one
         if st.rpm is not None and st.rpm_local < 1:
             return False
         return not (st.tpm is not None and st.tpm_local < estimate)
 
     def _admit(self, st: _KeyState, estimate: int) -> None:
         st.in_use += 1
+        st.fresh = max(0, st.fresh - 1)
         st.last_busy = time.monotonic()
         if st.in_use >= st.held:
             st.full_at = st.last_busy
@@ -293,7 +297,8 @@ class Limiter:
             if st.held > st.in_use:
                 if not st.waiters and now - st.last_busy >= self.linger_s:
                     return True
-                if st.view is not None and must_shed(st.view, self.owner, st.held):
+                if (st.held - st.in_use > st.fresh and st.view is not None
+                        and must_shed(st.view, self.owner, st.held)):
                     return True
         v = st.view
         return bool(st.successes and v is not None and v.window < st.cap and st.successes >= max(1.0, v.window / 2))
@@ -315,7 +320,7 @@ class Limiter:
             set_cap(ledger, st.cap)
             mine = ledger.holders.get(self.owner)
             if mine is None and st.held > 0:  # our lease lapsed (a stall): claim what is in flight
-                st.held = st.in_use
+                st.held, st.fresh = st.in_use, 0
                 if st.held:
                     ledger.holders[self.owner] = Holder(n=st.held, exp=wall + self.lease_s)
             elif mine is not None and mine.n != st.held:
@@ -327,8 +332,8 @@ class Limiter:
             free_local = st.held - st.in_use
             give = 0
             if free_local > 0:
-                if must_shed(ledger, self.owner, st.held):
-                    give = min(free_local, shed_amount(ledger, self.owner, st.held))
+                if must_shed(ledger, self.owner, st.held):  # a granted slot is used once first
+                    give = min(free_local - min(st.fresh, free_local), shed_amount(ledger, self.owner, st.held))
                 elif not st.waiters and time.monotonic() - st.last_busy >= self.linger_s:
                     give = free_local
             if give:
@@ -343,22 +348,38 @@ class Limiter:
             if st.held - give + got == 0 and not need:
                 ledger.holders.pop(self.owner, None)
             rpm_got, tpm_got, retry_at = self._rates(st, ledger, wall)
+            # What this write gives back leaves the local count before the round trip: a call
+            # admitted while the write is on its way must not take a slot (or permit) that the
+            # ledger is handing to another process. Restored only if the write surely failed.
+            st.held -= give
+            unfreshed = max(0, st.fresh - (st.held - st.in_use))
+            st.fresh -= unfreshed
+            st.rpm_local += min(0, int(rpm_got))
+            st.tpm_local += min(0.0, tpm_got)
             try:
                 rev = await self.store.cas(st.key, ledger, rev)
             except Conflict:
+                st.held += give
+                st.fresh = min(st.fresh + unfreshed, st.held - st.in_use)
+                st.rpm_local -= min(0, int(rpm_got))
+                st.tpm_local -= min(0.0, tpm_got)
                 st.base, st.revision = None, 0
                 continue
+            except BaseException:
+                st.base, st.revision = None, 0  # written or not: read the ledger before the next write
+                raise
             st.base, st.view, st.revision = ledger, ledger, rev
             st.last_written = encode_ledger(ledger)
             st.last_write = time.monotonic()
             st.dirty = False
             st.wanting = need - got > 0
-            st.held = st.held - give + got
+            st.held += got
+            st.fresh += got
             st.spare_wanted = False  # asked once: granted now, or the hedge's next poll asks again
             if for_hedge:
                 st.last_busy = time.monotonic()  # not given back as idle before the hedge takes it
-            st.rpm_local += int(rpm_got)
-            st.tpm_local += tpm_got
+            st.rpm_local += max(0, int(rpm_got))
+            st.tpm_local += max(0.0, tpm_got)
             st.rate_limited = False
             st.successes = 0
             st.valid_until = time.monotonic() + self.lease_s * 0.8

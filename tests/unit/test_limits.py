@@ -13,6 +13,7 @@ from shared.runtime.call_limits import Lease
 from shared.runtime.ledger import Holder, new_ledger
 from shared.runtime.ledger_store import MemoryLedgerStore
 from shared.runtime.limits import Limiter
+from tests.support.limits import GatedStore, RoundTripStore
 from tests.support.limits import hammer as _hammer
 
 
@@ -90,6 +91,52 @@ async def test_three_limiters_share_one_cap() -> None:
     assert peak <= 4
     assert peak >= 2  # the limiters did run calls side by side (not one at a time)
     assert store.ops < 300  # slots are reused locally: not a ledger write per call
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_more_processes_than_slots_all_get_their_turn(seed: int) -> None:
+    """Six processes with work, three slots: the fair share is under one slot, and a slot granted
+    to a waiting process is used by it before it can be shed to the next (it once went round
+    unused for ever). Over a store with round trips and a watch that lags, as on the bus."""
+    store = RoundTripStore(seed)
+    lims = [Limiter(store, f"p{i}", linger_s=0.01, poll_s=0.01) for i in range(6)]
+    model = ModelSpec(model_name="openai/m", max_concurrency=3)
+    try:
+        peak, done = await asyncio.wait_for(_hammer(lims, model, 400, seed=seed), 60)
+    finally:
+        for lim in lims:
+            await lim.close()
+    assert done == 400
+    assert peak <= 3, f"{peak} calls in flight for a limit of 3"
+    assert peak >= 2
+
+
+async def test_a_call_arriving_while_a_slot_is_given_back_does_not_take_it() -> None:
+    """Process a goes idle and its writer gives its one slot back; the write takes a round trip.
+    A call that arrives on a meanwhile must wait: the slot is b's once the write lands, and a call
+    on both would be two in flight for a limit of one."""
+    store = GatedStore()
+    model = ModelSpec(model_name="openai/m", max_concurrency=1)
+    a = Limiter(store, "a", linger_s=0.05, poll_s=0.01)
+    b = Limiter(store, "b", linger_s=0.05, poll_s=0.01)
+    try:
+        a.release(await a.acquire(model))
+        store.hold()  # a's next write (the give-back, after linger_s idle) waits at the gate
+        await asyncio.wait_for(store.write_waiting.wait(), 5)
+        on_a = asyncio.ensure_future(a.acquire(model))
+        await asyncio.sleep(0.05)
+        store.open()
+        on_b = asyncio.ensure_future(b.acquire(model))
+        await asyncio.wait({on_a, on_b}, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0.2)  # time for the other one to be let in too, were it wrongly
+        running = [t for t in (on_a, on_b) if t.done()]
+        assert len(running) == 1, f"{len(running)} calls in flight for a limit of 1"
+        (a if running[0] is on_a else b).release(running[0].result())
+        waiting = on_b if running[0] is on_a else on_a
+        (b if waiting is on_b else a).release(await asyncio.wait_for(waiting, 5))  # and no slot was lost
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_a_dead_holders_slots_come_back_after_its_lease() -> None:
