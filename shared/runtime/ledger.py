@@ -125,10 +125,16 @@ def give_back(ledger: Ledger, me: str, k: int, now: float, lease_s: float) -> in
     return k
 
 
+def over_window(ledger: Ledger) -> bool:
+    """The holders hold more than the window allows (a 429 shrank it): no slot may start a call
+    until enough are given back, not even one just granted."""
+    return held_total(ledger) > slots(ledger)
+
+
 def must_shed(ledger: Ledger, me: str, held: int) -> bool:
     """True when `me` should give a freed slot back instead of reusing it: the ledger is over the
     window (it shrank), or another holder waits with less than its share while `me` has more."""
-    if held_total(ledger) > slots(ledger):
+    if over_window(ledger):
         return True
     floor, _ = shares(ledger)
     return held > floor and _starving(ledger, me, floor)

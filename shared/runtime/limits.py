@@ -9,9 +9,9 @@ calls a model shares one *ledger* per limit key (a JetStream KV entry, updated b
   (`exp`, a lease). A process takes a small batch of slots in one CAS and reuses them for call
   after call without touching the bus; it gives surplus back when it idles, when others wait
   (fair share) or when the window shrinks. A slot it was granted serves one call before it can
-  be shed, so with more processes than slots each still gets its turn. A holder that dies stops
-  renewing; once its lease has expired any other process drops it from the ledger and its slots
-  are free again.
+  be shed (unless a 429 shrank the window below what is held), so with more processes than slots
+  each still gets its turn. A holder that dies stops renewing; once its lease has expired any
+  other process drops it from the ledger and its slots are free again.
 - **Rates.** Requests and tokens per minute are token buckets in the same ledger; a process
   takes a batch of permits at a time (lost if it dies: conservative, never an overshoot).
 - **AIMD.** A 429 halves the shared window (at most once per `decrease_interval_s`, so one burst
@@ -55,6 +55,7 @@ from shared.runtime.ledger import (
     increase,
     must_shed,
     new_ledger,
+    over_window,
     prune,
     refund,
     set_cap,
@@ -197,8 +198,9 @@ class Limiter:
     def _can_admit(self, st: _KeyState, estimate: int) -> bool:
         if st.in_use >= st.held or time.monotonic() >= st.valid_until:
             return False
-        if not st.fresh and st.view is not None and must_shed(st.view, self.owner, st.held):
-            return False  # a slot freed by a call goes back to a process that waits for one
+        v = st.view
+        if v is not None and must_shed(v, self.owner, st.held) and (not st.fresh or over_window(v)):
+            return False  # a freed slot goes back to a process that waits (a fresh one serves once)
         if st.rpm is not None and st.rpm_local < 1:
             return False
         return not (st.tpm is not None and st.tpm_local < estimate)
@@ -297,8 +299,9 @@ class Limiter:
             if st.held > st.in_use:
                 if not st.waiters and now - st.last_busy >= self.linger_s:
                     return True
-                if (st.held - st.in_use > st.fresh and st.view is not None
-                        and must_shed(st.view, self.owner, st.held)):
+                v = st.view
+                if (v is not None and must_shed(v, self.owner, st.held)
+                        and (st.held - st.in_use > st.fresh or over_window(v))):
                     return True
         v = st.view
         return bool(st.successes and v is not None and v.window < st.cap and st.successes >= max(1.0, v.window / 2))
@@ -333,7 +336,8 @@ class Limiter:
             give = 0
             if free_local > 0:
                 if must_shed(ledger, self.owner, st.held):  # a granted slot is used once first
-                    give = min(free_local - min(st.fresh, free_local), shed_amount(ledger, self.owner, st.held))
+                    keep = 0 if over_window(ledger) else min(st.fresh, free_local)
+                    give = min(free_local - keep, shed_amount(ledger, self.owner, st.held))
                 elif not st.waiters and time.monotonic() - st.last_busy >= self.linger_s:
                     give = free_local
             if give:

@@ -55,10 +55,12 @@ def test_must_shed_over_window_and_over_fair_share() -> None:
     assert not ledger.must_shed(led, "a", 8)
     led.holders["b"] = Holder(n=0, want=2, exp=1e12)
     assert ledger.must_shed(led, "a", 8)  # b waits; a holds more than 8/2
+    assert not ledger.over_window(led)  # fair share only: a slot a was just granted serves once
     assert not ledger.must_shed(led, "a", 4)
     led.holders["b"].want = 0
     led.window = 4.0
     assert ledger.must_shed(led, "a", 8)  # the window shrank below what is held
+    assert ledger.over_window(led)  # then no slot starts a call, not even a fresh one
 
 
 def test_token_bucket_refills_at_the_rate() -> None:
