@@ -84,7 +84,7 @@ class _KeyState:
     tpm: int | None
     held: int = 0
     in_use: int = 0
-    fresh: int = 0  # held slots granted and not used since: never shed before one call has used them
+    fresh: int = 0  # held slots granted and unused since: not shed for fair share before a call used them
     rpm_local: int = 0
     tpm_local: float = 0.0
     waiters: deque[_Waiter] = field(default_factory=deque)
