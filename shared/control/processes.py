@@ -25,10 +25,21 @@ STACK_MARKER = "VERIBUS_STACK"  # env var naming the stack home, on every proces
 CREATE_TIME_TOLERANCE_S = 0.05  # psutil create times are in clock ticks (10 ms)
 
 
+_GIVEN_PORTS: set[int] = set()  # every port free_port has handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and never handed out before by this process. The kernel may give the same
+    port to two binds in a row once the first socket is closed, and the processes of one stack
+    bind theirs only when they start: two services once got the same metrics port, and one died."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
+    raise RuntimeError("no free port that this process has not handed out already")
 
 
 def is_nats(name: str) -> bool:
