@@ -41,7 +41,7 @@ from typing import Any
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from shared.control.stream_read import StreamReader
-from shared.control.streams import leader_next_seq
+from shared.control.streams import copy_was_behind
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
@@ -317,13 +317,8 @@ async def stream_range(nc: Any, start: int, end: int, batch: int, timeout: float
                     if msgs:
                         nxt = max(nxt, int(msgs[-1].metadata.sequence.stream) + 1)
                         yield msgs
-        behind = await leader_next_seq(js, events.STREAM_SUBJECTS[0], nxt - 1) if nxt <= end else None
-        if behind is None or behind > end:
+        if not await copy_was_behind(js, events.STREAM_SUBJECTS[0], nxt - 1, end, deadline, timeout):
             return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"reading the stream: the leader holds message {behind}, which the replica "
-                               f"serving the read had not caught up on after {timeout:.0f} s")
-        log.debug("stream read: the consumer's replica is behind the leader (seq %d); reading on", behind)
         await asyncio.sleep(0.05)
 
 

@@ -69,6 +69,23 @@ async def leader_next_seq(js: JetStreamContext, subject_filter: str, after: int)
     return int(msg.seq or 0) or None
 
 
+async def copy_was_behind(js: JetStreamContext, subject_filter: str, last: int, end: int,
+                          deadline: float, timeout: float) -> bool:
+    """After a consumer said it was done at sequence `last`: whether the stream's leader holds a
+    message on `subject_filter` in last+1..`end`, i.e. the copy the consumer read was behind and
+    the read must go on. A copy still behind at `deadline` is an error naming the message: a
+    read never returns a shorter answer than the leader holds."""
+    behind = await leader_next_seq(js, subject_filter, last) if last < end else None
+    if behind is None or behind > end:
+        return False
+    if time.monotonic() > deadline:
+        raise LifecycleError(
+            f"reading {subject_filter}: the stream's leader holds message {behind}, which the "
+            f"replica serving the read had not caught up on after {timeout:.0f} s")
+    log.debug("read of %s: the consumer's replica is behind the leader (seq %d); reading on", subject_filter, behind)
+    return True
+
+
 async def read_consumer(js: JetStreamContext, psub: JetStreamContext.PullSubscription, subject_filter: str, *,
                         batch: int = 1000, timeout: float = 60.0) -> list[Msg]:
     """Every message an unacknowledged consumer on `subject_filter` delivers, until the stream's
@@ -100,15 +117,8 @@ async def read_consumer(js: JetStreamContext, psub: JetStreamContext.PullSubscri
             if meta is not None:
                 last = max(last, int(meta.sequence.stream))
             remaining = meta.num_pending if meta is not None else remaining - len(msgs)
-        behind = await leader_next_seq(js, subject_filter, last) if last < target else None
-        if behind is None or behind > target:
+        if not await copy_was_behind(js, subject_filter, last, target, deadline, timeout):
             return out
-        if time.monotonic() > deadline:
-            raise LifecycleError(
-                f"reading {subject_filter}: the stream's leader holds message {behind}, which the "
-                f"replica serving the read had not caught up on after {timeout:.0f} s")
-        log.debug("read of %s: the consumer's replica is behind the leader (seq %d); asking again",
-                  subject_filter, behind)
         remaining = 1
 
 

@@ -108,6 +108,13 @@ class _KeyState:
     last_written: bytes = b""
 
 
+def _fresh_kept(st: _KeyState, ledger: Ledger) -> int:
+    """Free slots kept from shedding: those granted and not used yet, as each serves one call
+    first (with more processes than slots the fair share is 0, and a granted slot shed at once
+    went round unused), unless a 429 shrank the window below what is held."""
+    return 0 if over_window(ledger) else min(st.fresh, st.held - st.in_use)
+
+
 class Limiter:
     """Deployment-wide model limits (see module docstring). One per process."""
 
@@ -199,7 +206,7 @@ class Limiter:
         if st.in_use >= st.held or time.monotonic() >= st.valid_until:
             return False
         v = st.view
-        if v is not None and must_shed(v, self.owner, st.held) and (not st.fresh or over_window(v)):
+        if v is not None and must_shed(v, self.owner, st.held) and not _fresh_kept(st, v):
             return False  # a freed slot goes back to a process that waits (a fresh one serves once)
         if st.rpm is not None and st.rpm_local < 1:
             return False
@@ -300,8 +307,7 @@ class Limiter:
                 if not st.waiters and now - st.last_busy >= self.linger_s:
                     return True
                 v = st.view
-                if (v is not None and must_shed(v, self.owner, st.held)
-                        and (st.held - st.in_use > st.fresh or over_window(v))):
+                if v is not None and must_shed(v, self.owner, st.held) and st.held - st.in_use > _fresh_kept(st, v):
                     return True
         v = st.view
         return bool(st.successes and v is not None and v.window < st.cap and st.successes >= max(1.0, v.window / 2))
@@ -335,9 +341,8 @@ class Limiter:
             free_local = st.held - st.in_use
             give = 0
             if free_local > 0:
-                if must_shed(ledger, self.owner, st.held):  # a granted slot is used once first
-                    keep = 0 if over_window(ledger) else min(st.fresh, free_local)
-                    give = min(free_local - keep, shed_amount(ledger, self.owner, st.held))
+                if must_shed(ledger, self.owner, st.held):
+                    give = min(free_local - _fresh_kept(st, ledger), shed_amount(ledger, self.owner, st.held))
                 elif not st.waiters and time.monotonic() - st.last_busy >= self.linger_s:
                     give = free_local
             if give:
