@@ -493,12 +493,19 @@ def result_values(
     ]
 
 
-def _cost_columns(usage: Mapping[str, Any], u_cost: list[float | None]) -> tuple[Any, ...]:
-    """cost_usd (None when any stage that made calls has no price), model calls, cached replies."""
-    total = usage.get("total") if isinstance(usage.get("total"), Mapping) else {}
-    entries = [e for k, e in usage.items() if k != "total" and isinstance(e, Mapping)]
-    calls = int(total.get("model_calls") or sum(int(e.get("model_calls") or 0) for e in entries))
-    cached = int(total.get("cached_replies") or sum(int(e.get("cached_replies") or 0) for e in entries))
+def _cost_columns(usage: dict[str, Any], u_cost: list[float | None]) -> tuple[Any, ...]:
+    """cost_usd (None when any stage that made calls has no price), model calls, cached replies.
+    The stages' sums only when the total lacks them: a malformed stage entry then raises (the
+    result is recorded as an invalid payload) exactly when the row needs it. `dict`, not the
+    ABC `Mapping`: `usage` is JSON's, and the ABC's isinstance costs ~2 us a result."""
+    total = usage.get("total")
+    if not isinstance(total, dict):
+        total = {}
+    calls = total.get("model_calls") or sum(
+        int(e.get("model_calls") or 0) for k, e in usage.items() if k != "total" and isinstance(e, dict))
+    cached = total.get("cached_replies") or sum(
+        int(e.get("cached_replies") or 0) for k, e in usage.items() if k != "total" and isinstance(e, dict))
+    calls, cached = int(calls), int(cached)
     c = total.get("cost_usd")
     if not isinstance(c, _NUMBER):
         c = sum(x for x in u_cost if x is not None) if u_cost and all(x is not None for x in u_cost) else None
