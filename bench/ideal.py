@@ -71,65 +71,100 @@ def zero_overhead_fraction(n: int, latency_ms: float, concurrency: int, dist: st
     return round(sum(fractions) / len(fractions), 3)
 
 
-def replay_fraction(answer_s: list[float], judge_s: list[float], concurrency: int, latency_ms: float) -> float | None:
+def replay_fraction(answer_s: list[float], judge_s: list[float], concurrency: int, latency_ms: float,
+                    shared: bool = False) -> float | None:
     """The whole-run fraction of C/(2L) a pipeline without overhead reaches on one run's own
-    latencies (the simulator's draws, in call order: answer i's parse is the i-th judge call)."""
+    latencies (the simulator's draws, in call order: answer i's parse is the i-th judge call);
+    `shared`: one limit of C for both models (`hedged_makespan`'s sharing), unhedged."""
     n = min(len(answer_s), len(judge_s))
     if latency_ms <= 0 or n == 0:
         return None
-    slots = max(1, concurrency // 2)
-    answered = _finish_times([0.0] * n, answer_s[:n], slots)
-    span = max(_finish_times(answered, judge_s[:n], slots))
+    if shared:
+        span, _ = hedged_makespan(n, latency_ms / 1000, concurrency, None, random.Random(0), shared=True,
+                                  drawn=(answer_s[:n], judge_s[:n]))
+    else:
+        slots = max(1, concurrency // 2)
+        answered = _finish_times([0.0] * n, answer_s[:n], slots)
+        span = max(_finish_times(answered, judge_s[:n], slots))
     return round(n / span / (concurrency / (2 * latency_ms / 1000)), 3) if span > 0 else None
 
 
-def hedged_makespan(n: int, latency_s: float, concurrency: int, hedge_s: float, rng: random.Random,
-                    sigma: float = 0.5, idle_s: float = 0.1, poll_s: float = 0.05) -> tuple[float, int]:
+def hedged_makespan(n: int, latency_s: float, concurrency: int, hedge_s: float | None, rng: random.Random,
+                    sigma: float = 0.5, idle_s: float = 0.1, poll_s: float = 0.05, *, shared: bool = False,
+                    drawn: tuple[list[float], list[float]] | None = None) -> tuple[float, int]:
     """`makespan` (lognormal) with hedging as `LLMClient` does it: a call unanswered after
-    `hedge_s` gets one second copy (a fresh draw) once its model has a free slot that has been idle
-    for `idle_s` with nothing waiting (`call_limits.IDLE_FOR_HEDGE_S`), looked at every `poll_s`;
-    the first copy to end answers, and the other keeps its slot until it ends. Returns (seconds
-    until the last result, copies sent)."""
-    slots = max(1, concurrency // 2)
-    free = {"answer": slots, "judge": slots}
-    full_at = {"answer": 0.0, "judge": 0.0}  # when the model's slots were last all taken or wanted
+    `hedge_s` (None: never) gets one second copy (a fresh draw) once its limit has a free slot
+    that has been idle for `idle_s` with nothing waiting (`call_limits.IDLE_FOR_HEDGE_S`), looked
+    at every `poll_s`; the first copy to end answers, and the other keeps its slot until it ends.
+    `shared`: one limit of C for both models (`limit_scope: endpoint`), shared as the ledger
+    shares it (while both models have calls waiting each gets up to C/2, otherwise one may use
+    more), instead of C/2 each. `drawn`: the answer and the parse calls' latencies in call order
+    (a run's own draws, replayed); copies still draw afresh. Returns (seconds until the last
+    result, copies sent)."""
+    limit = {"answer": "endpoint", "judge": "endpoint"} if shared else {"answer": "answer", "judge": "judge"}
+    free = {"endpoint": max(1, concurrency)} if shared else {"answer": max(1, concurrency // 2),
+                                                           "judge": max(1, concurrency // 2)}
+    share = max(1, concurrency // 2)
+    full_at = dict.fromkeys(free, 0.0)  # when the limit's slots were last all taken or wanted
     queue: dict[str, deque[int]] = {"answer": deque(range(n)), "judge": deque()}
+    running = {"answer": 0, "judge": 0}  # first copies in flight
+    given = {"answer": iter(drawn[0]), "judge": iter(drawn[1])} if drawn else None
     calls: dict[int, list[Any]] = {}  # call -> [model, question, answered, hedged]
     timeline: list[tuple[float, int, str, int]] = []
     seq = itertools.count()
 
-    def draw() -> float:
+    def draw(model: str | None = None) -> float:
+        if given is not None and model is not None:
+            return next(given[model])
         return _draws(rng, 1, latency_s, "lognormal", sigma)[0]
 
-    def dispatch(model: str, t: float) -> None:
-        while queue[model] and free[model] > 0:
+    def waiting(lim: str) -> bool:
+        return any(queue[m] for m in queue if limit[m] == lim)
+
+    def next_model(lim: str) -> str | None:
+        """Whose call takes a free slot of `lim`: the parse model's first (a result ends
+        sooner), each within its share while the other also waits."""
+        wants = [m for m in ("judge", "answer") if limit[m] == lim and queue[m]]
+        if len(wants) < 2:
+            return wants[0] if wants else None
+        return next((m for m in wants if running[m] < share), None)
+
+    def dispatch(lim: str, t: float) -> None:
+        while free[lim] > 0:
+            model = next_model(lim)
+            if model is None:
+                break
             call = next(seq)
             calls[call] = [model, queue[model].popleft(), False, False]
-            free[model] -= 1
-            heapq.heappush(timeline, (t + draw(), next(seq), "end", call))
-            heapq.heappush(timeline, (t + hedge_s, next(seq), "hedge", call))
-        if queue[model] or not free[model]:
-            full_at[model] = t
+            free[lim] -= 1
+            running[model] += 1
+            heapq.heappush(timeline, (t + draw(model), next(seq), "end", call))
+            if hedge_s is not None:
+                heapq.heappush(timeline, (t + hedge_s, next(seq), "hedge", call))
+        if waiting(lim) or not free[lim]:
+            full_at[lim] = t
 
-    dispatch("answer", 0.0)
+    dispatch(limit["answer"], 0.0)
     done = copies = 0
     t = 0.0
     while done < n:
         t, _, kind, call = heapq.heappop(timeline)
         model, question, answered, hedged = calls[call]
+        lim = limit[model]
         if kind == "end":  # a copy ended: its slot is free; the first copy to end answers
-            free[model] += 1
+            free[lim] += 1
             if not answered:
                 calls[call][2] = True
+                running[model] -= 1
                 if model == "answer":
                     queue["judge"].append(question)
-                    dispatch("judge", t)
                 else:
                     done += 1
-            dispatch(model, t)
+            for each in dict.fromkeys((limit["judge"], lim)):
+                dispatch(each, t)
         elif not answered and not hedged:
-            if free[model] and not queue[model] and t - full_at[model] >= idle_s:
-                free[model] -= 1
+            if free[lim] and not waiting(lim) and t - full_at[lim] >= idle_s:
+                free[lim] -= 1
                 copies += 1
                 calls[call][3] = True
                 heapq.heappush(timeline, (t + draw(), next(seq), "end", call))
@@ -138,16 +173,18 @@ def hedged_makespan(n: int, latency_s: float, concurrency: int, hedge_s: float, 
     return t, copies
 
 
-def hedged_fraction(n: int, latency_ms: float, concurrency: int, hedge_after_ms: float, sigma: float = 0.5,
-                    trials: int = 30, seed: int = 0) -> tuple[float, float] | None:
+def hedged_fraction(n: int, latency_ms: float, concurrency: int, hedge_after_ms: float | None, sigma: float = 0.5,
+                    trials: int = 30, seed: int = 0, shared: bool = False) -> tuple[float, float] | None:
     """The whole-run fraction of C/(2L) a pipeline without overhead reaches hedged after
-    `hedge_after_ms` (lognormal latency with mean `latency_ms`), and the copies it sends as a
-    share of the calls; means over `trials`."""
+    `hedge_after_ms` (None: unhedged; lognormal latency with mean `latency_ms`; `shared`: one
+    limit of C for both models), and the copies it sends as a share of the calls; means over
+    `trials`."""
     if latency_ms <= 0 or n <= 0:
         return None
     lat = latency_ms / 1000
     bound = concurrency / (2 * lat)
     rng = random.Random(seed)
-    runs = [hedged_makespan(n, lat, concurrency, hedge_after_ms / 1000, rng, sigma) for _ in range(max(1, trials))]
+    after = hedge_after_ms / 1000 if hedge_after_ms is not None else None
+    runs = [hedged_makespan(n, lat, concurrency, after, rng, sigma, shared=shared) for _ in range(max(1, trials))]
     return (round(sum(n / span / bound for span, _ in runs) / len(runs), 3),
             round(sum(c for _, c in runs) / len(runs) / (2 * n), 4))

@@ -285,17 +285,18 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             possible = None
             hedges = sum(int(((r.metadata.retry_counts or {}).get("hedge") or {}).get("used", 0))
                          for r in outcome.results.values())
-            # a hedge's draw would shift the replay; the replay models C/2 slots per model
-            if api_base is None and bound and not hedge_after_ms and not shared_limit:
+            # a hedge's draw would shift the replay; the replay shares the slots as the run did
+            if api_base is None and bound and not hedge_after_ms:
                 drawn = simulator_delays(state.simulator_url, since=delays0)
                 possible = ideal.replay_fraction([ms / 1000 for kind, ms in drawn if kind == "answer"],
                                                  [ms / 1000 for kind, ms in drawn if kind == "judge"],
-                                                 concurrency, latency_ms)
+                                                 concurrency, latency_ms, shared=shared_limit)
             hedged_possible = None  # a hedge draws afresh: random draws' average, not this run's replay
-            if api_base is None and bound and hedge_after_ms and not shared_limit and latency_dist == "lognormal":
+            if api_base is None and bound and hedge_after_ms and latency_dist == "lognormal":
                 after_ms = (ideal.lognormal_quantile(latency_ms, latency_sigma, 0.95) if hedge_after_ms == "auto"
                             else float(hedge_after_ms))  # auto: the model's 95th percentile, once it has one
-                hedged_possible = ideal.hedged_fraction(done, latency_ms, concurrency, after_ms, latency_sigma, trials=30)
+                hedged_possible = ideal.hedged_fraction(done, latency_ms, concurrency, after_ms, latency_sigma,
+                                                        trials=30, shared=shared_limit)
             rate = done / elapsed if elapsed else 0.0
             steady = steady_rate(arrivals)
             return {
@@ -461,15 +462,23 @@ HEDGE_AFTER_LATENCIES = 1.5
 def hedged_run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """`--all` on the simulator, unless `--hedge-after-ms` hedged the main runs already: the first
     latency's run again with opt-in hedging (`hedge_after_s`), so the figures show what it buys
-    beside the issue's unhedged workload."""
+    beside the issue's unhedged workload; then hedged with one limit of C for both models on
+    their endpoint (`limit_scope: endpoint`, unless `--limit-scope` set it for every run), where
+    the idle model's slots serve the other in the fill and the drain: still C calls in flight."""
     lat = next((x for x in args.latency_ms if x > 0), None)
     if lat is None or getattr(args, "api_base", None) or getattr(args, "hedge_after_ms", None):
         return []
     hedge_ms = round(HEDGE_AFTER_LATENCIES * lat)
-    row = run_once(args.questions, lat, args.concurrency, _replicas(args), **_dist(args),
-                   **{**_model_options(args), "hedge_after_ms": hedge_ms})
-    print_run(row, latency_label(lat, **_dist(args)) + f", hedged after {hedge_ms} ms (opt-in)", args.concurrency)
-    return [row]
+    scopes = [_model_options(args)["limit_scope"]]
+    if scopes[0] != "endpoint":
+        scopes.append("endpoint")
+    rows = []
+    for scope in scopes:
+        row = run_once(args.questions, lat, args.concurrency, _replicas(args), **_dist(args),
+                       **{**_model_options(args), "hedge_after_ms": hedge_ms, "limit_scope": scope})
+        print_run(row, latency_label(lat, **_dist(args)) + f", hedged after {hedge_ms} ms (opt-in)", args.concurrency)
+        rows.append(row)
+    return rows
 
 
 def main(args: argparse.Namespace) -> int:

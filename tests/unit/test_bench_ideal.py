@@ -57,6 +57,25 @@ def test_hedging_wins_back_part_of_the_drain_and_only_on_idle_slots() -> None:
     assert hedged_fraction(10, 0, 64, 450) is None
 
 
+def test_one_limit_for_both_models_lends_the_idle_models_slots_and_splits_them_when_both_wait() -> None:
+    # 64 results, C = 64, 0.3 s each: C/2 per model needs two rounds of answers and a parse round
+    # after them (0.9 s); one shared limit puts all 64 answers out at once, then all 64 parses
+    assert hedged_makespan(64, 0.3, 64, None, random.Random(0), sigma=0.0)[0] == pytest.approx(0.9)
+    assert hedged_makespan(64, 0.3, 64, None, random.Random(0), sigma=0.0, shared=True)[0] == pytest.approx(0.6)
+    # C = 2, 1 s calls: answers 0, 1 take both slots (0..1); then each model gets one while both
+    # wait (parse 0 and answer 2, 1..2; parse 1 and answer 3, 2..3); parses 2, 3 take both (3..4).
+    # One slot per model: answers end at 1..4, their parses at 2..5
+    assert hedged_makespan(4, 1.0, 2, None, random.Random(0), sigma=0.0, shared=True)[0] == pytest.approx(4.0)
+    assert hedged_makespan(4, 1.0, 2, None, random.Random(0), sigma=0.0)[0] == pytest.approx(5.0)
+    # the replay with the run's own draws: the slow last parse still bounds it, the fill does not
+    calm, slow_tail = [0.3] * 1000, [0.3] * 999 + [2.5]
+    assert replay_fraction(calm, calm, 64, 300, shared=True) > replay_fraction(calm, calm, 64, 300)
+    assert replay_fraction(calm, slow_tail, 64, 300, shared=True) < 0.80
+    shared = hedged_fraction(1000, 300, 64, None, trials=20, shared=True)
+    per_model = hedged_fraction(1000, 300, 64, None, trials=20)
+    assert shared is not None and per_model is not None and shared[0] > per_model[0]
+
+
 async def test_the_simulator_lists_each_calls_drawn_latency_in_call_order() -> None:
     app = create_app(config=SimConfig(latency_ms=5, latency_dist="lognormal", latency_sigma=0.5))
     async with TestClient(TestServer(app)) as client:

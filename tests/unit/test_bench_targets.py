@@ -96,9 +96,10 @@ def test_all_shows_the_rebuild_and_the_queryable_figures_beside_the_run() -> Non
     assert "replica scaling (>= 1.8x" in text
 
 
-def test_all_adds_one_hedged_run_at_the_first_latency_and_labels_it(monkeypatch: object) -> None:
+def test_all_adds_hedged_runs_at_the_first_latency_and_labels_them(monkeypatch: object) -> None:
     """`--all` on the simulator runs the first latency again hedged after 1.5 latencies, with the
-    main runs' replicas, and the targets block says so; it adds none against a server or when the main runs were hedged."""
+    main runs' replicas, per model and then with one limit on the endpoint, and the targets block
+    says so; it adds none against a server or when the main runs were hedged."""
     from bench import run
 
     calls: list[tuple[float, dict]] = []
@@ -106,6 +107,7 @@ def test_all_adds_one_hedged_run_at_the_first_latency_and_labels_it(monkeypatch:
     def fake_run_once(n: int, lat: float, c: int, replicas: dict, **kw: object) -> dict:
         calls.append((lat, {**kw, "replicas": replicas}))
         return {**_row(lat, 90.0, 12.0, 0.88), "results": n, "hedge_after_ms": kw["hedge_after_ms"],
+                "limit_scope": kw["limit_scope"],
                 "hedged_calls": 30, "hedged_zero_overhead_fraction": 0.912, "latency_dist": kw["latency_dist"], "latency_sigma": kw["latency_sigma"],
                 "steady_results_per_s": 100.0, "bound_results_per_s": 106.7, "steady_fraction_of_bound": 0.95,
                 "timeline": {}, "cpu_ms_per_result": {}, "peak_rss_mb": {}, "elapsed_s": 11.0,
@@ -114,14 +116,19 @@ def test_all_adds_one_hedged_run_at_the_first_latency_and_labels_it(monkeypatch:
     monkeypatch.setattr(run, "run_once", fake_run_once)  # type: ignore[attr-defined]
     monkeypatch.setattr(run, "timeline_line", lambda tl: "")  # type: ignore[attr-defined]
     rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "0", "300", "--replicas", "parsing=2"]))
-    assert [(lat, kw["hedge_after_ms"], kw["replicas"]) for lat, kw in calls] == [(300.0, 450, {"parsing": 2})]
+    assert [(lat, kw["hedge_after_ms"], kw["replicas"], kw["limit_scope"]) for lat, kw in calls] == [
+        (300.0, 450, {"parsing": 2}, "model"), (300.0, 450, {"parsing": 2}, "endpoint")]
     text = targets_block(rows)
-    assert "hedged after 450 ms (30 copies)" in text
+    assert "hedged after 450 ms (30 copies):" in text
+    assert "hedged after 450 ms (30 copies), one limit of C shared by both models on their endpoint:" in text
     assert "zero-overhead pipeline, hedged       0.912" in text and "veribus reached 0.965 of it" in text
     for argv in (["--all", "--api-base", "http://x/v1"], ["--all", "--hedge-after-ms", "400"],
                  ["--all", "--latency-ms", "0"]):
         assert run.hedged_run(build_parser().parse_args(argv)) == []
-    assert len(calls) == 1
+    assert len(calls) == 2
+    calls.clear()  # every run already on the endpoint's limit: one hedged run, on it
+    rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "300", "--limit-scope", "endpoint"]))
+    assert [kw["limit_scope"] for _, kw in calls] == ["endpoint"] and len(rows) == 1
 
 
 def test_hedge_after_takes_milliseconds_or_auto_and_refuses_the_rest() -> None:
