@@ -96,9 +96,10 @@ def hedged_makespan(n: int, latency_s: float, concurrency: int, hedge_s: float |
     `hedge_s` (None: never) gets one second copy (a fresh draw) once its limit has a free slot
     that has been idle for `idle_s` with nothing waiting (`call_limits.IDLE_FOR_HEDGE_S`), looked
     at every `poll_s`; the first copy to end answers, and the other keeps its slot until it ends.
-    `shared`: one limit of C for both models (`limit_scope: endpoint`), shared as the ledger
-    shares it (while both models have calls waiting each gets up to C/2, otherwise one may use
-    more), instead of C/2 each. `drawn`: the answer and the parse calls' latencies in call order
+    `shared`: one limit of C for both models (`limit_scope: endpoint`) instead of C/2 each,
+    shared much as the ledger shares it: while both models have calls waiting each gets up to
+    C/2, otherwise one may use more (here a free slot goes to the other model at once, where a
+    process keeps an idle one for the limiter's `linger_s`: a ceiling, not a replica). `drawn`: the answer and the parse calls' latencies in call order
     (a run's own draws, replayed); copies still draw afresh. Returns (seconds until the last
     result, copies sent)."""
     limit = {"answer": "endpoint", "judge": "endpoint"} if shared else {"answer": "answer", "judge": "judge"}
