@@ -6,11 +6,11 @@ Wired into `shared.cli` by `register(sub)`; the work is in `shared.lifecycle`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from typing import Any
 
 import msgspec
 
+from shared.cli.aio import run_main
 from shared.cli.common import deployment_settings, err, resolve_run_arg
 from shared.control import lifecycle, rebuild, retention, streams, wait
 from shared.control.credentials import base_reachable, missing_key
@@ -33,14 +33,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if args.max_cost_usd is not None:
             check_cost_budget(args.max_cost_usd)  # refused with --dry-run too
         if args.dry_run:
-            plan = asyncio.run(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
-                                                     benchmark=bench))
+            plan = run_main(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
+                                                  benchmark=bench))
         else:
-            before = asyncio.run(wait.finalized_counts(settings, args.run))
-            plan = asyncio.run(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
-                                                force=args.force, budget_tokens=args.max_tokens_budget,
-                                                budget_cost_usd=args.max_cost_usd,
-                                                benchmark=bench))
+            before = run_main(wait.finalized_counts(settings, args.run))
+            plan = run_main(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
+                                             force=args.force, budget_tokens=args.max_tokens_budget,
+                                             budget_cost_usd=args.max_cost_usd,
+                                             benchmark=bench))
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
         err(str(exc))
         return EXIT_INPUT
@@ -57,14 +57,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.dry_run or not args.wait or not plan.requests:
         return EXIT_OK
     ids = [j.result_id for r in plan.requests for j in r.jobs]
-    done, timed_out = asyncio.run(wait.wait_for_results(settings, args.run, result_ids=ids, baseline=before,
-                                                             timeout=args.timeout))
+    done, timed_out = run_main(wait.wait_for_results(settings, args.run, result_ids=ids, baseline=before,
+                                                     timeout=args.timeout))
     print(f"  {done}/{len(ids)} resumed job(s) finalized" + (" (timed out)" if timed_out else ""))
     return EXIT_RUN_ERROR if timed_out else EXIT_OK
 
 
 def _regrade_name(settings: Any, parent_run_id: str, parent_name: str | None) -> str:
-    names = [r.run_name for r in asyncio.run(runs_in_stream(settings))]
+    names = [r.run_name for r in run_main(runs_in_stream(settings))]
     return next_regrade_name(parent_name or parent_run_id, names)
 
 
@@ -112,8 +112,8 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
-        plan = asyncio.run(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
-                                                  run_name=args.run_name))
+        plan = run_main(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
+                                               run_name=args.run_name))
     except (streams.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
         err(str(exc))
         return EXIT_INPUT
@@ -130,7 +130,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     if problems:
         err("regrade refused before publishing:\n  " + "\n  ".join(problems))
         return EXIT_INPUT
-    asyncio.run(lifecycle.submit_regrade(settings, plan))
+    run_main(lifecycle.submit_regrade(settings, plan))
     print(f"run {plan.run_id} ({plan.run_event.run_name}): regrade of {plan.parent_run_id}: {len(plan.generated)} "
           "jobs from stored answers (no answering-model calls)")
     if plan.skipped_not_in_benchmark:
@@ -140,10 +140,10 @@ def cmd_regrade(args: argparse.Namespace) -> int:
         print(f"  {plan.jobs_without_answer} job(s) of the parent run have no stored answer (not regraded)")
     if args.no_wait:
         return EXIT_OK
-    done, timed_out = asyncio.run(wait.wait_for_results(settings, plan.run_id, result_ids=plan.result_ids,
-                                                             timeout=args.timeout))
-    new = asyncio.run(lifecycle.run_results(settings, plan.run_id))
-    old = asyncio.run(lifecycle.run_results(settings, plan.parent_run_id))
+    done, timed_out = run_main(wait.wait_for_results(settings, plan.run_id, result_ids=plan.result_ids,
+                                                     timeout=args.timeout))
+    new = run_main(lifecycle.run_results(settings, plan.run_id))
+    old = run_main(lifecycle.run_results(settings, plan.parent_run_id))
     passed = sum(1 for r in new.values() if r.template is not None and r.template.verify_result)
     errors = sum(1 for r in new.values() if not r.metadata.completed_without_errors)
     cmp = lifecycle.compare_runs(old.values(), new.values())
@@ -164,7 +164,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     settings = deployment_settings()
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
-        out = asyncio.run(lifecycle.cancel(settings, args.run, args.reason or ""))
+        out = run_main(lifecycle.cancel(settings, args.run, args.reason or ""))
     except streams.LifecycleError as exc:
         err(str(exc))
         return EXIT_INPUT
@@ -172,8 +172,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
           "yet generated finalize as cancelled results (error 'cancelled').")
     if not args.wait:
         return EXIT_OK
-    done, timed_out = asyncio.run(wait.wait_for_results(settings, args.run, count=out.job_count,
-                                                             timeout=args.timeout))
+    done, timed_out = run_main(wait.wait_for_results(settings, args.run, count=out.job_count,
+                                                     timeout=args.timeout))
     print(f"  {done}/{out.job_count} results finalized" + (" (timed out)" if timed_out else ""))
     return EXIT_RUN_ERROR if timed_out else EXIT_OK
 
@@ -196,7 +196,7 @@ def cmd_projections_rebuild(args: argparse.Namespace) -> int:
         print("  (tables differ: events arrived during the rebuild, or the old tables had lost or extra rows)")
     for line in rep.contents_lines():
         print(line)
-    kept = asyncio.run(retention.stream_retention(settings))  # what retention left to rebuild from
+    kept = run_main(retention.stream_retention(settings))  # what retention left to rebuild from
     for line in kept.lines():
         print(line)
     for line in retention.compare(before_runs, retention.results_per_run(lambda sql: run_query(settings, sql))).lines():

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli import analysis as cli_analysis
 from shared.cli import scale as cli_scale
+from shared.cli.aio import run_main
 from shared.cli.common import err, say
 from shared.cli.progress import ProgressPrinter, RunProgress
 from shared.cli.stack import simulator_args
@@ -272,13 +273,13 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
             print(f"  {len(plan.unfinished)} unfinished question(s) skipped: {', '.join(plan.unfinished)}")
     if current is not None:
         current.update(run_id=plan.run_id, submitted=False)
-    _run_main(runner.submit(settings, plan))
+    run_main(runner.submit(settings, plan))
     if current is not None:
         current["submitted"] = True
     if not args.quiet:
         print(f"submitted run {plan.run_id}; following its results (Ctrl-C stops following, not the run)",
               flush=True)
-    outcome = _run_main(_follow(settings, plan, args.timeout, quiet=args.quiet))
+    outcome = run_main(_follow(settings, plan, args.timeout, quiet=args.quiet))
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
                                "dead_lettered": len(outcome.dead_letters)}
@@ -343,17 +344,6 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
                                                    on_result=on_result, on_tick=on_tick))
     finally:
         printer.finish()
-
-
-def _run_main(coro: Any) -> Any:
-    """`asyncio.run(coro)`, where a Ctrl-C is always KeyboardInterrupt. A SIGINT that lands as
-    `asyncio.run` starts (its own handler installed, ours in `_interruptible` not yet) cancels the
-    main task, and the runner can let that out as CancelledError (seen once in CI: a traceback
-    instead of "interrupted: run … keeps running"); nothing else cancels the main task."""
-    try:
-        return asyncio.run(coro)
-    except asyncio.CancelledError:
-        raise KeyboardInterrupt from None
 
 
 async def _interruptible(coro: Any) -> Any:

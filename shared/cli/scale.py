@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from typing import Any
 
+from shared.cli.aio import run_main
 from shared.control.stack import stack_settings
 from shared.runtime import bus
 from shared.runtime.costcontrol import check_cost_budget, pop_cost_budget
@@ -67,7 +67,7 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     # local import: shared.runtime.llm (client, caches) would slow every command's start-up
     from shared.runtime import response_cache
 
-    removed = asyncio.run(_with_js(_settings(), lambda js: response_cache.clear(
+    removed = run_main(_with_js(_settings(), lambda js: response_cache.clear(
         js, include_run_scoped=args.all)))
     for bucket, n in removed.items():
         print(f"{bucket}: {n} entr{'y' if n == 1 else 'ies'} removed")
@@ -78,7 +78,7 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
     # local import: shared.runtime.llm (client, caches) would slow every command's start-up
     from shared.runtime import response_cache
 
-    data = asyncio.run(_with_js(_settings(), response_cache.info))
+    data = run_main(_with_js(_settings(), response_cache.info))
     if args.format == "json":
         print(json.dumps(data, indent=2))
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -435,7 +436,7 @@ def test_a_cancelled_main_task_is_an_interrupt_not_a_traceback() -> None:
     "interrupted" (KeyboardInterrupt, exit 130), never print a CancelledError traceback."""
     import asyncio
 
-    from shared.cli.run import _run_main
+    from shared.cli.aio import run_main
 
     async def cancelled_at_start() -> None:
         asyncio.current_task().cancel()  # type: ignore[union-attr]
@@ -444,9 +445,62 @@ def test_a_cancelled_main_task_is_an_interrupt_not_a_traceback() -> None:
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(cancelled_at_start())  # the plain runner lets it out
     with pytest.raises(KeyboardInterrupt):
-        _run_main(cancelled_at_start())
+        run_main(cancelled_at_start())
 
     async def fine() -> int:
         return 7
 
-    assert _run_main(fine()) == 7
+    assert run_main(fine()) == 7
+
+
+_CTRL_C_AS_ASYNCIO_STARTS = """
+import asyncio, gc, os, selectors, signal, sys
+from shared.cli.aio import run_main
+runner, moment = sys.argv[1], sys.argv[2]
+runners = {"run_main": run_main, "asyncio.run": asyncio.run}
+real_selector, real_getsignal = selectors.DefaultSelector, signal.getsignal
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+def interrupting_selector():  # the event loop's constructor makes its selector
+    ctrl_c()
+    return real_selector()
+def interrupting_getsignal(signum):  # the runner asks, after it made the main task, before its handler
+    if sys._getframe(1).f_code.co_filename.endswith("runners.py"):
+        ctrl_c()
+    return real_getsignal(signum)
+if moment == "loop":
+    selectors.DefaultSelector = interrupting_selector
+else:
+    signal.getsignal = interrupting_getsignal
+async def work():
+    return 1
+try:
+    runners[runner](work())
+    print("finished")
+except KeyboardInterrupt:
+    print("interrupted")
+selectors.DefaultSelector, signal.getsignal = real_selector, real_getsignal
+gc.collect()
+print("after", flush=True)
+"""
+
+
+@pytest.mark.parametrize("moment", ["loop", "task"])
+@pytest.mark.parametrize("runner", ["run_main", "asyncio.run"])
+def test_ctrl_c_as_asyncio_starts_is_a_clean_interrupt(runner: str, moment: str) -> None:
+    """A real SIGINT delivered inside the event loop's constructor, or after the runner made the
+    main task and before it installed its handler (seen under load: `veribus run` interrupted
+    right after "submitted run" printed a traceback from a half-built loop's `__del__` and a
+    "never awaited" warning): `run_main` raises KeyboardInterrupt with nothing else on stderr;
+    the plain `asyncio.run` is the control, and shows the noise for the loop."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-W", "default", "-c", _CTRL_C_AS_ASYNCIO_STARTS, runner, moment],
+                         capture_output=True, text=True, timeout=60, cwd=str(Path(__file__).parents[2]))
+    assert out.stdout.split() == ["interrupted", "after"], out.stdout + out.stderr
+    noise = ("Traceback", "Exception ignored", "never awaited")
+    if runner == "run_main":
+        assert not any(n in out.stderr for n in noise), out.stderr
+    elif moment == "loop":
+        assert any(n in out.stderr for n in noise), "the control no longer shows the race: " + out.stderr
