@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from shared.cli.aio import run_main
 from shared.cli.view import markup, pages, queries, sample_page
 from shared.cli.view.filters import FilterError, Filters
 from shared.cli.view.source import ViewSource
@@ -227,7 +228,7 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8765, open_br
         print(f"warning: serving on {host}: anyone who reaches this address can read every result",
               file=sys.stderr)
     try:
-        asyncio.run(_serve(settings, host, port, open_browser))
+        run_main(_serve(settings, host, port, open_browser))
     except KeyboardInterrupt:
         pass
     return 0
