@@ -402,9 +402,11 @@ def result_values(
     u_in: list[int] = []
     u_out: list[int] = []
     u_cost: list[float | None] = []
+    entries: list[dict[str, Any]] = []  # the stages' entries (dicts), for the cost columns
     for stage, entry in usage.items():
         if stage == "total" or not isinstance(entry, dict):
             continue
+        entries.append(entry)
         u_stage.append(stage)
         fallback = ans.get("model_name", "") if stage == "answer_generation" else par.get("model_name", "")
         u_model.append(str(entry.get("model") or entry.get("model_name") or fallback))
@@ -417,6 +419,7 @@ def result_values(
         t_in, t_out = _tokens(total, "input_tokens"), _tokens(total, "output_tokens")
         t_all = _tokens(total, "total_tokens") or t_in + t_out
     else:
+        total = {}
         t_in, t_out = sum(u_in), sum(u_out)
         t_all = t_in + t_out
     replicate = mget("replicate")
@@ -489,23 +492,17 @@ def result_values(
         _json_or_empty(djr),  # deep_judgment_rubric_json
         _json_or_empty(usage or None),  # usage_json
         _json.encode(data),  # result_json
-        *_cost_columns(usage, u_cost),  # cost_usd, model_calls, cached_replies, usage_cost_usd
+        *_cost_columns(total, entries, u_cost),  # cost_usd, model_calls, cached_replies, usage_cost_usd
     ]
 
 
-def _cost_columns(usage: dict[str, Any], u_cost: list[float | None]) -> tuple[Any, ...]:
-    """cost_usd (None when any stage that made calls has no price), model calls, cached replies.
-    The stages' sums only when the total lacks them: a malformed stage entry then raises (the
-    result is recorded as an invalid payload) exactly when the row needs it. `dict`, not the
-    ABC `Mapping`: `usage` is JSON's, and the ABC's isinstance costs ~2 us a result."""
-    total = usage.get("total")
-    if not isinstance(total, dict):
-        total = {}
-    calls = total.get("model_calls") or sum(
-        int(e.get("model_calls") or 0) for k, e in usage.items() if k != "total" and isinstance(e, dict))
-    cached = total.get("cached_replies") or sum(
-        int(e.get("cached_replies") or 0) for k, e in usage.items() if k != "total" and isinstance(e, dict))
-    calls, cached = int(calls), int(cached)
+def _cost_columns(total: dict[str, Any], entries: list[dict[str, Any]], u_cost: list[float | None]) -> tuple[Any, ...]:
+    """cost_usd (None when any stage that made calls has no price), model calls, cached replies,
+    from the usage's total ({} when it has none) and its stages' entries as `result_values` read
+    them. The stages' sums only when the total lacks them: a malformed stage entry then raises
+    (the result is recorded as an invalid payload) exactly when the row needs it."""
+    calls = int(total.get("model_calls") or sum(int(e.get("model_calls") or 0) for e in entries))
+    cached = int(total.get("cached_replies") or sum(int(e.get("cached_replies") or 0) for e in entries))
     c = total.get("cost_usd")
     if not isinstance(c, _NUMBER):
         c = sum(x for x in u_cost if x is not None) if u_cost and all(x is not None for x in u_cost) else None
