@@ -104,7 +104,7 @@ class CostControl(RunControl):
 
     async def stop_reason(self, run_id: str, published_at: float = 0.0) -> BudgetExhausted | None:
         """The money budget's stop only (a cancel is `RunControl.stop_reason`'s to say)."""
-        return await self.budget_stop(run_id, await self._info(run_id), published_at)
+        return await self.budget_stop(run_id, await self.states.get(run_id), published_at)
 
 
 def _micro_budget(usd: Any) -> int | None:

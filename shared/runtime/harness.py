@@ -57,6 +57,7 @@ from shared.runtime.llm.transport import close_transports
 from shared.runtime.response_cache import scope_for, service_cache
 from shared.runtime.runcontrol import (
     RunControl,
+    RunStates,
     RunStopped,
     attempt_key,
     carry_attempt_key,
@@ -289,8 +290,10 @@ class StageService:
         self._pumps: list[_Pump] = []
         self.graceful_timeout = float(kwargs["graceful_timeout"])
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
-        self.control = RunControl(lambda: self.js)
-        self.cost_control = CostControl(lambda: self.js)
+        # one cached read of each run's state (config, cancel) for both budgets' gates
+        run_states = RunStates(lambda: self.js)
+        self.control = RunControl(lambda: self.js, states=run_states)
+        self.cost_control = CostControl(lambda: self.js, states=run_states)
         self.content = ContentStore(lambda: self.js)  # job contents by hash (lean events)
         # events whose handling is dispatch of new model work: skipped for a stopped run
         self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})

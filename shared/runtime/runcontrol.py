@@ -18,7 +18,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -128,76 +128,104 @@ def _kv_key(run_id: str) -> str:
 
 
 @dataclass
-class _RunInfo:
+class RunState:
+    """What the stream says of a run: its `run.requested` config and its newest control change
+    (cancel, or a budget set by `resume`), as read at `checked_at`."""
+
     loaded: bool = False
-    config_budget: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)
     control: events.RunControlChange | None = None
     checked_at: float = -1e9  # monotonic
     checked_wall: float = 0.0  # time.time() of the same read
-    usage_seen: int = 0
-    usage_read_at: float = -1e9
 
     @property
     def cancelled(self) -> bool:
         return bool(self.control is not None and self.control.cancelled)
 
 
+class RunStates:
+    """A process's cached reads of its runs' `RunState`, one read per run at most every `ttl_s`,
+    shared by the token and the money budget's controls (the harness gives both the same one)."""
+
+    def __init__(self, js: Callable[[], JetStreamContext], *, ttl_s: float = 1.0, max_runs: int = 4096) -> None:
+        self._js = js
+        self.ttl_s = ttl_s
+        self.max_runs = max_runs
+        self._runs: OrderedDict[str, RunState] = OrderedDict()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, run_id: str, newer_than: float = 0.0) -> RunState:
+        """The run's state, read at most `ttl_s` ago and (wall clock) after `newer_than`."""
+        state = self._runs.get(run_id)
+        if state is not None and time.monotonic() - state.checked_at < self.ttl_s and state.checked_wall >= newer_than:
+            return state
+        lock = self._locks.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            state = self._runs.get(run_id)
+            if (state is not None and time.monotonic() - state.checked_at < self.ttl_s
+                    and state.checked_wall >= newer_than):
+                return state
+            state = state or RunState()
+            js = self._js()
+            control_subject = events.subject(events.RUN_CANCELLED, run_id)
+            try:
+                if not state.loaded:  # the config once, read beside the first control read
+                    run_env, ctl = await asyncio.gather(
+                        bus.last_event(js, events.subject(events.RUN_REQUESTED, run_id)),
+                        bus.last_event(js, control_subject))
+                    if run_env is not None:
+                        state.config = events.payload_as(run_env, events.RunRequested).config
+                    state.loaded = True
+                else:
+                    ctl = await bus.last_event(js, control_subject)
+                state.control = _control_dec.decode(ctl.payload) if ctl is not None else None
+            except Exception as exc:  # noqa: BLE001 - fail open, retry on the next message
+                log.warning("run control: cannot read the state of run %s: %s", run_id, exc)
+            state.checked_at = time.monotonic()
+            state.checked_wall = time.time()
+            self._runs[run_id] = state
+            self._runs.move_to_end(run_id)
+            while len(self._runs) > self.max_runs:
+                old, _ = self._runs.popitem(last=False)
+                self._locks.pop(old, None)
+            return state
+
+
+@dataclass
+class _Usage:
+    seen: int = 0  # the run's counter as last read
+    read_at: float = -1e9  # monotonic
+
+
 class RunControl:
     """Per-process view of run cancellation and token budgets (see module docstring).
 
-    Reads are cached (`ttl_s`, `usage_ttl_s`), so the per-message cost is a dict lookup; each
+    Reads are cached (`RunStates`, `usage_ttl_s`), so the per-message cost is a dict lookup; each
     process adds its spent tokens to the run's KV counter every `flush_s`. A read that fails (the
     server is away) never stops a run: the gate fails open and retries on the next message.
     """
 
     bucket = USAGE_BUCKET  # the KV bucket of the run counters (`CostControl`: its own)
 
-    def __init__(self, js: Callable[[], JetStreamContext], *, ttl_s: float = 1.0, usage_ttl_s: float = 0.25,
-                 flush_s: float = 0.2, max_runs: int = 4096) -> None:
+    def __init__(self, js: Callable[[], JetStreamContext], *, states: RunStates | None = None,
+                 ttl_s: float = 1.0, usage_ttl_s: float = 0.25, flush_s: float = 0.2, max_runs: int = 4096) -> None:
         self._js = js
-        self.ttl_s = ttl_s
+        self.states = states if states is not None else RunStates(js, ttl_s=ttl_s, max_runs=max_runs)
         self.usage_ttl_s = usage_ttl_s
         self.flush_s = flush_s
         self.max_runs = max_runs
-        self._runs: OrderedDict[str, _RunInfo] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._usage: OrderedDict[str, _Usage] = OrderedDict()
         self._pending: dict[str, int] = {}
         self._kv: Any = None
         self._flusher: asyncio.Task[None] | None = None
 
-    # ---- reading the run's state ----
-    async def _info(self, run_id: str, newer_than: float = 0.0) -> _RunInfo:
-        """The run's state, read at most `ttl_s` ago and (wall clock) after `newer_than`."""
-        info = self._runs.get(run_id)
-        now = time.monotonic()
-        if info is not None and now - info.checked_at < self.ttl_s and info.checked_wall >= newer_than:
-            return info
-        lock = self._locks.setdefault(run_id, asyncio.Lock())
-        async with lock:
-            info = self._runs.get(run_id)
-            if (info is not None and time.monotonic() - info.checked_at < self.ttl_s
-                    and info.checked_wall >= newer_than):
-                return info
-            info = info or _RunInfo()
-            js = self._js()
-            try:
-                if not info.loaded:
-                    run_env = await bus.last_event(js, events.subject(events.RUN_REQUESTED, run_id))
-                    if run_env is not None:
-                        info.config_budget = self.config_budget(events.payload_as(run_env, events.RunRequested).config)
-                    info.loaded = True
-                ctl = await bus.last_event(js, events.subject(events.RUN_CANCELLED, run_id))
-                info.control = _control_dec.decode(ctl.payload) if ctl is not None else None
-            except Exception as exc:  # noqa: BLE001 - fail open, retry on the next message
-                log.warning("run control: cannot read the state of run %s: %s", run_id, exc)
-            info.checked_at = time.monotonic()
-            info.checked_wall = time.time()
-            self._runs[run_id] = info
-            self._runs.move_to_end(run_id)
-            while len(self._runs) > self.max_runs:
-                old, _ = self._runs.popitem(last=False)
-                self._locks.pop(old, None)
-            return info
+    def _usage_of(self, run_id: str) -> _Usage:
+        u = self._usage.get(run_id)
+        if u is None:
+            u = self._usage[run_id] = _Usage()
+            while len(self._usage) > self.max_runs:
+                self._usage.popitem(last=False)
+        return u
 
     # ---- the budget: tokens here, micro-dollars in `CostControl` ----
     def config_budget(self, config: dict[str, Any]) -> int | None:
@@ -209,13 +237,13 @@ class RunControl:
         """The budget a control change (`resume --max-tokens-budget`) puts in force (None: unchanged)."""
         return control.budget_tokens
 
-    def _budget(self, info: _RunInfo) -> int | None:
+    def _budget(self, state: RunState) -> int | None:
         """The newest control change's budget, else the run's config's."""
-        if info.control is not None:
-            changed = self.control_budget(info.control)
+        if state.control is not None:
+            changed = self.control_budget(state.control)
             if changed is not None:
                 return changed
-        return info.config_budget
+        return self.config_budget(state.config)
 
     def exhausted(self, run_id: str, used: int, budget: int) -> BudgetExhausted:
         return BudgetExhausted(f"budget exhausted: run {run_id} has used {used} of its {budget}-token "
@@ -223,9 +251,9 @@ class RunControl:
 
     async def budget(self, run_id: str) -> int | None:
         """The run's budget, or None (no budget)."""
-        return self._budget(await self._info(run_id))
+        return self._budget(await self.states.get(run_id))
 
-    async def budget_stop(self, run_id: str, info: _RunInfo, published_at: float) -> BudgetExhausted | None:
+    async def budget_stop(self, run_id: str, info: RunState, published_at: float) -> BudgetExhausted | None:
         """The budget's stop, or None. A spent budget read before the request was published is
         read again: a `resume` raises it, then publishes its requests, which must see the raise."""
         budget = self._budget(info)
@@ -233,7 +261,7 @@ class RunControl:
             return None
         used = await self.usage(run_id)
         if used >= budget and info.checked_wall < published_at:
-            info = await self._info(run_id, newer_than=published_at)
+            info = await self.states.get(run_id, newer_than=published_at)
             budget = self._budget(info)
         if budget is not None and used >= budget:
             return self.exhausted(run_id, used, budget)
@@ -241,24 +269,24 @@ class RunControl:
 
     async def usage(self, run_id: str) -> int:
         """Tokens the run has spent as far as this process knows (counter + unflushed)."""
-        info = await self._info(run_id)
+        u = self._usage_of(run_id)
         now = time.monotonic()
-        if now - info.usage_read_at >= self.usage_ttl_s:
+        if now - u.read_at >= self.usage_ttl_s:
             try:
-                info.usage_seen = await self._read_counter(run_id)
+                u.seen = await self._read_counter(run_id)
             except Exception as exc:  # noqa: BLE001
                 log.warning("run control: cannot read the usage of run %s: %s", run_id, exc)
-            info.usage_read_at = now
-        return info.usage_seen + self._pending.get(run_id, 0)
+            u.read_at = now
+        return u.seen + self._pending.get(run_id, 0)
 
     async def stop_reason(self, run_id: str, published_at: float = 0.0) -> RunStopped | None:
         """Why the run's next answer must not be generated, or None.
 
         `published_at`: when the request was published. A stop seen before that is read again
         (a `resume` lifts the stop, then publishes its requests: they must see the lift)."""
-        info = await self._info(run_id)
+        info = await self.states.get(run_id)
         if info.cancelled and info.checked_wall < published_at:
-            info = await self._info(run_id, newer_than=published_at)
+            info = await self.states.get(run_id, newer_than=published_at)
         if info.cancelled:
             why = f" ({info.control.reason})" if info.control and info.control.reason else ""
             return RunCancelled(f"cancelled: run {run_id} was cancelled before this answer was generated{why}")
@@ -289,9 +317,9 @@ class RunControl:
                 log.warning("run control: cannot add %d tokens to run %s: %s", delta, run_id, exc)
                 self._pending[run_id] = self._pending.get(run_id, 0) + delta
                 continue
-            info = self._runs.get(run_id)
-            if info is not None:
-                info.usage_seen = max(info.usage_seen, total)
+            u = self._usage.get(run_id)
+            if u is not None:
+                u.seen = max(u.seen, total)
 
     async def close(self) -> None:
         if self._flusher is not None and not self._flusher.done():

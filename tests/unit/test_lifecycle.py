@@ -229,6 +229,46 @@ async def test_gate_stops_a_cancelled_run_and_a_resume_lifts_it() -> None:
     assert await ctl2.stop_reason("run1", published_at=time.time() + 1) is None, "newer request: read again"
 
 
+@dataclass
+class SlowJS(FakeJS):
+    """FakeJS whose reads take a while, counting how many are in flight at once."""
+
+    flying: int = 0
+    peak: int = 0
+
+    async def get_last_msg(self, stream: str, subject: str, direct: bool = False) -> _Msg:
+        self.flying += 1
+        self.peak = max(self.peak, self.flying)
+        try:
+            await asyncio.sleep(0.01)
+            return await super().get_last_msg(stream, subject, direct)
+        finally:
+            self.flying -= 1
+
+
+async def test_a_run_s_first_gate_reads_its_state_once_for_both_budgets() -> None:
+    """The harness's token and money gates share one read of the run's state: a run's first
+    message reads its config and its control subject side by side, once for both gates (three
+    gets here: a control subject with no event yet is asked of the leader too), not twice in a
+    row for each, and a cancel seen by one gate is the other's too."""
+    js = SlowJS()
+    js.put_event(_run_requested("run-shared", budget=100))
+    service = _service(js)
+    assert service.control.states is service.cost_control.states
+    env = events.make_envelope(events.ANSWER_REQUESTED, "run-shared", "a1", events.AnswerRequested(jobs=[]), "cli")
+    assert await service._stop_reason(env) is None
+    assert js.gets == 3 and js.peak == 2
+    assert await service.control.budget("run-shared") == 100 and await service.cost_control.budget("run-shared") is None
+    assert js.gets == 3, "cached within the ttl, for both gates"
+    # two reads for a run whose config is read for the first time alongside a cancel
+    js.put_event(_run_requested("run-stopped"))
+    js.put_event(_control("run-stopped", cancelled=True, reason="operator"))
+    stopped = events.make_envelope(events.ANSWER_REQUESTED, "run-stopped", "a1", events.AnswerRequested(jobs=[]), "cli")
+    stop = await service._stop_reason(stopped)
+    assert isinstance(stop, runcontrol.RunCancelled) and "operator" in str(stop)
+    assert js.gets == 5
+
+
 async def test_gate_fails_open_when_the_server_is_away() -> None:
     js = FakeJS(fail=True)
     ctl = runcontrol.RunControl(lambda: js, ttl_s=0.0)
