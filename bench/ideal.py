@@ -99,9 +99,9 @@ def hedged_makespan(n: int, latency_s: float, concurrency: int, hedge_s: float |
     `shared`: one limit of C for both models (`limit_scope: endpoint`) instead of C/2 each,
     shared much as the ledger shares it: while both models have calls waiting each gets up to
     C/2, otherwise one may use more (here a free slot goes to the other model at once, where a
-    process keeps an idle one for the limiter's `linger_s`: a ceiling, not a replica). `drawn`: the answer and the parse calls' latencies in call order
-    (a run's own draws, replayed); copies still draw afresh. Returns (seconds until the last
-    result, copies sent)."""
+    process keeps an idle one for the limiter's `linger_s`: a ceiling, not a replica). `drawn`:
+    the answer and the parse calls' latencies in call order (a run's own draws, replayed); copies
+    still draw afresh. Returns (seconds until the last result, copies sent)."""
     limit = {"answer": "endpoint", "judge": "endpoint"} if shared else {"answer": "answer", "judge": "judge"}
     free = {"endpoint": max(1, concurrency)} if shared else {"answer": max(1, concurrency // 2),
                                                            "judge": max(1, concurrency // 2)}

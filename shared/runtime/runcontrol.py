@@ -154,18 +154,22 @@ class RunStates:
         self._runs: OrderedDict[str, RunState] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def get(self, run_id: str, newer_than: float = 0.0) -> RunState:
-        """The run's state, read at most `ttl_s` ago and (wall clock) after `newer_than`."""
+    def _fresh(self, run_id: str, newer_than: float) -> RunState | None:
         state = self._runs.get(run_id)
         if state is not None and time.monotonic() - state.checked_at < self.ttl_s and state.checked_wall >= newer_than:
             return state
-        lock = self._locks.setdefault(run_id, asyncio.Lock())
-        async with lock:
-            state = self._runs.get(run_id)
-            if (state is not None and time.monotonic() - state.checked_at < self.ttl_s
-                    and state.checked_wall >= newer_than):
+        return None
+
+    async def get(self, run_id: str, newer_than: float = 0.0) -> RunState:
+        """The run's state, read at most `ttl_s` ago and (wall clock) after `newer_than`."""
+        state = self._fresh(run_id, newer_than)
+        if state is not None:
+            return state
+        async with self._locks.setdefault(run_id, asyncio.Lock()):
+            state = self._fresh(run_id, newer_than)  # read meanwhile by the holder of the lock
+            if state is not None:
                 return state
-            state = state or RunState()
+            state = self._runs.get(run_id) or RunState()
             js = self._js()
             control_subject = events.subject(events.RUN_CANCELLED, run_id)
             try:
@@ -220,11 +224,14 @@ class RunControl:
         self._flusher: asyncio.Task[None] | None = None
 
     def _usage_of(self, run_id: str) -> _Usage:
+        """The run's counter cache, the least recently used run's dropped past `max_runs`."""
         u = self._usage.get(run_id)
-        if u is None:
-            u = self._usage[run_id] = _Usage()
-            while len(self._usage) > self.max_runs:
-                self._usage.popitem(last=False)
+        if u is not None:
+            self._usage.move_to_end(run_id)
+            return u
+        u = self._usage[run_id] = _Usage()
+        while len(self._usage) > self.max_runs:
+            self._usage.popitem(last=False)
         return u
 
     # ---- the budget: tokens here, micro-dollars in `CostControl` ----
