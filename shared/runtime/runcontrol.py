@@ -135,8 +135,9 @@ class RunState:
     loaded: bool = False
     config: dict[str, Any] = field(default_factory=dict)
     control: events.RunControlChange | None = None
-    checked_at: float = -1e9  # monotonic
-    checked_wall: float = 0.0  # time.time() of the same read
+    checked_at: float = -1e9  # monotonic, when the newest read (answered or failed) was asked
+    checked_wall: float = 0.0  # time.time() when the newest answered read was asked
+    read_failed: bool = False  # the newest read was not answered (the gate fails open)
 
     @property
     def cancelled(self) -> bool:
@@ -172,6 +173,9 @@ class RunStates:
             state = self._runs.get(run_id) or RunState()
             js = self._js()
             control_subject = events.subject(events.RUN_CANCELLED, run_id)
+            # stamped as the read is asked, not as it is answered: a reply that arrives after a
+            # request was published may have been read before the change published ahead of it
+            asked_at, asked_wall = time.monotonic(), time.time()
             try:
                 if not state.loaded:  # the config once, read beside the first control read
                     run_env, ctl = await asyncio.gather(
@@ -183,10 +187,12 @@ class RunStates:
                 else:
                     ctl = await bus.last_event(js, control_subject)
                 state.control = _control_dec.decode(ctl.payload) if ctl is not None else None
+                state.checked_wall, state.read_failed = asked_wall, False
             except Exception as exc:  # noqa: BLE001 - fail open, retry on the next message
+                # `checked_wall` stays: what was read before is no newer than it was
                 log.warning("run control: cannot read the state of run %s: %s", run_id, exc)
-            state.checked_at = time.monotonic()
-            state.checked_wall = time.time()
+                state.read_failed = True
+            state.checked_at = asked_at
             self._runs[run_id] = state
             self._runs.move_to_end(run_id)
             while len(self._runs) > self.max_runs:
@@ -269,6 +275,8 @@ class RunControl:
         used = await self.usage(run_id)
         if used >= budget and info.checked_wall < published_at:
             info = await self.states.get(run_id, newer_than=published_at)
+            if info.read_failed:  # the read that could lift the stop failed: the gate fails open
+                return None
             budget = self._budget(info)
         if budget is not None and used >= budget:
             return self.exhausted(run_id, used, budget)
@@ -294,6 +302,8 @@ class RunControl:
         info = await self.states.get(run_id)
         if info.cancelled and info.checked_wall < published_at:
             info = await self.states.get(run_id, newer_than=published_at)
+            if info.read_failed:  # the read that could lift the stop failed: the gate fails open
+                return None
         if info.cancelled:
             why = f" ({info.control.reason})" if info.control and info.control.reason else ""
             return RunCancelled(f"cancelled: run {run_id} was cancelled before this answer was generated{why}")

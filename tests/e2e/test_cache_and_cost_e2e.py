@@ -22,6 +22,7 @@ from shared.runtime.costcontrol import run_cost_spent, set_cost_budget
 from tests.support.stack import (
     Stack,
     generated_benchmark,
+    log_lines,
     plan_and_submit,
     results_of,
     start_stack,
@@ -139,4 +140,5 @@ def test_cost_budget_stops_dispatch(cstack: Stack, tmp_path: Path) -> None:
     assert not timed_out, f"{done_now}/{len(before)} resumed"
     res = list(results_of(cstack, plan.run_id).values())
     assert len(res) == n and all(r.metadata.completed_without_errors for r in res), \
-        [r.metadata.error for r in res if not r.metadata.completed_without_errors][:3]
+        ([r.metadata.error for r in res if not r.metadata.completed_without_errors][:3],
+         log_lines(cstack, "generation", "run control"))

@@ -170,6 +170,14 @@ def wait_services_idle(st: Stack, timeout: float = 30.0) -> None:
     raise AssertionError(f"services still have queued messages: {sync(_queued(st.settings))}")
 
 
+def log_lines(st: Stack, service: str, needle: str, last: int = 20) -> list[str]:
+    """The last lines of a service's log that contain `needle` (for a failing assertion's message)."""
+    path = Path(st.state.home) / "logs" / f"{service}.log"
+    if not path.exists():
+        return [f"(no {path})"]
+    return [line for line in path.read_text(errors="replace").splitlines() if needle in line][-last:]
+
+
 def results_of(st: Stack, run_id: str) -> dict[str, VerificationResult]:
     return sync(lifecycle.run_results(st.settings, run_id))
 

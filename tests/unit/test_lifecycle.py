@@ -230,6 +230,80 @@ async def test_gate_stops_a_cancelled_run_and_a_resume_lifts_it() -> None:
 
 
 @dataclass
+class HeldJS(FakeJS):
+    """FakeJS whose reads, while `hold` is set, take their answer as they are asked and return it
+    only once `hold` is released: a reply in flight while something else is published."""
+
+    hold: asyncio.Event | None = None
+    asked: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def get_last_msg(self, stream: str, subject: str, direct: bool = False) -> _Msg:
+        hold = self.hold
+        try:
+            answer: _Msg | NotFoundError = await super().get_last_msg(stream, subject, direct)
+        except NotFoundError as exc:
+            answer = exc
+        if hold is not None:
+            self.asked.set()
+            await hold.wait()
+        if isinstance(answer, NotFoundError):
+            raise answer
+        return answer
+
+
+async def test_a_read_in_flight_when_a_resume_raises_the_budget_does_not_count_as_newer() -> None:
+    """`resume` publishes the raised budget, then its requests. A read of the run's state asked
+    before the raise and answered after the requests were published has not seen the raise: a
+    request must not be stopped by the old budget it carries."""
+    js = HeldJS(kv=FakeKV())
+    js.put_event(_run_requested(budget=100))
+    js.put_event(_control(cancelled=False, reason="resumed"))  # an earlier resume that raised nothing
+    states = runcontrol.RunStates(lambda: js, ttl_s=60.0)
+    ctl = runcontrol.RunControl(lambda: js, states=states, usage_ttl_s=0.0)
+    ctl.record_usage("run1", 150)
+    await ctl.flush()
+    assert isinstance(await ctl.stop_reason("run1"), runcontrol.BudgetExhausted)
+    states.ttl_s = 0.0  # the next gate reads the run's state again...
+    js.hold = release = asyncio.Event()
+    in_flight = asyncio.create_task(states.get("run1"))
+    await js.asked.wait()  # ...and the server has answered it, before the raise
+    js.hold = None
+    js.put_event(_control(cancelled=False, reason="resumed", budget_tokens=1000))  # the resume's raise
+    await asyncio.sleep(0.002)
+    published_at = time.time()  # then its requests
+    await asyncio.sleep(0.002)
+    release.set()  # the answer arrives after the requests were published
+    assert (await in_flight).control.budget_tokens is None
+    states.ttl_s = 60.0
+    gets = js.gets
+    assert await ctl.stop_reason("run1", published_at=published_at) is None, "stopped by the budget before the raise"
+    assert js.gets > gets, "read again"
+    assert await ctl.budget("run1") == 1000
+
+
+async def test_a_stop_is_lifted_by_a_failed_read_of_a_newer_request_only() -> None:
+    """A stop (cancel, spent budget) read before a request was published is read again for it;
+    when that read fails the gate fails open, as every failed read does; a request older than
+    the stop's read is still stopped while the server is away."""
+    for control, stop_type in ((_control(cancelled=True, reason="operator"), runcontrol.RunCancelled),
+                               (None, runcontrol.BudgetExhausted)):
+        js = FakeJS(kv=FakeKV())
+        js.put_event(_run_requested(budget=100))
+        if control is not None:
+            js.put_event(control)
+        ctl = runcontrol.RunControl(lambda js=js: js, ttl_s=60.0, usage_ttl_s=60.0)
+        ctl.record_usage("run1", 150)
+        await ctl.flush()
+        read_at = time.time()
+        assert isinstance(await ctl.stop_reason("run1"), stop_type)
+        js.fail = True
+        assert isinstance(await ctl.stop_reason("run1", published_at=read_at - 1), stop_type), "older request"
+        gets = js.gets
+        assert await ctl.stop_reason("run1", published_at=time.time()) is None, f"{stop_type.__name__}: fails open"
+        assert js.gets > gets, "the newer request's read was tried"
+
+
+@dataclass
 class SlowJS(FakeJS):
     """FakeJS whose reads take a while, counting how many are in flight at once."""
 
