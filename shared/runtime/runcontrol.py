@@ -18,7 +18,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -170,7 +170,11 @@ class RunStates:
             state = self._fresh(run_id, newer_than)  # read meanwhile by the holder of the lock
             if state is not None:
                 return state
-            state = self._runs.get(run_id) or RunState()
+            # a new snapshot, never the cached one changed in place: a gate holding the cached one
+            # across an await (its usage read) decides on one consistent read, not on a budget of
+            # one read and the read time of the next
+            old = self._runs.get(run_id)
+            state = replace(old) if old is not None else RunState()
             js = self._js()
             control_subject = events.subject(events.RUN_CANCELLED, run_id)
             # stamped as the read is asked, not as it is answered: a reply that arrives after a
@@ -196,8 +200,8 @@ class RunStates:
             self._runs[run_id] = state
             self._runs.move_to_end(run_id)
             while len(self._runs) > self.max_runs:
-                old, _ = self._runs.popitem(last=False)
-                self._locks.pop(old, None)
+                gone, _ = self._runs.popitem(last=False)
+                self._locks.pop(gone, None)
             return state
 
 

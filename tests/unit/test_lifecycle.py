@@ -281,6 +281,45 @@ async def test_a_read_in_flight_when_a_resume_raises_the_budget_does_not_count_a
     assert await ctl.budget("run1") == 1000
 
 
+class HeldKV(FakeKV):
+    """FakeKV whose reads wait for `hold`, when it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold: asyncio.Event | None = None
+        self.asked = asyncio.Event()
+
+    async def get(self, key: str) -> _Entry:
+        if self.hold is not None:
+            self.asked.set()
+            await self.hold.wait()
+        return await super().get(key)
+
+
+async def test_a_gate_decides_on_one_read_while_another_gate_reads_the_run_again() -> None:
+    """Two requests of a resumed run at once: one gate holds the run's state read before the
+    resume's raise, and waits on its usage read; meanwhile the other gate reads the run again and
+    sees the raise. The first must not be stopped by the old budget, as it would if it took the
+    budget of the first read and the read time of the second."""
+    kv = HeldKV()
+    js = FakeJS(kv=kv)
+    js.put_event(_run_requested(budget=100))
+    ctl = runcontrol.RunControl(lambda: js, ttl_s=60.0, usage_ttl_s=0.0)
+    ctl.record_usage("run1", 150)
+    await ctl.flush()
+    assert isinstance(await ctl.stop_reason("run1"), runcontrol.BudgetExhausted)
+    js.put_event(_control(cancelled=False, reason="resumed", budget_tokens=1000))  # the resume's raise
+    await asyncio.sleep(0.002)
+    published_at = time.time()  # then its requests
+    kv.hold = release = asyncio.Event()
+    first = asyncio.create_task(ctl.stop_reason("run1", published_at=published_at))
+    await kv.asked.wait()  # the first gate waits on the counter, holding the old read
+    kv.hold = None
+    assert await ctl.stop_reason("run1", published_at=published_at) is None  # the second reads again
+    release.set()
+    assert await first is None, "stopped by the budget before the raise"
+
+
 async def test_a_stop_is_lifted_by_a_failed_read_of_a_newer_request_only() -> None:
     """A stop (cancel, spent budget) read before a request was published is read again for it;
     when that read fails the gate fails open, as every failed read does; a request older than
