@@ -267,7 +267,7 @@ async def test_a_read_in_flight_when_a_resume_raises_the_budget_does_not_count_a
     js.hold = release = asyncio.Event()
     in_flight = asyncio.create_task(states.get("run1"))
     await js.asked.wait()  # ...and the server has answered it, before the raise
-    js.hold = None
+    js.hold = None  # reads asked from now on answer at once
     js.put_event(_control(cancelled=False, reason="resumed", budget_tokens=1000))  # the resume's raise
     await asyncio.sleep(0.002)
     published_at = time.time()  # then its requests
@@ -338,6 +338,7 @@ async def test_a_stop_is_lifted_by_a_failed_read_of_a_newer_request_only() -> No
         js.fail = True
         assert isinstance(await ctl.stop_reason("run1", published_at=read_at - 1), stop_type), "older request"
         gets = js.gets
+        await asyncio.sleep(0.002)  # a request published after the stop's read, on any clock's grain
         assert await ctl.stop_reason("run1", published_at=time.time()) is None, f"{stop_type.__name__}: fails open"
         assert js.gets > gets, "the newer request's read was tried"
 
