@@ -204,6 +204,15 @@ class RunStates:
                 self._locks.pop(gone, None)
             return state
 
+    async def for_request(self, run_id: str, state: RunState, published_at: float) -> RunState | None:
+        """The state to stop a request published at `published_at` on: `state` when it was read
+        after that, else a new read (a `resume` publishes its lift or raise, then its requests,
+        which must see it); None when that read failed (the gate fails open)."""
+        if state.checked_wall >= published_at:
+            return state
+        state = await self.get(run_id, newer_than=published_at)
+        return None if state.read_failed else state
+
 
 @dataclass
 class _Usage:
@@ -277,11 +286,9 @@ class RunControl:
         if budget is None:
             return None
         used = await self.usage(run_id)
-        if used >= budget and info.checked_wall < published_at:
-            info = await self.states.get(run_id, newer_than=published_at)
-            if info.read_failed:  # the read that could lift the stop failed: the gate fails open
-                return None
-            budget = self._budget(info)
+        if used >= budget:
+            confirmed = await self.states.for_request(run_id, info, published_at)
+            budget = None if confirmed is None else self._budget(confirmed)
         if budget is not None and used >= budget:
             return self.exhausted(run_id, used, budget)
         return None
@@ -304,10 +311,11 @@ class RunControl:
         `published_at`: when the request was published. A stop seen before that is read again
         (a `resume` lifts the stop, then publishes its requests: they must see the lift)."""
         info = await self.states.get(run_id)
-        if info.cancelled and info.checked_wall < published_at:
-            info = await self.states.get(run_id, newer_than=published_at)
-            if info.read_failed:  # the read that could lift the stop failed: the gate fails open
+        if info.cancelled:
+            confirmed = await self.states.for_request(run_id, info, published_at)
+            if confirmed is None:
                 return None
+            info = confirmed
         if info.cancelled:
             why = f" ({info.control.reason})" if info.control and info.control.reason else ""
             return RunCancelled(f"cancelled: run {run_id} was cancelled before this answer was generated{why}")

@@ -171,11 +171,9 @@ def wait_services_idle(st: Stack, timeout: float = 30.0) -> None:
 
 
 def log_lines(st: Stack, service: str, needle: str, last: int = 20) -> list[str]:
-    """The last lines of a service's log that contain `needle` (for a failing assertion's message)."""
-    path = Path(st.state.home) / "logs" / f"{service}.log"
-    if not path.exists():
-        return [f"(no {path})"]
-    return [line for line in path.read_text(errors="replace").splitlines() if needle in line][-last:]
+    """The last lines a service has logged that contain `needle` (for a failing assertion's message)."""
+    text = "".join(p.log_text() for p in st.state.procs if p.name == service)
+    return [line for line in text.splitlines() if needle in line][-last:]
 
 
 def results_of(st: Stack, run_id: str) -> dict[str, VerificationResult]:
