@@ -174,6 +174,39 @@ def hedged_makespan(n: int, latency_s: float, concurrency: int, hedge_s: float |
     return t, copies
 
 
+def hedged_replay_fraction(answer_s: list[float], judge_s: list[float], concurrency: int, latency_ms: float,
+                           hedge_after_ms: float, sigma: float = 0.5, trials: int = 30, seed: int = 0,
+                           shared: bool = False) -> float | None:
+    """`hedged_fraction` on one hedged run's own draws: its first copies' latencies (in call
+    order, as `replay_fraction` takes them) replayed, each copy drawn afresh as the simulator
+    draws a repeated request; the mean over `trials` sets of copies' draws."""
+    n = min(len(answer_s), len(judge_s))
+    if latency_ms <= 0 or n == 0:
+        return None
+    lat = latency_ms / 1000
+    rng = random.Random(seed)
+    spans = [hedged_makespan(n, lat, concurrency, hedge_after_ms / 1000, rng, sigma, shared=shared,
+                             drawn=(answer_s[:n], judge_s[:n]))[0] for _ in range(max(1, trials))]
+    bound = concurrency / (2 * lat)
+    return round(sum(n / span / bound for span in spans) / len(spans), 3)
+
+
+def first_copies(drawn: list[tuple[str, float, str]]) -> tuple[list[float], list[float], int]:
+    """A run's draws from /simulator/delays as (answer, judge) first copies' latencies in
+    seconds, in call order, and how many calls repeated a request already drawn for (a hedge's
+    copy, a retry)."""
+    seen: set[str] = set()
+    firsts: dict[str, list[float]] = {"answer": [], "judge": []}
+    repeats = 0
+    for kind, ms, key in drawn:
+        if key in seen:
+            repeats += 1
+            continue
+        seen.add(key)
+        firsts.setdefault(kind, []).append(ms / 1000)
+    return firsts["answer"], firsts["judge"], repeats
+
+
 def hedged_fraction(n: int, latency_ms: float, concurrency: int, hedge_after_ms: float | None, sigma: float = 0.5,
                     trials: int = 30, seed: int = 0, shared: bool = False) -> tuple[float, float] | None:
     """The whole-run fraction of C/(2L) a pipeline without overhead reaches hedged after

@@ -200,11 +200,12 @@ def simulator_ceiling(url: str, concurrency: int, latency_ms: float, seconds: fl
     return asyncio.run(_ceiling(url, concurrency, latency_ms, seconds, skip_s))
 
 
-def simulator_delays(url: str, since: int = 0) -> list[tuple[str, float]]:
-    """The latencies (kind, ms) the simulator drew per call, in call order, after the first `since`."""
+def simulator_delays(url: str, since: int = 0) -> list[tuple[str, float, str]]:
+    """The latencies (kind, ms, request key) the simulator drew per call, in call order, after
+    the first `since`."""
     resp = httpx.get(url.removesuffix("/v1") + "/simulator/delays", params={"since": since}, timeout=30)
     resp.raise_for_status()
-    return [(str(kind), float(ms)) for kind, ms in resp.json()]
+    return [(str(kind), float(ms), str(key)) for kind, ms, key in resp.json()]
 
 
 def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int],
@@ -285,18 +286,18 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
             possible = None
             hedges = sum(int(((r.metadata.retry_counts or {}).get("hedge") or {}).get("used", 0))
                          for r in outcome.results.values())
-            # a hedge's draw would shift the replay; the replay shares the slots as the run did
-            if api_base is None and bound and not hedge_after_ms:
-                drawn = simulator_delays(state.simulator_url, since=delays0)
-                possible = ideal.replay_fraction([ms / 1000 for kind, ms in drawn if kind == "answer"],
-                                                 [ms / 1000 for kind, ms in drawn if kind == "judge"],
-                                                 concurrency, latency_ms, shared=shared_limit)
-            hedged_possible = None  # a hedge draws afresh: random draws' average, not this run's replay
-            if api_base is None and bound and hedge_after_ms and latency_dist == "lognormal":
-                after_ms = (ideal.lognormal_quantile(latency_ms, latency_sigma, 0.95) if hedge_after_ms == "auto"
-                            else float(hedge_after_ms))  # auto: the model's 95th percentile, once it has one
-                hedged_possible = ideal.hedged_fraction(done, latency_ms, concurrency, after_ms, latency_sigma,
-                                                        trials=30, shared=shared_limit)
+            # the run's own draws replayed, the slots shared as the run shared them; hedged, its
+            # first copies' draws with each copy drawn afresh (the mean over sets of copies' draws)
+            hedged_possible = None
+            if api_base is None and bound:
+                answers, judges, _repeats = ideal.first_copies(simulator_delays(state.simulator_url, since=delays0))
+                if not hedge_after_ms:
+                    possible = ideal.replay_fraction(answers, judges, concurrency, latency_ms, shared=shared_limit)
+                elif latency_dist == "lognormal":
+                    after_ms = (ideal.lognormal_quantile(latency_ms, latency_sigma, 0.95) if hedge_after_ms == "auto"
+                                else float(hedge_after_ms))  # auto: the model's 95th percentile, once it has one
+                    hedged_possible = ideal.hedged_replay_fraction(answers, judges, concurrency, latency_ms, after_ms,
+                                                                   latency_sigma, trials=30, shared=shared_limit)
             rate = done / elapsed if elapsed else 0.0
             steady = steady_rate(arrivals)
             return {
@@ -309,7 +310,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "steady_fraction_of_bound": round(steady / bound, 3) if bound and steady else None,
                 "simulator_ceiling_fraction": ceiling,
                 "zero_overhead_fraction": possible,
-                "hedged_zero_overhead_fraction": hedged_possible[0] if hedged_possible else None,
+                "hedged_zero_overhead_fraction": hedged_possible,
                 "queryable_results_per_s": round(done / projected_s, 1) if projected and projected_s else None,
                 "queryable_fraction_of_bound": (round(done / projected_s / bound, 3)
                                                 if bound and projected and projected_s else None),
@@ -414,8 +415,8 @@ def print_run(row: dict[str, Any], where: str, concurrency: int) -> None:
               f"(its fill and the slowest last calls): veribus reached {row['fraction_of_bound'] / z:.3f} of that")
     if row.get("hedged_zero_overhead_fraction"):
         h = row["hedged_zero_overhead_fraction"]
-        print(f"  a pipeline without overhead, hedged the same way, averages {h} of C/(2L) over random draws: "
-              f"veribus reached {row['fraction_of_bound'] / h:.3f} of that")
+        print(f"  a pipeline without overhead, hedged the same way, reaches {h} of C/(2L) on this run's own first "
+              f"copies' draws (each copy drawn afresh, mean of 30): veribus reached {row['fraction_of_bound'] / h:.3f} of that")
     if row.get("simulator_ceiling_fraction"):
         c = row["simulator_ceiling_fraction"]
         print(f"  the simulator itself allows {c} of C/(2L) now (minimal callers, no veribus): whole run "
@@ -551,8 +552,8 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
             if row.get("hedged_zero_overhead_fraction"):
                 h = row["hedged_zero_overhead_fraction"]
                 lines.append(_figure("zero-overhead pipeline, hedged", h, note="the same hedging, no time outside the "
-                                     "calls, mean of 30 random draws (`bench.ideal.hedged_fraction`); veribus "
-                                     f"reached {row['fraction_of_bound'] / h:.3f} of it"))
+                                     "calls, on this run's own first copies' draws, each copy drawn afresh (mean of 30: "
+                                     f"`bench.ideal.hedged_replay_fraction`); veribus reached {row['fraction_of_bound'] / h:.3f} of it"))
             if row.get("simulator_ceiling_fraction"):
                 lines.append(_figure("simulator's own ceiling", row["simulator_ceiling_fraction"],
                                      note="C/2 minimal callers per model, same sitting: the load's share"))

@@ -62,9 +62,10 @@ class Simulator:
             acc += weight / total
             self._mix.append((acc, kind))
         self.recent: deque[dict[str, Any]] = deque(maxlen=64)
-        # the latency drawn for each call, in call order: the bench replays a run's own draws
-        # through a pipeline without overhead to say what the distribution itself allowed
-        self.delays: deque[tuple[str, float]] = deque(maxlen=_MAX_DELAYS)
+        # the latency drawn for each call, in call order, and which request drew it (a hedge's
+        # copy repeats its first copy's body): the bench replays a run's own draws through a
+        # pipeline without overhead to say what the distribution itself allowed
+        self.delays: deque[tuple[str, float, str]] = deque(maxlen=_MAX_DELAYS)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -85,7 +86,7 @@ class Simulator:
 
     # -- randomness: a pure function of (seed, request bytes, occurrence)
     def _uniforms(self, body: bytes) -> tuple[float, float, float, float]:
-        key = hashlib.blake2b(body, digest_size=16).digest()
+        key = _body_hash(body)
         if len(self._seen) > _MAX_SEEN:
             self._seen.clear()
         n = self._seen.get(key, 0)
@@ -193,7 +194,7 @@ class Simulator:
                 return resp
 
         delay = self._latency_s(u[2])
-        self.delays.append((kind, round(delay * 1000, 3)))
+        self.delays.append((kind, round(delay * 1000, 3), _request_key(raw)))
         if delay > 0:
             await asyncio.sleep(delay)
 
@@ -377,14 +378,24 @@ class Simulator:
         return web.Response(body=_encode(list(self.recent)), content_type="application/json")
 
     async def handle_delays(self, request: web.Request) -> web.Response:
-        """`[[kind, ms], ...]`: the latency drawn for each call since the start (or a reset), in
-        call order; `?since=K` leaves out the first K."""
+        """`[[kind, ms, request], ...]`: the latency drawn for each call since the start (or a
+        reset), in call order, and a short key of its request body (the same for a repeated
+        request, as a hedge's copy is); `?since=K` leaves out the first K."""
         since = max(0, int(request.query.get("since", "0") or 0))
         return web.Response(body=_encode(list(self.delays)[since:]), content_type="application/json")
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         self.reset()
         return web.Response(body=b'{"reset":true}', content_type="application/json")
+
+
+def _body_hash(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
+def _request_key(body: bytes) -> str:
+    """A request's key in /simulator/delays: equal for equal bodies."""
+    return _body_hash(body)[:6].hex()
 
 
 def _error(status: int, message: str, typ: str, headers: dict[str, str] | None = None) -> web.Response:

@@ -8,7 +8,15 @@ import random
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from bench.ideal import hedged_fraction, hedged_makespan, makespan, replay_fraction, zero_overhead_fraction
+from bench.ideal import (
+    first_copies,
+    hedged_fraction,
+    hedged_makespan,
+    hedged_replay_fraction,
+    makespan,
+    replay_fraction,
+    zero_overhead_fraction,
+)
 from infra.simulator.script import SimConfig
 from infra.simulator.server import create_app
 
@@ -82,9 +90,37 @@ async def test_the_simulator_lists_each_calls_drawn_latency_in_call_order() -> N
         for i in range(3):
             body = {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}]}
             assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        # the first question again, as a hedge's copy sends it: drawn afresh, under the same key
+        body = {"model": "m", "messages": [{"role": "user", "content": "question 0"}]}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
         drawn = await (await client.get("/simulator/delays")).json()
-        assert [kind for kind, _ in drawn] == ["answer"] * 3
-        assert all(ms > 0 for _, ms in drawn) and len({ms for _, ms in drawn}) == 3
+        assert [kind for kind, _, _ in drawn] == ["answer"] * 4
+        assert all(ms > 0 for _, ms, _ in drawn) and len({ms for _, ms, _ in drawn}) == 4
+        keys = [key for _, _, key in drawn]
+        assert len(set(keys[:3])) == 3 and keys[3] == keys[0]
+        answers, judges, repeats = first_copies([tuple(d) for d in drawn])
+        assert answers == [ms / 1000 for _, ms, _ in drawn[:3]] and judges == [] and repeats == 1
         assert await (await client.get("/simulator/delays", params={"since": 2})).json() == drawn[2:]
         await client.post("/simulator/reset")
         assert await (await client.get("/simulator/delays")).json() == []
+
+
+def test_first_copies_keep_each_requests_first_draw_in_call_order() -> None:
+    drawn = [("answer", 100.0, "a1"), ("answer", 200.0, "a2"), ("judge", 300.0, "j1"),
+             ("answer", 50.0, "a1"), ("judge", 400.0, "j2"), ("judge", 10.0, "j1")]
+    assert first_copies(drawn) == ([0.1, 0.2], [0.3, 0.4], 2)
+
+
+def test_the_hedged_replay_races_the_runs_own_slow_call() -> None:
+    """One run's draws with a 2.5 s parse near the end (as the bench's seed gives): unhedged, the
+    run waits for it; hedged after 450 ms its copy is drawn afresh and the replay ends sooner,
+    and a replay without that slow call is not slowed by hedging at all."""
+    calm = [0.3] * 1000
+    slow_tail = calm[:980] + [2.5] + calm[981:]
+    unhedged = replay_fraction(calm, slow_tail, 64, 300)
+    hedged = hedged_replay_fraction(calm, slow_tail, 64, 300, 450, trials=10)
+    assert unhedged is not None and hedged is not None
+    assert unhedged < 0.85 < hedged
+    calm_hedged = hedged_replay_fraction(calm, calm, 64, 300, 450, trials=3)
+    assert calm_hedged == pytest.approx(replay_fraction(calm, calm, 64, 300), abs=0.002)
+    assert hedged_replay_fraction([], [], 64, 300, 450) is None
