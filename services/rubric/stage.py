@@ -36,7 +36,7 @@ from shared.core.stage import evaluation_text, record
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, add_usage, usage_entry
 from shared.runtime.search import SearchTool
-from shared.templates.calls import regex_trait_score, run_callable_trait
+from shared.templates.calls import run_callable_trait, run_regex_trait
 
 log = logging.getLogger("veribus.rubric")
 STAGE = "rubric_evaluation"
@@ -281,9 +281,11 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
     dj_traits = [lt for lt in rubric.llm_traits if lt.name in dj_configs]
     std_traits = [lt for lt in rubric.llm_traits if lt.name not in dj_configs]
     regex_scores: dict[str, bool] = {}
-    for rt in rubric.regex_traits:
+    for rt in rubric.regex_traits:  # in the sandbox: a pattern can backtrack for hours
         try:
-            regex_scores[rt.name] = regex_trait_score(rt.pattern, text, rt.case_sensitive, rt.invert_result)
+            regex_scores[rt.name] = await run_regex_trait(rt.pattern, text, rt.case_sensitive, rt.invert_result,
+                                                          scope=job.run_id,
+                                                          timeout_s=job.options.get("template_timeout_s"))
         except Exception as exc:  # a bad pattern fails only its own trait
             out["errors"][rt.name] = f"{type(exc).__name__}: {exc}"
     callable_scores: dict[str, bool | int] = {}

@@ -152,9 +152,6 @@ class RegexTrait(_Trait):
             raise ValueError(f"pattern: invalid regex {self.pattern!r}: {e}") from e
         return self
 
-    def compiled(self) -> re.Pattern[str]:
-        return re.compile(self.pattern, 0 if self.case_sensitive else re.IGNORECASE)
-
 
 CallableFormat = Literal["source", "base64_source", "cloudpickle"]
 

@@ -14,7 +14,8 @@ Layers, outermost first (each one holds on its own; see README "Threat model"):
    - As any other user, bwrap creates an unprivileged user namespace (mapped to that user).
 2. **seccomp** (filters built with libseccomp via `pyseccomp` in the service, loaded in the jail
    as raw BPF): the zygote may not exec, open sockets, trace, mount, unshare, load keys/BPF or
-   create SysV/POSIX IPC; each call's process additionally may not fork, clone or signal.
+   create SysV/POSIX IPC; each call's process additionally may not fork, clone or signal, nor
+   own a descriptor (F_SETOWN, F_SETSIG: the kernel would signal its owner for it).
 3. **rlimits** in each call's process: address space, CPU seconds, open files, file size, no
    core files and RLIMIT_NPROC = 0 (it binds because the uid is not root).
 4. **fresh process per call**: the zygote (which never runs user code) forks a child for each
@@ -66,6 +67,15 @@ _DENY_CALL = (
     "fork", "vfork", "clone", "kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
     "pidfd_open", "pidfd_send_signal", "setsid", "setpgid", "prctl",
 )
+# ... nor signals the kernel sends for it: a descriptor's owner (F_SETOWN and kin) gets its
+# SIGIO, and F_SETSIG makes that any signal, SIGKILL included, for any process of the same uid
+# (another run's process, the zygote). Refused by (system call, argument index, value).
+_F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 8, 10, 15
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
+_DENY_CALL_ARGS = (
+    ("fcntl", 1, _F_SETOWN), ("fcntl", 1, _F_SETSIG), ("fcntl", 1, _F_SETOWN_EX),
+    ("ioctl", 1, _FIOSETOWN), ("ioctl", 1, _SIOCSPGRP),
+)
 
 
 @dataclass
@@ -84,9 +94,10 @@ class JailPlan:
     error: str | None = None  # set: the jail cannot be used; calls fail closed with this message
 
 
-def _build_bpf(deny: tuple[str, ...]) -> bytes:
-    """Compile a default-allow filter refusing `deny` to BPF (libseccomp, native arch; other
-    architectures such as x32 are killed by libseccomp's bad-arch action)."""
+def _build_bpf(deny: tuple[str, ...], deny_args: tuple[tuple[str, int, int], ...] = ()) -> bytes:
+    """Compile a default-allow filter refusing `deny`, and each (system call, argument index,
+    value) of `deny_args`, to BPF (libseccomp, native arch; other architectures such as x32 are
+    killed by libseccomp's bad-arch action)."""
     # local import: pyseccomp raises at import when libseccomp is missing, and
     # that must become the sandbox's fail-closed message, not an import error of every service
     import pyseccomp as sc
@@ -98,6 +109,8 @@ def _build_bpf(deny: tuple[str, ...]) -> bytes:
             filt.add_rule(action, name)
         except (OSError, ValueError, RuntimeError):  # unknown to this kernel/libseccomp: nothing to refuse
             continue
+    for name, index, value in deny_args:  # these exist on every Linux: a failure fails closed
+        filt.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(index, sc.EQ, value))
     fd = os.memfd_create("veribus-seccomp")
     try:
         with os.fdopen(os.dup(fd), "wb") as f:
@@ -259,7 +272,7 @@ def _decide(mode: str, tmp_mb: int, conf: Settings) -> JailPlan:
     else:
         try:
             result.seccomp_zygote = _build_bpf(_DENY_ALWAYS + ("clone3",))
-            result.seccomp_call = _build_bpf(_DENY_ALWAYS + _DENY_CALL + ("clone3",))  # stands on its own too
+            result.seccomp_call = _build_bpf(_DENY_ALWAYS + _DENY_CALL + ("clone3",), _DENY_CALL_ARGS)  # stands on its own too
         except Exception as exc:  # noqa: BLE001 - no libseccomp / pyseccomp: fail closed
             result.error = f"cannot build the seccomp filter ({type(exc).__name__}: {exc})" + hint
     if result.error is None:

@@ -1,5 +1,10 @@
-"""Per-process cache of validated templates, keyed by template_id: a template is validated
-(in the sandbox) once per process, not once per result.
+"""Per-process cache of validated templates, keyed by run and template_id: a template is
+validated (in the sandbox) once per run in a process, not once per result.
+
+Why per run: a run's validations share that run's sandbox process, where its own templates may
+have patched anything (their own business). Shared across runs, a benchmark holding a copy of a
+public template and a patch to the judge schema's builder would hand its poisoned schema to
+every later run that uses the same template.
 """
 
 from __future__ import annotations
@@ -7,35 +12,58 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
+
 from shared.templates.calls import TemplateInfo, validate_template
+from shared.templates.sandbox import Sandbox
 
 
 class TemplateInfoCache:
-    def __init__(self, max_entries: int = 4096) -> None:
-        self._infos: dict[str, TemplateInfo] = {}
-        self._pending: dict[str, asyncio.Future[TemplateInfo]] = {}
+    """`max_entries` and `max_bytes` (of the entries as JSON, about what they hold in memory):
+    a template's description comes from its own sandbox process, which may make it as large as
+    a reply frame may be, so the cache is bounded by size as well as by count."""
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 64 * 1024 * 1024,
+                 sandbox: Sandbox | None = None) -> None:
+        self._sandbox = sandbox  # None: the process-wide pool
+        self._infos: dict[tuple[str, str], TemplateInfo] = {}
+        self._sizes: dict[tuple[str, str], int] = {}
+        self._pending: dict[tuple[str, str], asyncio.Future[TemplateInfo]] = {}
         self._max = max_entries
+        self._max_bytes = max_bytes
+        self._bytes = 0
 
     async def get(self, template_id: str, code: str, question_id: str | None = None,
                   scope: str | None = None) -> TemplateInfo:
         """The template's TemplateInfo; validated in the sandbox on first use (`scope`: the run id,
-        so one run's validations share a sandbox process and no other run's)."""
-        info = self._infos.get(template_id)
+        so one run's validations share a sandbox process and no other run's, nor its cache entries)."""
+        key = (scope or "", template_id)  # unscoped: each validation had a fresh process of its own
+        info = self._infos.get(key)
         if info is not None:
             return info
-        fut = self._pending.get(template_id)
+        fut = self._pending.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(validate_template(code, question_id, scope=scope))
-            self._pending[template_id] = fut
+            fut = asyncio.ensure_future(validate_template(code, question_id, scope=scope, sandbox=self._sandbox))
+            self._pending[key] = fut
             try:
                 info = await fut
             finally:
-                self._pending.pop(template_id, None)
-            if len(self._infos) >= self._max:
-                self._infos.pop(next(iter(self._infos)))
-            self._infos[template_id] = info
+                self._pending.pop(key, None)
+            self._put(key, info)
             return info
         return await fut
+
+    def _put(self, key: tuple[str, str], info: TemplateInfo) -> None:
+        size = len(msgspec.json.encode(info))
+        if size > self._max_bytes:
+            return  # used once, not kept
+        while self._infos and (len(self._infos) >= self._max or self._bytes + size > self._max_bytes):
+            old = next(iter(self._infos))
+            del self._infos[old]
+            self._bytes -= self._sizes.pop(old)
+        self._infos[key] = info
+        self._sizes[key] = size
+        self._bytes += size
 
     async def schema(self, template_id: str, code: str | None, scope: str | None = None) -> dict[str, Any] | None:
         """The template's JSON schema (None when it is invalid); `scope` as for `get` (without

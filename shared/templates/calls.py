@@ -2,8 +2,10 @@
 
 Each async function sends its user-code part to the sandbox (`shared.templates.sandbox`) and gets plain
 data back; the `worker_*` functions are what runs inside the sandbox workers (they import user
-code, so never call them in a service process). `compile_check` and `regex_trait_score` are
-pure and run in-process: the first only compiles (no execution), the second runs no user code.
+code, so never call them in a service process). `compile_check` is pure and runs in-process
+(it only compiles, no execution). `regex_trait_score` runs no user code but a benchmark's pattern,
+which can backtrack for hours on a short answer: services call it in the sandbox
+(`run_regex_trait`), under its wall time.
 """
 
 from __future__ import annotations
@@ -170,8 +172,30 @@ async def run_callable_trait(
     return value
 
 
+class RegexTraitError(RuntimeError):
+    """A regex trait's pattern did not compile, or its search did not end in time."""
+
+
+async def run_regex_trait(pattern: str, text: str, case_sensitive: bool, invert: bool, *,
+                          sandbox: Sandbox | None = None, timeout_s: float | None = None,
+                          scope: str | None = None) -> bool:
+    """`regex_trait_score` in the sandbox (`scope` as for `run_verify`): a pattern that
+    backtracks catastrophically ends at the sandbox's wall time as this trait's error, and never
+    holds a service's event loop. Raises RegexTraitError."""
+    reply = await (sandbox or get_sandbox()).call(
+        "regex_trait", pattern=pattern, text=text, case_sensitive=case_sensitive, invert=invert,
+        timeout_s=timeout_s, scope=scope,
+    )
+    if not reply["ok"]:
+        raise RegexTraitError(str(reply["error"]))
+    if not isinstance(reply["value"], bool):  # the scope's process may have been patched by its run
+        raise RegexTraitError(f"regex trait returned a malformed result ({type(reply['value']).__name__})")
+    return reply["value"]
+
+
 def regex_trait_score(pattern: str, text: str, case_sensitive: bool, invert: bool) -> bool:
-    """A regex rubric trait: does `pattern` occur in `text` (negated when `invert`)."""
+    """A regex rubric trait: does `pattern` occur in `text` (negated when `invert`). Runs in the
+    sandbox (`run_regex_trait`); pure, so tests and the sandbox call it directly."""
     found = re.search(pattern, text, 0 if case_sensitive else re.IGNORECASE) is not None
     return not found if invert else found
 
@@ -568,5 +592,5 @@ def worker_callable(
 
 __all__ = [
     "TemplateInfo", "VerifyOutcome", "CallableTraitError", "compile_check", "validate_template", "run_verify",
-    "run_callable_trait", "regex_trait_score",
+    "run_callable_trait", "regex_trait_score", "run_regex_trait", "RegexTraitError",
 ]

@@ -89,8 +89,19 @@ _LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 _LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | _LL_IOCTL_DEV
 
 
+# Landlock scopes (ABI 6): no signal to a process outside the call's own domain (a sibling call
+# process, the zygote), kernel-sent SIGIO of an owned descriptor included; no connection to an
+# abstract unix socket made outside it
+_LL_SCOPE_ABSTRACT_UNIX_SOCKET, _LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+
 class _LLRulesetAttr(ctypes.Structure):
     _fields_ = [("handled_access_fs", ctypes.c_uint64)]
+
+
+class _LLRulesetAttrScoped(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
 
 
 class _LLPathBeneath(ctypes.Structure):
@@ -108,14 +119,16 @@ def landlock_abi() -> int:
 def _landlock_confine(scratch: str) -> None:
     """Landlock, per call process: everything in the jail but /tmp is read-only, /dev is
     read/write (device nodes), and the only other place it may touch is its own scratch folder,
-    so call processes of other runs (same uid) cannot see or plant files in each other's."""
+    so call processes of other runs (same uid) cannot see or plant files in each other's; from
+    ABI 6 on, it signals no process outside its own domain either."""
     abi = landlock_abi()
     if abi < 1:
         raise RuntimeError("Landlock is not available")
     handled = _LL_ABI1 | (_LL_REFER if abi >= 2 else 0) | (_LL_TRUNCATE if abi >= 3 else 0) | (
         _LL_IOCTL_DEV if abi >= 5 else 0)
     libc = ctypes.CDLL(None, use_errno=True)
-    attr = _LLRulesetAttr(handled)
+    attr: Any = (_LLRulesetAttrScoped(handled, 0, _LL_SCOPE_SIGNAL | _LL_SCOPE_ABSTRACT_UNIX_SOCKET)
+                 if abi >= 6 else _LLRulesetAttr(handled))
     ruleset = libc.syscall(444, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)), ctypes.c_uint32(0))
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")

@@ -13,7 +13,10 @@ from typing import Any
 
 _HDR = struct.Struct("<I")
 _MB = 1024 * 1024
-_MAX_REPLY = 64 * _MB
+# a reply frame's most (a template's description or verdict is kilobytes): msgpack's one-byte
+# values become eight-byte references and more in the service, so a template writing its own
+# frame of nils could otherwise make a service hold ~8x this per call
+_MAX_REPLY = 16 * _MB
 
 # Functions a worker may run, by short name: (module:function, what to call it in errors).
 BUILTINS: dict[str, tuple[str, str]] = {
@@ -22,6 +25,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "validate_template": ("shared.templates.calls:worker_validate", "template"),
     "verify_template": ("shared.templates.calls:worker_verify", "template"),
     "callable_trait": ("shared.templates.calls:worker_callable", "callable trait"),
+    "regex_trait": ("shared.templates.calls:regex_trait_score", "regex trait"),
 }
 PRELOAD: tuple[str, ...] = ("shared.templates.calls",)
 

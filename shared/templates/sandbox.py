@@ -59,7 +59,7 @@ def _checked_reply(dec: msgspec.msgpack.Decoder, payload: Any, label: str) -> di
     into the reply pipe, so the shape is checked here, in the service, not trusted."""
     try:
         msg = dec.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # nested thousands deep: malformed all the same
         msg = None
     if isinstance(msg, dict) and msg.get("ready") is True:
         return msg  # the worker's start-up hello

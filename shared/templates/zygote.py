@@ -69,6 +69,21 @@ class _Child:
         self.dead = False
         self.status: int | None = None
 
+    def pause(self) -> None:
+        """Stop a scope's process between its calls: its reply frame may have been written by
+        the template itself, which then runs on (past its wall time and CPU limit, beside other
+        runs' calls); stopped, it runs only while its own run's next call is timed."""
+        try:
+            os.kill(self.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            self.dead = True
+
+    def resume(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            self.dead = True
+
     def close(self) -> None:
         """Kill, reap, close, and remove the scratch folder."""
         if self.status is None:
@@ -234,7 +249,11 @@ class _Zygote:
             child = self._fork(os.path.join(self.scratch_root, "call"), persistent=False)
         keep = False
         try:
+            if scope:
+                child.resume()
             reply, keep = self._exchange(child, fn_name, kwargs, timeout_s, cpu_s)
+            if scope and keep:
+                child.pause()
             return reply
         finally:
             if not (scope and keep):

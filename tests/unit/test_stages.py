@@ -239,3 +239,26 @@ def test_rubric_skipped_without_traits_and_on_upstream_error() -> None:
     err = events.State(error=events.StageError(stage="generate_answer", type="X", message="y"))
     st = asyncio.run(evaluate_rubric(job("template_and_rubric", rubric=RUBRIC), err, llm))  # type: ignore[arg-type]
     assert stage_status(st, "rubric_evaluation") == ("skipped", "upstream error")
+
+
+def test_a_regex_trait_that_backtracks_for_hours_fails_alone_and_never_holds_the_loop() -> None:
+    """A benchmark's pattern that backtracks exponentially on a 30-character answer (hours in
+    `re`): it runs in the sandbox, ends at the question's wall time as that trait's error, the
+    other traits are scored, and the service's event loop runs meanwhile."""
+    rubric = Rubric(regex_traits=[RegexTrait(name="redos", pattern=r"(?:.|.)*Z"),
+                                  RegexTrait(name="has_number", pattern=r"\d")])
+    j = job("rubric_only", rubric=rubric, options={"template_timeout_s": 1.0})
+    state = events.State(template={"raw_llm_response": "a" * 30 + " 2"})
+
+    async def scored() -> tuple[events.State, int]:
+        ticks = 0
+        task = asyncio.ensure_future(evaluate_rubric(j, state, ScriptedJudge({})))  # type: ignore[arg-type]
+        while not task.done():
+            await asyncio.sleep(0.05)
+            ticks += 1
+        return task.result(), ticks
+
+    st, ticks = asyncio.run(scored())
+    assert st.rubric["regex_trait_scores"] == {"has_number": True}
+    assert "wall time" in st.rubric["trait_errors"]["redos"], st.rubric["trait_errors"]
+    assert ticks >= 3, "the event loop was held while the pattern ran"

@@ -52,8 +52,9 @@ def check_template(code: Any, path: Path, label: str, qid: str, line_hint: int |
             f"{path}: {label}: template: does not compile: SyntaxError at template line {e.lineno}{file_line}: {e.msg}",
             path=str(path), question_id=qid, field="template",
         ) from e
-    except ValueError as e:  # e.g. null bytes in source
+    except (ValueError, MemoryError, RecursionError) as e:  # null bytes in source, absurd nesting
         raise BenchmarkError(
-            f"{path}: {label}: template: does not compile: {e}", path=str(path), question_id=qid, field="template"
+            f"{path}: {label}: template: does not compile: {type(e).__name__}: {e}", path=str(path), question_id=qid,
+            field="template"
         ) from e
     return code
