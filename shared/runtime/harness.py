@@ -51,10 +51,10 @@ from shared.runtime import bus, bus_auth, observability, tracing
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
 from shared.runtime.limits import deployment_limiter
-from shared.runtime.llm.cache import CACHE_SCOPE
+from shared.runtime.llm.cache import CACHE_JOB, CACHE_SCOPE
 from shared.runtime.llm.client import CALL_GATE, LLMClient
 from shared.runtime.llm.transport import close_transports
-from shared.runtime.response_cache import scope_for, service_cache
+from shared.runtime.response_cache import job_for, scope_for, service_cache
 from shared.runtime.runcontrol import (
     RunControl,
     RunStates,
@@ -474,6 +474,7 @@ class StageService:
             await msg.ack()  # nothing to do for this job here, and nothing to publish
             return
         CACHE_SCOPE.set(env.run_id)
+        CACHE_JOB.set(None)
         key = attempt_key(env)
         ATTEMPT_KEY.set(key)
         gated = give_up is not None and env.event_type in self.gated_event_types
@@ -488,6 +489,7 @@ class StageService:
         try:
             payload = await self.content.hydrate_payload(payload, sub.needs_question)
             CACHE_SCOPE.set(scope_for(env.run_id, payload))  # the run's options are in the content
+            CACHE_JOB.set(job_for(payload))
             outs = await fn(env, payload)
             await self.publish(carry_attempt_key(key, outs))
             await msg.ack()

@@ -52,6 +52,20 @@ def scope_for(run_id: str, payload: Any) -> str:
     return run_id
 
 
+def job_for(payload: Any) -> tuple[Any, ...] | None:
+    """The identity of the job a handled event is for (`CACHE_JOB`): question, answering model,
+    replicate (an answer's judges share it: they parse one answer, asked for once)."""
+    job = getattr(payload, "job", None)
+    if job is None:
+        jobs = getattr(payload, "jobs", None)
+        job = jobs[0] if jobs else None
+    if job is None:
+        return None
+    answering = getattr(job, "answering", None)
+    return (getattr(job, "question_id", ""), answering.canonical_key if answering is not None else "",
+            getattr(job, "replicate", None))
+
+
 class ScopedCache:
     """Routes each get/put to the run-scoped cache or the shared one, by `CACHE_SCOPE`."""
 

@@ -89,6 +89,20 @@ def test_second_identical_run_makes_no_model_calls(cstack: Stack, tmp_path: Path
     assert third.returncode == 0 and _calls(third.stdout)[0] >= 2 * N  # cleared: asked again
 
 
+def test_replicates_and_models_ask_the_judge_themselves(cstack: Stack, tmp_path: Path) -> None:
+    """Without --cache, two answering models x six replicates of the example benchmark, whose
+    scripted simulator answers are the same text every time, so the judge's requests repeat:
+    every job still asks the judge itself (as the reference does: replicates stay independent);
+    none is served from the run-scoped cache, which is there for a redelivery of the same job."""
+    out = _veribus(cstack, "run", str(REPO / "examples" / "example.yaml"), "--simulate", "--mode", "template_only",
+                   "--model", "openai/sim-a", "--model", "openai/sim-b", "--replicates", "6", "--timeout", "180")
+    assert out.returncode in (0, 4), out.stderr + out.stdout  # the example has questions the simulator fails
+    calls, cached = _calls(out.stdout)
+    assert cached == 0, out.stdout
+    jobs = int(re.search(r"(\d+) jobs", out.stdout + out.stderr).group(1))  # type: ignore[union-attr]
+    assert calls >= 2 * jobs, out.stdout  # an answer and a parse per job
+
+
 def test_cost_budget_stops_dispatch(cstack: Stack, tmp_path: Path) -> None:
     n = 40
     path, script = generated_benchmark(tmp_path / "costly.yaml", n, rubric=False, prefix="Costly")

@@ -102,6 +102,11 @@ CACHE_SCOPE: ContextVar[str | None] = ContextVar("veribus_llm_cache_scope", defa
 """The scope of cached replies (the run id, set per handled event): a redelivery or replay of the
 same run reuses a reply; a new run of the same benchmark asks the model afresh."""
 
+CACHE_JOB: ContextVar[tuple[Any, ...] | None] = ContextVar("veribus_llm_cache_job", default=None)
+"""Which job a call is for (question, answering model, replicate; set per handled event): as in
+the reference, every job asks its judge itself, so two replicates, or two answering models that
+happened to give the same text, never share a judge's reply; a redelivery of the same job does."""
+
 
 def cache_key(model: ModelSpec, messages: list[dict[str, Any]], *, response_schema: dict[str, Any] | None = None,
               schema_name: str = "response", tools: list[dict[str, Any]] | None = None,
@@ -119,5 +124,6 @@ def cache_key(model: ModelSpec, messages: list[dict[str, Any]], *, response_sche
         "tools": tools,
         "replicate": replicate,
         "scope": CACHE_SCOPE.get(),
+        "job": CACHE_JOB.get(),
     }
     return hashlib.sha256(_key_encoder.encode(material)).hexdigest()
