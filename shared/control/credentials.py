@@ -40,6 +40,25 @@ def _litellm_missing(model: ModelConfig) -> list[str]:
     return [] if env.get("keys_in_environment") else list(env.get("missing_keys") or [])
 
 
+def unknown_provider(model: ModelConfig) -> bool:
+    """True when no provider can be told for the model string (litellm would refuse every call
+    with "LLM Provider NOT provided"): a bare name litellm does not know, e.g. a typo."""
+    if model.interface in KEYLESS_INTERFACES or provider_of(model.model_name) is not None:
+        return False
+    try:
+        # local import: shared.runtime.llm would slow the CLI's start-up; only this check asks litellm
+        from shared.runtime.llm.transport import _get_litellm
+
+        litellm = _get_litellm()
+    except Exception:  # noqa: BLE001 - no litellm here: the services will say
+        return False
+    try:
+        litellm.get_llm_provider(model.model_name, api_base=model.api_base)
+    except Exception:  # noqa: BLE001 - litellm raises its BadRequestError for an unknown provider
+        return True
+    return False
+
+
 def missing_key(model: ModelConfig) -> list[str]:
     """The environment variables one of which must be set for this model to be called ([] when
     nothing is missing)."""
@@ -57,14 +76,21 @@ def missing_key(model: ModelConfig) -> list[str]:
 
 
 def credential_problems(models: Iterable[tuple[str, ModelConfig]]) -> list[str]:
-    """One line per model (role, config) that cannot be called for want of a key."""
+    """One line per model (role, config) that cannot be called: no provider can be told for its
+    name, or its key is missing."""
     out = []
     seen: set[tuple[str, str]] = set()
     for role, m in models:
-        names = missing_key(m)
-        if not names or (role, m.model_name) in seen:
+        if (role, m.model_name) in seen:
             continue
+        if unknown_provider(m):
+            out.append(f"{role} model {m.model_name!r}: no provider known for this name: write it as "
+                       f"provider/model (openai/{m.model_name} for an OpenAI-compatible server, or anthropic/..., "
+                       "ollama/...), or run with --simulate for the offline simulator")
+        names = missing_key(m)
         seen.add((role, m.model_name))
+        if not names:
+            continue
         var = names[0] if len(names) == 1 else " or ".join(names)
         out.append(f"{role} model {m.model_name!r}: no API key: set {var} (or give the model an api_base, "
                    "or run with --simulate for the offline simulator)")

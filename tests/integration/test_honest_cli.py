@@ -216,6 +216,10 @@ def test_a_missing_provider_key_is_refused_before_publishing(nats_server, tmp_pa
     out = veribus(env, "run", str(write_bench(tmp_path / "c.yaml", 1)), "--config", str(cfg), timeout=120)
     assert out.returncode == 2 and "set MY_TEAM_KEY" in out.stderr and "set ANTHROPIC_API_KEY" in out.stderr
     assert run_requested(nats_server.url) == []
+    out = veribus(env, "run", str(bench), "--model", "totally-unknown-model-xyz", "--judge",
+                  "totally-unknown-model-xyz", timeout=120)  # a typo: no provider, whatever keys are set
+    assert out.returncode == 2 and "'totally-unknown-model-xyz': no provider known" in out.stderr, out.stderr
+    assert run_requested(nats_server.url) == []
 
 
 def test_zero_jobs_and_bad_gates_are_refused_before_publishing(nats_server, tmp_path: Path) -> None:

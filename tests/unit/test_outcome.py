@@ -239,6 +239,29 @@ def test_missing_provider_key_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert missing_key(ModelConfig(model_name="x", api_key_env="MY_KEY")) == []
 
 
+def test_a_model_name_no_provider_is_known_for_is_named_before_publishing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typo or a bare name litellm cannot route (every call would fail with "LLM Provider NOT
+    provided") is refused with the fix; its key being set changes nothing."""
+    from shared.core.config import ModelConfig, VerificationConfig
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    monkeypatch.setenv("MY_KEY", "k")
+    cfg = VerificationConfig(
+        answering_models=[ModelConfig(model_name="totally-unknown-model-xyz"),
+                          ModelConfig(model_name="qwen-local", api_base="http://gpu:8000/v1"),
+                          ModelConfig(model_name="x", api_key_env="MY_KEY")],
+        parsing_models=[ModelConfig(model_name="gpt-4.1-mini")])
+    problems = config_problems(cfg)
+    assert len(problems) == 3, problems
+    assert "'totally-unknown-model-xyz': no provider known" in problems[0]
+    assert "openai/qwen-local for an OpenAI-compatible server" in problems[1]
+    assert "'x': no provider known" in problems[2]
+    fine = VerificationConfig(answering_models=[ModelConfig(model_name="openai/qwen", api_base="http://gpu:8000/v1"),
+                                                ModelConfig(model_name="sim", interface="simulator")],
+                              parsing_models=[ModelConfig(model_name="gpt-4.1-mini")])
+    assert config_problems(fine) == []
+
+
 # --------------------------------------------------------------------------------------------
 # runs by name
 # --------------------------------------------------------------------------------------------
