@@ -112,9 +112,12 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
 # --------------------------------------------------------------------------------------------
 
 
+RESULT_FILE_SUFFIXES = (".json", ".jsonl", ".ndjson", ".csv", ".parquet")  # what `export` writes, and the reference's
+
+
 def _is_file(run: str) -> bool:
     p = Path(run)
-    return p.is_file() and p.suffix.lower() in (".json", ".jsonl", ".ndjson")
+    return p.is_file() and p.suffix.lower() in RESULT_FILE_SUFFIXES
 
 
 def load_run_arg(run: str) -> RunData:

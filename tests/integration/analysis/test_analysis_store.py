@@ -291,6 +291,14 @@ def test_cli_commands(settings: Settings, store: Store, tmp_path: Path, monkeypa
     assert {r["answering_model"]: (r["passed"], r["n"]) for r in res["pass_rates"]} == {
         "litellm:model-a": (10, 18), "litellm:model-b": (13, 17)}
     assert res["pass_at_k"][0]["pass@1"] is not None and len(res["flaky_questions"]) > 0
+    # every format `export` writes reads back wherever a run does, with the same figures
+    assert main(["export", "grid", "--format", "parquet", "-o", str(tmp_path / "g.parquet")]) == 0
+    capsys.readouterr()
+    for exported in ("g.csv", "g.parquet"):
+        assert main(["results", str(tmp_path / exported), "--format", "json"]) == 0, exported
+        again = json.loads(capsys.readouterr().out)
+        assert {r["answering_model"]: (r["passed"], r["n"]) for r in again["pass_rates"]} == {
+            r["answering_model"]: (r["passed"], r["n"]) for r in res["pass_rates"]}, exported
     assert main(["results", "grid", "--by", "question_id"]) == 0
     assert "pass rate by question_id" in capsys.readouterr().out
 
