@@ -11,7 +11,15 @@ A gate is `METRIC OP VALUE`, optionally with a per-sample pass criterion `pass O
     pass_rate:litellm:gpt-4o>=0.9      any metric, restricted to one answering model (display
     accuracy:gpt-4o>=0.8               string or model name) after the first ':'
 
-OP is one of > >= < <= == (or gt gte lt lte eq); VALUE may be a percentage ("80%"). In a YAML
+OP is one of > >= < <= == (or gt gte lt lte eq). VALUE for a rate (every metric but the counts
+errors/total/total_attempted) is a fraction 0..1, a percentage ("80%"), or a whole number in
+(1, 100] read as a percentage (80 -> 0.8); a fractional one (1.5) must carry its % sign, since it
+may as well be a mistyped fraction. A score trait with a known scale (a rubric trait of kind
+"score" with min_score..max_score, e.g. 1..5; not 0..1) reads a number outside 0..1 as a mean on
+that scale (`Clarity>=4` on 1..5 -> (4-1)/(5-1) = 0.75, the normalised mean the gate compares
+with), and refuses one off the scale; 0..1 and "70%" stay fractions of the trait's range. The scale
+is known once the run's rubric is (`check_gates(..., scales)`, `resolve_gates`, or the
+trait_ranges given to `evaluate_gates`); each reading that converts a number is noted. In a YAML
 run config, `gates:` is a list of such strings or of mappings {metric (or metric_key), op, value,
 pass_op, pass_value}; a letta-style single `gate:` mapping is read too.
 
@@ -22,6 +30,7 @@ stay the CLI's input and run errors). `write_junit` writes one testcase per gate
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,12 +41,14 @@ from typing import Any
 from shared.analysis.report import (
     ACCURACY,
     DEFAULT_PASS,
+    DEFAULT_SCORE_RANGE,
     OP_SYMBOLS,
     OPS,
     PassCriterion,
     Sample,
     sample_of,
     score_of,
+    trait_ranges_from_rubric,
 )
 from shared.analysis.stats import model_matches
 from shared.core.models import VerificationResult
@@ -87,6 +98,11 @@ class Gate:
     aggregate: str | None = None  # "avg_score" (mean) or "accuracy" (share passing), letta's `metric`
     text: str | None = field(default=None, compare=False)  # as the user wrote it
     note: str | None = field(default=None, compare=False)  # how a value was read (80 -> 0.8)
+    raw: str | None = field(default=None, compare=False, repr=False)  # the threshold as written ("4", "80%")
+    raw_pass: str | None = field(default=None, compare=False, repr=False)
+    scale: tuple[float, float] | None = field(default=None, compare=False)  # the trait scale it was read on
+    # a refusal that stands unless the trait turns out to have a scale that reads the number
+    problem: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.metric.strip():
@@ -106,14 +122,24 @@ class Gate:
             return None
         return PassCriterion(self.pass_op, self.pass_value)
 
+    @property
+    def reads_mean(self) -> bool:
+        """The gate compares a mean of the metric (not a share of samples passing) with `value`."""
+        return self.criterion is None and self.aggregate != "accuracy"
+
     def label(self) -> str:
         text = f"{self.metric} {OP_SYMBOLS[self.op]} {self.value:g}"
+        if self.scale is not None and self.reads_mean:
+            text += f" (a mean of {_on_scale(self.value, self.scale):g} on {_span(self.scale)})"
         if self.criterion is not None:
             text += f", sample passes at score {OP_SYMBOLS[self.criterion.op]} {self.criterion.value:g}"
+            if self.scale is not None:
+                text += f" ({_on_scale(self.criterion.value, self.scale):g} on {_span(self.scale)})"
         return text
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None and k not in ("text", "note")}
+        return {k: v for k, v in asdict(self).items()
+                if v is not None and k not in ("text", "note", "raw", "raw_pass", "problem")}
 
     def understood(self) -> str:
         """How the gate was read, for the run's output: `pass_rate>=80` and `>=0.8` read the same."""
@@ -128,36 +154,139 @@ def _base_metric(metric: str) -> str:
     return metric if metric in RUN_METRICS else metric.split(":", 1)[0]
 
 
-def _as_rate(what: str, value: float, raw: Any) -> tuple[float, str | None]:
-    """A rate threshold in 0..1; 1 < value <= 100 is read as a percentage (80 -> 0.8)."""
-    if value < 0 or value > 100 or (value > 1 and str(raw).strip().endswith("%")):
-        raise GateError(f"{what}: threshold {raw!r} is out of range: a rate is between 0 and 1 (or 0% and 100%)")
+def _span(scale: tuple[float, float]) -> str:
+    return f"{scale[0]:g}–{scale[1]:g}"
+
+
+def _on_scale(fraction: float, scale: tuple[float, float]) -> float:
+    """A 0..1 fraction of a trait's range as a score on its scale (0.75 on 1..5 -> 4)."""
+    return scale[0] + fraction * (scale[1] - scale[0])
+
+
+def _as_rate(what: str, value: float, raw: str, *, trait: bool = False) -> tuple[float, str | None, str | None]:
+    """A rate threshold in 0..1, a note on how it was read, and a deferred refusal. A whole
+    number 1 < value <= 100 is a percentage (80 -> 0.8); a fractional one (1.5: 1.5 %, or a
+    mistyped 0.15?) is refused unless written with its % sign. For a `trait` (whose scale may yet
+    read the number: `Clarity>=3.5` on 1..5) such a refusal, and one of a negative number, is
+    returned instead of raised, with a provisional reading."""
+    if value > 100 or (value > 1 and raw.endswith("%")) or (value < 0 and not trait):
+        hint = ("; a score trait's threshold is a fraction of its range (0..1, or a percentage), or a mean on "
+                "its own scale") if trait else ""
+        raise GateError(f"{what}: threshold {raw!r} is out of range: a rate is between 0 and 1 (or 0% and 100%)"
+                        f"{hint}")
+    if value < 0:
+        return value, None, (f"{what}: threshold {raw!r} is out of range: a rate is between 0 and 1 (or 0% and "
+                             "100%), and no known scale of this trait has negative scores")
     if value > 1:
-        return value / 100.0, f"{raw} read as {value / 100.0:g} ({value:g}%)"
-    return value, None
+        note = f"{raw} read as {value / 100.0:g} ({value:g}%)"
+        if not value.is_integer():
+            problem = (f"{what}: threshold {raw} is not a whole percentage, and a rate is between 0 and 1: write "
+                       f"{raw}% for {value / 100.0:g}, or the fraction you meant")
+            if not trait:
+                raise GateError(problem)
+            return value / 100.0, note, problem
+        return value / 100.0, note, None
+    return value, None, None
 
 
-def normalize_gate(gate: Gate, raw_value: Any = None, raw_pass: Any = None) -> Gate:
-    """Rates (every metric but errors/total/total_attempted) to 0..1 and counts >= 0; raises
-    GateError on a threshold out of range."""
+def _on_trait(what: str, trait: str, value: float, raw: str, scale: tuple[float, float]) -> tuple[float, str | None]:
+    """A threshold on a score trait with a known scale, as the 0..1 fraction of its range that the
+    gate compares with (the normalised mean, `report.trait_score`): a percentage and 0..1 are
+    fractions of the range, any other number a score on the scale (refused off the scale)."""
+    lo, hi = scale
+    span = _span(scale)
+    if raw.endswith("%"):  # 0..1 already (checked when read)
+        return value, None if lo == 0 else f"{raw} of {trait}'s {span} range: a mean of {_on_scale(value, scale):g}"
+    if 0 <= value <= 1:
+        as_score = (value - lo) / (hi - lo)
+        if lo <= value <= hi and not math.isclose(as_score, value):  # both readings possible: say which
+            return value, (f"{raw} read as {value:g} of {trait}'s {span} range (a mean of "
+                           f"{_on_scale(value, scale):g}); for a mean of {value:g} write {100 * as_score:g}%")
+        return value, None
+    if not lo <= value <= hi:
+        raise GateError(f"{what}: threshold {raw} is outside {trait}'s {span} scale: give a mean score from "
+                        f"{lo:g} to {hi:g}, a fraction of the range from 0 to 1, or a percentage of it (e.g. 75%)")
+    fraction = (value - lo) / (hi - lo)
+    return fraction, f"{raw} read on {trait}'s {span} scale as {fraction:g}"
+
+
+def _trait_scale(metric: str, scales: Mapping[str, tuple[float, float]] | None) -> tuple[str, tuple[float, float]] | None:
+    """(trait name, scale) of a gate's metric when it is a score trait whose scale reads numbers
+    (not a run metric, not a 0..1 scale: that one reads as a rate), else None."""
+    if not scales or _base_metric(metric) in RUN_METRICS:
+        return None
+    name = metric if metric in scales else metric.split(":", 1)[0]
+    if name not in scales:
+        return None
+    lo, hi = (float(x) for x in scales[name])
+    if hi <= lo or (lo >= 0 and hi <= 1):
+        return None
+    return name, (lo, hi)
+
+
+def normalize_gate(gate: Gate, raw_value: Any = None, raw_pass: Any = None,
+                   scales: Mapping[str, tuple[float, float]] | None = None) -> Gate:
+    """Rates (every metric but errors/total/total_attempted) to 0..1 and counts >= 0; a score
+    trait found in `scales` ({trait: (min, max)}) read on its scale (see the module docstring).
+    Raises GateError on a threshold out of range; a trait's threshold that only its scale could
+    read (3.5, -1) is kept as `problem`, raised by `resolve_gates` when no scale reads it."""
     base = _base_metric(gate.metric)
-    notes = []
+    trait = base not in RUN_METRICS
+    found = _trait_scale(gate.metric, scales)
+    said = f"gate {gate.text or gate.label()!r}"
+    raw_v = str(raw_value).strip() if raw_value is not None else f"{gate.value:g}"
+    raw_p = None if gate.pass_value is None else str(raw_pass).strip() if raw_pass is not None else f"{gate.pass_value:g}"
+    notes, problems = [], []
     value = gate.value
     if base in COUNT_METRICS:
         if value < 0:
-            raise GateError(f"gate {gate.metric!r}: threshold {raw_value if raw_value is not None else value!r} "
-                            "is out of range: a count is >= 0")
+            raise GateError(f"{said}: threshold {raw_v!r} is out of range: a count is >= 0")
     else:
-        value, note = _as_rate(f"gate {gate.metric!r}", value, raw_value if raw_value is not None else f"{value:g}")
-        if note:
-            notes.append(note)
+        if found is not None and gate.reads_mean:
+            value, note = _on_trait(said, found[0], value, raw_v, found[1])
+            problem = None
+        else:  # a rate, or a share of samples passing (`pass ...`, kind accuracy)
+            value, note, problem = _as_rate(said, value, raw_v, trait=trait and gate.reads_mean)
+        notes.append(note)
+        problems.append(problem)
     pass_value = gate.pass_value
-    if pass_value is not None:
-        pass_value, note = _as_rate(f"gate {gate.metric!r} pass criterion", pass_value,
-                                    raw_pass if raw_pass is not None else f"{pass_value:g}")
-        if note:
-            notes.append("pass " + note)
-    return replace(gate, value=value, pass_value=pass_value, note="; ".join(notes) or None)
+    if pass_value is not None and raw_p is not None:
+        if found is not None:
+            pass_value, note = _on_trait(f"{said} pass criterion", found[0], pass_value, raw_p, found[1])
+            problem = None
+        else:
+            pass_value, note, problem = _as_rate(f"{said} pass criterion", pass_value, raw_p, trait=trait)
+        notes.append(note and "pass " + note)
+        problems.append(problem)
+    return replace(gate, value=value, pass_value=pass_value, note="; ".join(n for n in notes if n) or None,
+                   raw=raw_v, raw_pass=raw_p, scale=None if found is None else found[1],
+                   problem="; ".join(p for p in problems if p) or None)
+
+
+def resolve_gates(gates: Sequence[Gate], scales: Mapping[str, tuple[float, float]] | None) -> list[Gate]:
+    """The gates read again now that the run's trait scales ({trait: (min, max)}, as
+    `report.trait_ranges_from_rubric` gives them) are known: a score trait's threshold on its scale,
+    or refused (GateError) off it; a threshold that no scale reads now is refused (a fractional
+    percentage, a negative number). Reading is from the text as written, so it may be repeated."""
+    out: list[Gate] = []
+    for g in gates:
+        if g.raw is not None and _trait_scale(g.metric, scales) is not None:
+            g = normalize_gate(replace(g, value=_number(g.raw),
+                                       pass_value=None if g.raw_pass is None else _number(g.raw_pass)),
+                               g.raw, g.raw_pass, scales)
+        elif g.problem:
+            raise GateError(g.problem)
+        out.append(g)
+    return out
+
+
+def trait_scales(rubric: Mapping[str, Any] | None, numeric: Iterable[str] = ()) -> dict[str, tuple[float, float]]:
+    """{trait: (min, max)} a gate reads a trait's threshold on, as the report scores it: the
+    rubric's score traits, and any other trait whose results carry numeric scores (`numeric`,
+    `report.numeric_traits`), which `report.trait_score` scales by the default 1..5."""
+    out = dict.fromkeys(numeric, DEFAULT_SCORE_RANGE)
+    out.update(trait_ranges_from_rubric(rubric))
+    return out
 
 
 def known_metrics(trait_names: Iterable[str]) -> set[str]:
@@ -165,9 +294,12 @@ def known_metrics(trait_names: Iterable[str]) -> set[str]:
     return {*RUN_METRICS, ACCURACY, *trait_names}
 
 
-def check_gates(gates: Sequence[Gate], metrics: set[str], models: Sequence[tuple[str, str]] = ()) -> None:
+def check_gates(gates: Sequence[Gate], metrics: set[str], models: Sequence[tuple[str, str]] = (),
+                scales: Mapping[str, tuple[float, float]] | None = None) -> list[Gate]:
     """Refuse a gate whose metric is not one of `metrics` (run metrics and the rubric's traits),
-    or whose `:model` names no model of the run; `models` are (display, model_name) pairs."""
+    or whose `:model` names no model of the run; `models` are (display, model_name) pairs. Returns
+    the gates read on the run's trait `scales` (`resolve_gates`: a threshold off a trait's scale is
+    refused here, before anything runs)."""
     for g in gates:
         base, model = (g.metric, None) if g.metric in metrics else _split_model(g.metric, metrics)
         if base not in metrics:
@@ -178,6 +310,7 @@ def check_gates(gates: Sequence[Gate], metrics: set[str], models: Sequence[tuple
         if model is not None and models and not any(model_matches(d, n, model) for d, n in models):
             raise GateError(f"gate {g.text or g.label()!r}: no model {model!r} in this run (models: "
                             f"{', '.join(sorted(n for _, n in models))})")
+    return resolve_gates(gates, scales)
 
 
 def parse_gate(text: str) -> Gate:
@@ -259,6 +392,9 @@ class GateOutcome:
     def line(self) -> str:
         state = "PASSED" if self.passed else "FAILED"
         actual = "no data" if self.actual is None else f"actual {self.actual:.4g}"
+        g = self.gate
+        if self.actual is not None and g.scale is not None and g.reads_mean:
+            actual += f", a mean of {_on_scale(self.actual, g.scale):.4g} on {_span(g.scale)}"
         extra = f"; {self.detail}" if self.detail else ""
         return f"Gate ({self.gate.label()}): {state} ({actual}, {self.samples} samples{extra})"
 
@@ -346,7 +482,15 @@ class _GateTally:
                 actual = self.vals_sum / n
         if actual is None:
             return GateOutcome(gate, None, False, n, "no samples")
-        return GateOutcome(gate, actual, OPS[gate.op](actual, gate.value), n)
+        return GateOutcome(gate, actual, _holds(gate.op, actual, gate.value), n)
+
+
+def _holds(op: str, actual: float, value: float) -> bool:
+    """`actual OP value`, a mean that equals the threshold but for floating point (the mean of
+    normalised scores 7 on 1..10 against (7-1)/9) counting as equal."""
+    if math.isclose(actual, value, rel_tol=1e-9, abs_tol=1e-12):
+        return op in ("gte", "lte", "eq")
+    return OPS[op](actual, value)
 
 
 class GateEvaluator:
@@ -355,6 +499,7 @@ class GateEvaluator:
 
     def __init__(self, gates: Sequence[Gate], trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> None:
         self.trait_ranges = trait_ranges
+        gates = resolve_gates(gates, trait_ranges)  # a trait's threshold read on the scale its scores are
         self.tallies: list[tuple[_GateTally, _GateTally | None]] = []
         for g in gates:  # each gate read whole and, when it has a `:model` part, split (`report` picks)
             base, model = _split_model(g.metric, set())

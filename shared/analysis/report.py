@@ -78,7 +78,21 @@ def trait_ranges_from_rubric(rubric: Mapping[str, Any] | None) -> dict[str, tupl
         lo, hi = t.get("min_score"), t.get("max_score")
         if t.get("kind") == "score" and isinstance(lo, int | float) and isinstance(hi, int | float) and hi > lo:
             out[str(t["name"])] = (float(lo), float(hi))
+        elif t.get("kind") == "score" and lo is None and hi is None and t.get("name"):
+            out[str(t["name"])] = DEFAULT_SCORE_RANGE  # what trait_score reads it on; named so gates know it
     return out
+
+
+def numeric_traits(r: VerificationResult) -> set[str]:
+    """Traits that one result scores with a plain number (a score, not a boolean, a label or
+    metrics): what `trait_score` scales by the trait's range, or 1..5 when none is known."""
+    rub = r.rubric
+    if rub is None:
+        return set()
+    labels = rub.llm_trait_labels or {}
+    return {name for scores in (rub.llm_trait_scores, rub.regex_trait_scores, rub.callable_trait_scores)
+            for name, v in (scores or {}).items()
+            if name not in labels and isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def trait_score(value: Any, rng: tuple[float, float] | None = None) -> float | None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,14 +18,22 @@ from shared.analysis.gates import (
     EXIT_OK,
     Gate,
     GateError,
+    check_gates,
     evaluate_gates,
     gates_from_config,
     junit_xml,
+    known_metrics,
     parse_gate,
     summary_criterion,
 )
+from shared.analysis.html_report import RunData
 from shared.analysis.report import PassCriterion
+from shared.cli import analysis as cli_analysis
+from shared.cli import commands as cli
 from shared.cli.analysis import add_run_options, apply_gates, validate_run_gates
+from shared.control import stack
+from shared.core.models import VerificationResult
+from tests.conftest import EXAMPLE
 from tests.support.results import grid_results, make, spec_results
 
 GRID_PASSED, GRID_ATTEMPTED, GRID_TOTAL = 23, 35, 36
@@ -163,6 +173,138 @@ def test_apply_gates_sets_the_summary_and_the_exit_code(tmp_path: Path) -> None:
         validate_run_gates(_run_args(tmp_path, "--config", str(bad_cfg)))
     with pytest.raises(ValueError):
         validate_run_gates(_run_args(tmp_path, "--num-runs", "0"))
+
+
+# --------------------------------------------------------------------------------------------
+# Thresholds on a score trait's own scale (Clarity: 1-5, as in examples/example.yaml)
+# --------------------------------------------------------------------------------------------
+
+CLARITY = {"Clarity": (1.0, 5.0)}
+CLARITY_RUBRIC = {"llm_traits": [{"name": "Clarity", "kind": "score", "min_score": 1, "max_score": 5},
+                                 {"name": "AnswersDirectly", "kind": "boolean"}]}
+MEAN_4_56 = [5] * 14 + [4] * 11  # raw mean 4.56: normalised (4.56 - 1) / 4 = 0.89
+MEAN_3_9 = [4] * 9 + [3]  # raw mean 3.9: normalised 0.725
+
+
+def _clarity_results(scores: list[int]) -> list[VerificationResult]:
+    return [make(f"q{i}", "m", True, rubric={"llm_trait_scores": {"Clarity": s, "AnswersDirectly": True}})
+            for i, s in enumerate(scores)]
+
+
+def _on_scales(*texts: str, scales: dict[str, tuple[float, float]] | None = None) -> list[Gate]:
+    """The gates as `veribus run` reads them once the benchmark's traits (and their scales) are known."""
+    scales = CLARITY if scales is None else scales
+    return check_gates([parse_gate(t) for t in texts], known_metrics({"Clarity", "AnswersDirectly", *scales}), (),
+                       scales)
+
+
+@pytest.mark.parametrize("text", ["Clarity>=6", "Clarity>5.5", "Clarity:m>=6", "Clarity>=0.5 pass>=6"])
+def test_a_trait_threshold_off_the_trait_s_scale_is_refused_naming_the_scale(text: str) -> None:
+    with pytest.raises(GateError, match="Clarity's 1–5 scale"):  # evaluated with the run's trait ranges
+        evaluate_gates(_clarity_results(MEAN_4_56), [parse_gate(text)], CLARITY)
+    with pytest.raises(GateError, match=rf"gate '{re.escape(text)}'.*Clarity's 1–5 scale"):
+        _on_scales(text)  # checked before the run
+
+
+@pytest.mark.parametrize(("scores", "passed"), [(MEAN_4_56, True), (MEAN_3_9, False)])
+def test_a_trait_threshold_above_1_is_a_mean_on_the_trait_s_scale(scores: list[int], passed: bool,
+                                                                   tmp_path: Path) -> None:
+    rs, mean = _clarity_results(scores), sum(scores) / len(scores)
+    assert evaluate_gates(rs, [parse_gate("Clarity>=4")], CLARITY).passed is passed  # with the run's trait ranges
+    [gate] = _on_scales("Clarity>=4")
+    assert gate.value == pytest.approx(0.75) and gate == parse_gate("Clarity>=0.75") == _on_scales("Clarity>=0.75")[0]
+    rep = evaluate_gates(rs, [gate], CLARITY)
+    assert rep.outcomes[0].actual == pytest.approx((mean - 1) / 4) and rep.passed is passed
+    assert rep.exit_code == (EXIT_OK if passed else EXIT_GATE_FAILED)
+    assert rep.outcomes[0].line.startswith(f"Gate (Clarity >= 0.75 (a mean of 4 on 1–5)): {'PASSED' if passed else 'FAILED'}")
+    # `veribus run`'s path: the gates from --gate, evaluated with the benchmark's trait ranges
+    summary = report.summarize(rs)
+    code = apply_gates(_run_args(tmp_path, "--gate", "Clarity>=4"), rs, summary, CLARITY)
+    assert code == (EXIT_OK if passed else EXIT_GATE_FAILED) and summary["gates_passed"] is passed
+    # a per-sample pass bar is on the scale too: 14 of 25 samples score 5, none of the other 10
+    share = evaluate_gates(rs, [parse_gate("Clarity>=0.5 pass>=5")], CLARITY).outcomes[0]
+    assert share.actual == pytest.approx(14 / 25 if passed else 0.0) and share.passed is passed
+
+
+def test_the_note_says_how_a_trait_threshold_was_read() -> None:
+    four, pct, low, one = _on_scales("Clarity>=4", "Clarity>=70%", "Clarity>=0.5", "Clarity>=1")
+    assert four.understood() == ("gate Clarity >= 0.75 (a mean of 4 on 1–5) (from 'Clarity>=4'; "
+                                 "4 read on Clarity's 1–5 scale as 0.75)")
+    assert pct.value == pytest.approx(0.7) and "70% of Clarity's 1–5 range: a mean of 3.8" in pct.understood()
+    assert low.value == 0.5 and low.note is None  # 0.5 is not on the 1-5 scale: only the normalised reading
+    # 1 is on the scale and in 0..1: read as normalised (a mean of 5), and the note says how to ask for 1
+    assert one.value == 1.0 and "for a mean of 1 write 0%" in one.understood()
+    assert "for a mean of 0.7 write 7%" in _on_scales("q>=0.7", scales={"q": (0.0, 10.0)})[0].understood()
+
+
+def test_rate_thresholds_read_as_before_and_a_fractional_percentage_needs_its_sign() -> None:
+    a, b, c = parse_gate("pass_rate>=80"), parse_gate("pass_rate>=80%"), parse_gate("pass_rate>=0.8")
+    assert a == b == c and a.value == pytest.approx(0.8) and "80 read as 0.8 (80%)" in a.understood()
+    assert parse_gate("pass_rate>=92.5%").value == pytest.approx(0.925)
+    for text in ("accuracy>=1.5", "pass_rate>=92.5", "avg_score>3.5", "pass_rate>=0.9 pass>=2.5", "error_rate<=1.5"):
+        with pytest.raises(GateError, match=r"not a whole percentage.*%"):
+            parse_gate(text)
+    # with the run's scales known, rates stay rates, and so do a boolean trait and a 0-1 score trait
+    gates = _on_scales("pass_rate>=80", "AnswersDirectly>=80", "Binary>=80", "Clarity>=0.5 pass>=4",
+                       scales={**CLARITY, "Binary": (0.0, 1.0)})
+    assert [g.value for g in gates] == pytest.approx([0.8, 0.8, 0.8, 0.5]) and gates[3].pass_value == 0.75
+    with pytest.raises(GateError, match="not a whole percentage"):  # a boolean trait has no scale to read it on
+        _on_scales("AnswersDirectly>=1.5")
+    assert _on_scales("Clarity>=3.5")[0].value == pytest.approx(0.625)  # on a 1-5 scale 3.5 is a mean
+
+
+def _report_args(tmp_path: Path, *gates: str) -> tuple[argparse.Namespace, Path]:
+    run = tmp_path / "run.json"  # a results file: no store is asked
+    run.write_text("[]")
+    out = tmp_path / "out"
+    return argparse.Namespace(run=str(run), gate=list(gates), max_errors=None, quiet=True, output=str(out),
+                              html=None, junit=None), out
+
+
+@pytest.mark.parametrize("rubric", [CLARITY_RUBRIC, None])  # None: a file without its rubric (scores read on 1-5)
+def test_veribus_report_reads_a_trait_gate_on_the_scale(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        rubric: dict[str, Any] | None) -> None:
+    def data(scores: list[int]) -> RunData:
+        return RunData(run_id="r", results=_clarity_results(scores), rubric_definition=rubric)
+
+    args, out = _report_args(tmp_path, "Clarity>=6")
+    with pytest.raises(GateError, match="Clarity's 1–5 scale"):
+        cli_analysis._report(args, data(MEAN_4_56), None)
+    assert not out.exists()  # refused before anything was written
+    args, _ = _report_args(tmp_path, "Clarity>=4")
+    assert cli_analysis._report(args, data(MEAN_4_56), None) == EXIT_OK
+    assert "4 read on Clarity's 1–5 scale as 0.75" in capsys.readouterr().err
+    assert cli_analysis._report(args, data(MEAN_3_9), None) == EXIT_GATE_FAILED
+
+
+@pytest.fixture
+def no_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """`veribus run` as far as starting a stack: there it stops (as at a Ctrl-C), nothing published."""
+    calls: list[str] = []
+
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        calls.append("stack.up")
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    monkeypatch.setattr(stack, "running_stack", lambda settings: None)
+    monkeypatch.setattr(stack, "degraded_stack", lambda settings: None)
+    monkeypatch.setattr(stack, "up", stop)
+    monkeypatch.setattr(stack, "down", lambda *a, **k: None)
+    return calls
+
+
+def test_veribus_run_refuses_a_gate_off_the_trait_s_scale_before_starting(
+        no_stack: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", str(EXAMPLE), "--simulate", "--mode", "template_and_rubric"]
+    assert cli.main([*argv, "--gate", "Clarity>=6"]) == 2
+    err = capsys.readouterr().err
+    assert "gate 'Clarity>=6'" in err and "Clarity's 1–5 scale" in err and no_stack == []
+    cli.main([*argv, "--gate", "Clarity>=4", "--quiet"])  # stops where the stack would start
+    err = capsys.readouterr().err
+    assert no_stack == ["stack.up"]
+    assert "gate Clarity >= 0.75 (a mean of 4 on 1–5) (from 'Clarity>=4'; 4 read on Clarity's 1–5 scale as 0.75)" in err
 
 
 # --------------------------------------------------------------------------------------------
