@@ -58,6 +58,7 @@ from shared.analysis.html_svg import (
 )
 from shared.analysis.report import SummaryTally
 from shared.analysis.stored import StoredResults
+from shared.core.config import config_uses_simulator
 from shared.core.models import VerificationResult
 from shared.store.reads import ResultFilter, open_source, resolve_run
 
@@ -84,6 +85,7 @@ class RunData:
     rubric_definition: dict[str, Any] | None = None
     stage_latency: list[dict[str, Any]] = field(default_factory=list)
     simulated: bool | None = None
+    unfinished_skipped: list[str] = field(default_factory=list)  # questions its plan left out
     closer: Callable[[], None] | None = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -231,11 +233,11 @@ def load_run_data(source: RowSource, run: str, *, page_size: int = 500) -> RunDa
 
 
 def _run_data(source: RowSource, run_id: str, results: StoredResults) -> RunData:
-    info = source.query("SELECT run_name, benchmark_name, config_json FROM runs FINAL WHERE run_id = {r:String}",
-                        {"r": run_id})
-    run_name, bench, config = None, "", None
+    info = source.query("SELECT run_name, benchmark_name, config_json, unfinished_skipped FROM runs FINAL "
+                        "WHERE run_id = {r:String}", {"r": run_id})
+    run_name, bench, config, unfinished = None, "", None, []
     if info.rows:
-        run_name, bench, raw = info.rows[0]
+        run_name, bench, raw, unfinished = info.rows[0]
         try:
             config = json.loads(raw) if raw else None
         except (TypeError, ValueError):
@@ -246,9 +248,15 @@ def _run_data(source: RowSource, run_id: str, results: StoredResults) -> RunData
         run_name = named.rows[0][0] if named.rows else None
     lat = source.query("SELECT event_type, stage, status, n, p50_ms, p95_ms, max_ms, total_ms FROM v_stage_latency "
                        "WHERE run_id = {r:String} ORDER BY p95_ms DESC", {"r": run_id})
+    # simulated when a row was answered or judged by the simulator (a regrade's judge, say), or
+    # its config names the simulator
+    sim = source.query("SELECT countIf(answering_interface = 'simulator' OR parsing_interface = 'simulator') > 0 "
+                       "FROM verification_results FINAL WHERE run_id = {r:String}", {"r": run_id})
+    simulated = bool(sim.rows and sim.rows[0][0]) or config_uses_simulator(config)
     return RunData(run_id=run_id, results=results, run_name=run_name or None, benchmark_name=bench or "",
                    config=config, rubric_definition=rubric_definition_from_store(source, run_id),
-                   stage_latency=lat.as_dicts())
+                   stage_latency=lat.as_dicts(), simulated=simulated,
+                   unfinished_skipped=[str(q) for q in unfinished or []])
 
 
 def load_run(settings: Settings, run: str, *, page_size: int = 500) -> RunData:
@@ -263,7 +271,7 @@ def load_run(settings: Settings, run: str, *, page_size: int = 500) -> RunData:
         stack.close()
         raise
     data.closer = stack.close
-    if settings.simulator_url and data.config:
+    if settings.simulator_url and data.config and not data.simulated:
         sim = settings.simulator_url.rstrip("/")
         data.simulated = any(str(m.get("api_base") or "").rstrip("/") == sim
                              for key in ("answering_models", "parsing_models") for m in data.config.get(key, []))

@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from shared.analysis.html_report import RunData
     from shared.core.models import VerificationResult
 
-from shared.cli.common import deployment_settings, resolve_run_arg
+from shared.cli.common import NotStored, deployment_settings, number_arg, resolve_run_arg, unstored
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
-from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, MaxErrors, judge
+from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, EXIT_RESULTS_MISSING, MaxErrors, judge
 from shared.store.reads import ResultFilter, run_query
 
 __all__ = ["EXIT_GATE_FAILED", "EXIT_INPUT", "EXIT_OK", "add_run_options", "apply_gates", "register",
@@ -90,9 +90,9 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
     Print the block afterwards with `shared.report.print_results(summary, summary["gate_lines"])`."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
-    from shared.analysis.gates import evaluate_gates, summary_criterion, write_junit
+    from shared.analysis.gates import evaluate_gates, resolve_gates, summary_criterion, write_junit
 
-    gates = validate_run_gates(args)
+    gates = resolve_gates(validate_run_gates(args), trait_ranges)  # a trait's threshold on its scale
     overall, per_metric = summary_criterion(gates)
     extra = {k: v for k, v in summary.items() if k in ("dead_lettered",)}
     summary.update(report.summarize(list(results), int(summary.get("unfinished_questions_skipped", 0) or 0),
@@ -165,11 +165,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
     else:
         settings = deployment_settings()
-        stats = export_run(settings, resolve_run_arg(settings, args.run, stream=False), fmt, args.output, page_size=args.page_size,
-                           where=where)
+        run_id = resolve_run_arg(settings, args.run, stream=False)
+        stats = export_run(settings, run_id, fmt, args.output, page_size=args.page_size, where=where)
     print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
           f"{stats.seconds:.2f} s)")
-    return EXIT_OK
+    return EXIT_OK if _is_file(args.run) else _store_complete(args.run, run_id)
 
 
 def _format_from_suffix(output: str) -> str:
@@ -181,24 +181,26 @@ def _format_from_suffix(output: str) -> str:
     raise ValueError(f"cannot tell the export format from {output!r}: pass --format json|jsonl|csv|parquet")
 
 
-def _gate_inputs(data: RunData) -> tuple[set[str], list[tuple[str, str]]]:
+def _gate_inputs(data: RunData) -> tuple[set[str], list[tuple[str, str]], dict[str, tuple[float, float]]]:
     """What a gate may name on this run, from one pass over its results: the metrics (run
-    metrics, the rubric's traits, every metric its results carry) and the (answering model,
-    model name) pairs."""
+    metrics, the rubric's traits, every metric its results carry), the (answering model,
+    model name) pairs, and the trait scales a threshold is read on (`gates.trait_scales`)."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
-    from shared.analysis.gates import known_metrics
-    from shared.analysis.report import metric_scores
+    from shared.analysis.gates import known_metrics, trait_scales
+    from shared.analysis.report import metric_scores, numeric_traits
 
     names: set[str] = set()
+    numeric: set[str] = set()
     models: set[tuple[str, str]] = set()
     for r in data.results:
         names.update(metric_scores(r))
+        numeric.update(numeric_traits(r))
         models.add((r.metadata.answering_model, r.metadata.answering.model_name))
     rub = data.rubric_definition or {}
     for key, traits in rub.items():
         if key.endswith("traits") and isinstance(traits, list):
             names.update(str(t.get("name")) for t in traits if isinstance(t, dict) and t.get("name"))
-    return known_metrics(names), sorted(models)
+    return known_metrics(names), sorted(models), trait_scales(data.rubric_definition, numeric)
 
 
 def _job_count(run_id: str) -> int | None:
@@ -232,10 +234,13 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
 
     gates = parse_gates(args.gate)
     max_errors = MaxErrors.parse(args.max_errors)
+    behind = None if _is_file(args.run) else unstored(data.run_id)
+    if behind:  # a verdict on the rows ClickHouse has would judge a run it has not seen whole
+        raise NotStored(behind)
     if not data.results:
         raise ValueError(f"run {args.run!r} has no results")
     if gates:
-        check_gates(gates, *_gate_inputs(data))
+        gates = check_gates(gates, *_gate_inputs(data))  # read on the traits' scales (off one: refused)
     for g in gates:
         if not args.quiet or g.note:
             print(g.understood(), file=sys.stderr)
@@ -252,7 +257,7 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
         if digest is not None and page_tally is not None:
             digest.add(r)
             page_tally.add(r)
-    summary = tally.summary()
+    summary = tally.summary(len(data.unfinished_skipped))
     rep = gate_eval.report()
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
@@ -292,7 +297,7 @@ def cmd_results(args: argparse.Namespace) -> int:
                "pass_rates": json.loads(table.to_json(orient="records")), "pass_at_k": pak.per_model,
                "flaky_questions": [q for q in pak.per_question if q["flaky"]]}
         print(json.dumps(out, indent=2, default=str))
-        return EXIT_OK
+        return _store_complete(args.run, data.run_id)
     s = rs.get_summary()
     print(f"run {data.run_id}: {s['num_results']} results, {s['num_errors']} errors, {s['num_questions']} questions")
     print(f"\npass rate by {table.columns[0]} (Wilson 95% CI):")
@@ -308,7 +313,34 @@ def cmd_results(args: argparse.Namespace) -> int:
             cells = "  ".join(f"pass@{k} {_f(m[f'pass@{k}'])} pass^{k} {_f(m[f'pass^{k}'])}" for k in ks)
             print(f"  {m['answering_model']} / {m['parsing_model']}: {cells}  "
                   f"({m['flaky_questions']}/{m['questions']} questions flaky)")
+    return _store_complete(args.run, data.run_id)
+
+
+def _store_complete(run: str, run_id: str) -> int:
+    """After a read of one run from the store: EXIT_OK, or, when ClickHouse has fewer of its
+    results than the event stream holds (the projector dead or behind), one line saying so and
+    EXIT_RESULTS_MISSING, never a short answer passed off as the whole run."""
+    if _is_file(run):
+        return EXIT_OK
+    behind = unstored(run_id)
+    if behind:
+        print(f"veribus: error: {behind}", file=sys.stderr)
+        return EXIT_RESULTS_MISSING
     return EXIT_OK
+
+
+RESULT_GROUPINGS = ("answering_model", "parsing_model", "question_id", "replicate", "run_name", "template_id")
+# the spellings `shared.analysis.view` also reads (kept here: importing it would slow start-up)
+GROUPING_ALIASES = {"model": "answering_model", "answering": "answering_model", "parsing": "parsing_model",
+                    "judge": "parsing_model", "question": "question_id"}
+
+
+def _grouping(text: str) -> str:
+    """`results --by`: a grouping it knows (refused while the command line is read: exit 2)."""
+    by = GROUPING_ALIASES.get(text, text)
+    if by not in RESULT_GROUPINGS:
+        raise argparse.ArgumentTypeError(f"cannot group by {text!r}: use one of {', '.join(RESULT_GROUPINGS)}")
+    return by
 
 
 def _f(v: float | None) -> str:
@@ -342,7 +374,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
     e.add_argument("--model", action="append", help="only this answering model; repeatable")
     e.add_argument("--judge", action="append", help="only this parsing model; repeatable")
     e.add_argument("--completed-only", action="store_true", help="leave out results that errored")
-    e.add_argument("--page-size", type=int, default=2000, help="rows read per query (memory bound)")
+    e.add_argument("--page-size", type=number_arg(int, low=1), default=2000, help="rows read per query (memory bound)")
     e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="a run's report: console summary, --output files, --html page, gates")
@@ -357,8 +389,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
 
     s = sub.add_parser("results", help="pass rates with 95%% intervals, pass@k across replicates")
     s.add_argument("run", help="run id, run name, or a results file")
-    s.add_argument("--by", default="answering_model",
-                   help="answering_model (default), parsing_model, question_id, replicate, run_name")
+    s.add_argument("--by", default="answering_model", type=_grouping,
+                   help="answering_model (default), parsing_model, question_id, replicate, run_name, template_id")
     s.add_argument("--format", choices=["table", "json"], default="table")
     s.set_defaults(fn=cmd_results)
 

@@ -15,7 +15,7 @@ from shared.cli import analysis as cli_analysis
 from shared.cli import asyncapi as cli_asyncapi
 from shared.cli import lifecycle as cli_lifecycle
 from shared.cli import scale as cli_scale
-from shared.cli.common import err, say
+from shared.cli.common import SECONDS, NotStored, err, number_arg, say
 from shared.cli.run import cmd_run
 from shared.cli.stack import cmd_down, cmd_query, cmd_runs, cmd_status, cmd_up, cmd_view
 from shared.control import deployment
@@ -29,6 +29,8 @@ EXIT_INPUT = EXIT_BAD_INPUT  # the names older callers import
 PROVIDER_KEY_VARS = tuple(v for names in PROVIDER_KEYS.values() for v in names)
 EXIT_RUN_ERROR = EXIT_RESULTS_MISSING
 DESCRIPTION = "`veribus` command line: the local stack, runs, and queries over ClickHouse."
+LATENCY_MS = number_arg(float, low=0, what=" ms")
+RATE = number_arg(float, low=0, high=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,10 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the local stack (nats-server, simulator, every service)")
     up.add_argument("--replicas", nargs="*", metavar="SERVICE=N", help="replicas per service, e.g. parsing=3")
     up.add_argument("--no-simulator", action="store_true", help="do not start the LLM simulator")
-    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+    up.add_argument("--nats-cluster", type=number_arg(int, low=1), default=1, metavar="N",
                     help="run N NATS nodes as one cluster (routes on loopback); stream replicas min(3, N)")
-    up.add_argument("--sim-latency-ms", type=float, help="simulator latency per call")
-    up.add_argument("--sim-error-rate", type=float, help="simulator injected error rate")
+    up.add_argument("--sim-latency-ms", type=LATENCY_MS, help="simulator latency per call")
+    up.add_argument("--sim-error-rate", type=RATE, help="simulator injected error rate (0 to 1)")
     up.add_argument("--log-format", choices=["text", "json"], help="service log lines: text (default) or JSON")
     up.set_defaults(fn=cmd_up)
 
@@ -70,24 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", action="append", help="answering model (litellm model string); repeatable")
     run.add_argument("--judge", action="append", help="parsing/judge model; repeatable")
     run.add_argument("--api-base", help="OpenAI-compatible base URL for every model (vLLM, Ollama, ...)")
-    run.add_argument("--replicates", type=int, help="replicates per question x model")
+    run.add_argument("--replicates", type=number_arg(int, low=1), help="replicates per question x model")
     run.add_argument("--mode", choices=["template_only", "template_and_rubric", "rubric_only"])
     run.add_argument("--strategy", choices=["batch", "sequential"], help="rubric evaluation strategy")
     run.add_argument("--run-name")
     run.add_argument("--config", help="YAML run config (VerificationConfig fields)")
     run.add_argument("--output", help="write header.json, summary.json, results.jsonl here")
     run.add_argument("--simulate", action="store_true", help="use the offline LLM simulator")
-    run.add_argument("--sim-latency-ms", type=float, help="simulator latency (temporary stack only)")
-    run.add_argument("--sim-error-rate", type=float, help="simulator error rate (temporary stack only)")
+    run.add_argument("--sim-latency-ms", type=LATENCY_MS, help="simulator latency (temporary stack only)")
+    run.add_argument("--sim-error-rate", type=RATE, help="simulator error rate, 0 to 1 (temporary stack only)")
     run.add_argument("--abstention", dest="abstention_enabled", action="store_true")
     run.add_argument("--sufficiency", dest="sufficiency_enabled", action="store_true")
     run.add_argument("--embedding-check", dest="embedding_check_enabled", action="store_true")
     run.add_argument("--deep-judgment", dest="deep_judgment_enabled", action="store_true")
     run.add_argument("--include-unfinished", action="store_true",
                      help="also verify questions not marked finished (skipped and counted by default)")
-    run.add_argument("--max-tokens-budget", type=int, metavar="N",
+    run.add_argument("--max-tokens-budget", type=number_arg(int, low=1), metavar="N",
                      help="stop dispatching new answers once the run has spent N tokens (also budget_tokens in --config)")
-    run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for results")
+    run.add_argument("--timeout", type=SECONDS, default=3600.0, help="seconds to wait for results (> 0)")
     run.add_argument("--quiet", action="store_true", help="print only ✓ PASSED / ✗ FAILED: why")
     run.add_argument("--max-errors", metavar="N|F%",
                      help="jobs that may end in error and the run still pass: a count or a share (default: none)")
@@ -96,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=cmd_run)
 
     rs = sub.add_parser("runs", help="list runs: id, name, started, jobs, done, passed, errors, state")
-    rs.add_argument("--limit", type=int, default=50)
+    rs.add_argument("--limit", type=number_arg(int, low=0), default=50, metavar="N",
+                    help="the N most recent runs (default 50; 0: every run)")
     rs.add_argument("--format", choices=["table", "json"], default="table")
     rs.set_defaults(fn=cmd_runs)
 
@@ -108,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_analysis.register(sub)  # results, export, report, compare
     v = sub.add_parser("view", help="browse runs, results and comparisons in a local web app")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    v.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
+    v.add_argument("--port", type=number_arg(int, low=0, high=65535), default=8765, help="port (0: any free port)")
     v.add_argument("--open", action="store_true", help="open the page in a web browser")
     v.set_defaults(fn=cmd_view)
 
@@ -163,6 +166,8 @@ def _preflight(args: argparse.Namespace) -> None:
     cmd = args.command
     if cmd in BUS_COMMANDS:
         dep = deployment.select()
+        if dep.kind == "degraded":
+            raise deployment.Unreachable(dep.degraded_error())
         if dep.kind == "none":
             raise deployment.Unreachable(
                 f"`veribus {cmd}` needs a running deployment: nothing is configured (--nats-url / "
@@ -173,6 +178,8 @@ def _preflight(args: argparse.Namespace) -> None:
         dep = deployment.select()
         if cmd == "status" and not args.run and dep.kind != "configured":
             return  # the local stack's processes: shown by `status` itself
+        if dep.kind == "degraded":  # not "no stack": its projector may hold the folder, its bus is gone
+            raise deployment.Unreachable(dep.degraded_error())
         if dep.kind != "none" and not dep.settings.clickhouse_url:
             deployment.check_bus(dep)  # reads go through the projector on this bus
         say(dep.describe())
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err("interrupted; results already finalized are stored")
         return EXIT_INTERRUPTED
-    except Unreachable as exc:
+    except (Unreachable, NotStored) as exc:  # the deployment, or the rows it should have: exit 3
         err(str(exc))
         return EXIT_RESULTS_MISSING
     except (RunNotFound, ValueError, FileNotFoundError) as exc:

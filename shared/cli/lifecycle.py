@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from shared.cli.aio import run_main
-from shared.cli.common import deployment_settings, err, resolve_run_arg
+from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg
 from shared.control import lifecycle, rebuild, retention, streams, wait
 from shared.control.credentials import base_reachable, missing_key
 from shared.control.runner import RunInputError
@@ -168,6 +168,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     except streams.LifecycleError as exc:
         err(str(exc))
         return EXIT_INPUT
+    if out.already_finished:  # nothing published: there is nothing left to stop
+        print(f"run {out.run_id} already finished ({out.finalized}/{out.job_count} results): nothing to cancel")
+        return EXIT_OK
     print(f"run {out.run_id}: cancelled; {out.finalized}/{out.job_count} results finalized so far. Answers not "
           "yet generated finalize as cancelled results (error 'cancelled').")
     if not args.wait:
@@ -210,13 +213,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("run", help="run id or name")
     r.add_argument("--benchmark", help="the run's benchmark file, to plan answers that were never published")
     r.add_argument("--no-stopped", action="store_true", help="do not re-run cancelled / over-budget jobs")
-    r.add_argument("--max-tokens-budget", type=int, help="a new token budget for the run")
+    r.add_argument("--max-tokens-budget", type=number_arg(int, low=1), help="a new token budget for the run")
     r.add_argument("--max-cost-usd", type=float, metavar="USD",
                    help="a new money budget for the run (what it has spent counts against it)")
     r.add_argument("--force", action="store_true", help="resume even while messages are still queued")
     r.add_argument("--dry-run", action="store_true", help="only print what would be published")
     r.add_argument("--wait", action="store_true", help="wait for the resumed jobs' results")
-    r.add_argument("--timeout", type=float, default=3600.0)
+    r.add_argument("--timeout", type=SECONDS, default=3600.0)
     r.set_defaults(fn=cmd_resume)
 
     g = sub.add_parser("regrade", help="parse, verify and score a run's stored answers again, as a new run")
@@ -227,18 +230,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--simulate", action="store_true", help="judge with the LLM simulator running now")
     g.add_argument("--api-base", help="OpenAI-compatible base URL for the judges (replaces the recorded one)")
     g.add_argument("--no-wait", action="store_true", help="publish and return")
-    g.add_argument("--timeout", type=float, default=3600.0)
+    g.add_argument("--timeout", type=SECONDS, default=3600.0)
     g.set_defaults(fn=cmd_regrade)
 
     c = sub.add_parser("cancel", help="stop dispatching a run; answers not yet generated finalize as cancelled")
     c.add_argument("run", help="run id or name")
     c.add_argument("--reason", help="recorded on the cancel event and in the results' error")
     c.add_argument("--wait", action="store_true", help="wait until every job of the run is finalized")
-    c.add_argument("--timeout", type=float, default=600.0)
+    c.add_argument("--timeout", type=SECONDS, default=600.0)
     c.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser("projections", help="the ClickHouse projections of the stream")
     psub = p.add_subparsers(dest="projections_command", required=True)
     rb = psub.add_parser("rebuild", help="drop the tables and refold them from the stream")
-    rb.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the projector to catch up")
+    rb.add_argument("--timeout", type=SECONDS, default=600.0, help="seconds to wait for the projector to catch up")
     rb.set_defaults(fn=cmd_projections_rebuild)

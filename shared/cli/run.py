@@ -24,10 +24,11 @@ from shared.control import deployment, runner, stack, wait
 from shared.control.credentials import config_problems
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
-from shared.core.config import Settings, VerificationConfig
+from shared.core.config import Settings, VerificationConfig, config_uses_simulator
 from shared.core.limits import check_config_size
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErrors, judge
+from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_NOT_STORED
 from shared.runtime.costcontrol import set_cost_budget
 from shared.runtime.runcontrol import pop_budget, set_budget
 
@@ -47,13 +48,6 @@ def _read_config_file(args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"run config {path} must be a mapping of VerificationConfig fields")
     return data
-
-
-def _config_uses_simulator(data: dict[str, Any]) -> bool:
-    """True when the config names the `simulator` interface for a model (the only way, besides
-    --simulate, that the simulator answers)."""
-    return any(isinstance(m, dict) and m.get("interface") == "simulator"
-               for key in ("answering_models", "parsing_models") for m in data.get(key) or [])
 
 
 def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa: ANN202
@@ -113,7 +107,7 @@ def _is_simulated(args: argparse.Namespace) -> bool:
     if args.simulate:
         return True
     try:
-        return _config_uses_simulator(_read_config_file(args))
+        return config_uses_simulator(_read_config_file(args))  # the only way, besides --simulate
     except ValueError:
         return False
 
@@ -141,6 +135,7 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
     Returns (config, gates, max_errors); raises ValueError with the message to print."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import check_gates, known_metrics
+    from shared.analysis.report import trait_ranges_from_benchmark
 
     config = _load_config(args, "http://simulator.invalid/v1" if simulated else None)
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
@@ -152,7 +147,9 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
     if problems:
         raise ValueError("refused before publishing:\n  " + "\n  ".join(problems))
     gates = cli_analysis.validate_run_gates(args)
-    check_gates(gates, known_metrics(_trait_names(benchmark)), _models_of(config))
+    # read on the scales the run's scores are normalised by (a trait's 4 on 1..5 is 0.75; 6 is refused)
+    gates = check_gates(gates, known_metrics(_trait_names(benchmark)), _models_of(config),
+                        trait_ranges_from_benchmark(benchmark))
     return config, gates, MaxErrors.parse(getattr(args, "max_errors", None))
 
 
@@ -296,7 +293,10 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
         dead = f" ({len(outcome.dead_letters)} dead letter(s))" if outcome.dead_letters else ""
         err(f"timed out after {args.timeout}s with {missing} job(s) unfinished{dead}; "
              f"results so far are stored; `veribus status {plan.run_id}` shows progress")
-    _await_projection(settings, plan.run_id, len(results))
+    not_stored = _await_projection(settings, plan.run_id, len(results))
+    if not_stored:  # one outcome, saying which part holds: never an error line beside a PASSED
+        _not_stored(verdict, len(results), not_stored)
+        summary["outcome"] = verdict.as_dict()
     if args.quiet:
         print(verdict.headline)
     else:
@@ -378,7 +378,35 @@ async def _interruptible(coro: Any) -> Any:
     return result
 
 
-def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> None:  # noqa: ANN001
-    """Wait until the projector has written this run's rows, so queries right after see them."""
-    if not wait.wait_projected(settings, run_id, expected, timeout=timeout):
-        err(f"the projector has not written all {expected} rows of run {run_id} to ClickHouse yet")
+def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> str | None:  # noqa: ANN001
+    """Wait until the projector has written this run's rows, so queries right after see them.
+    None when they are there; else why not, for the outcome (`_not_stored`). A local stack whose
+    projector is DEAD is not waited on (asked again every second): nothing would write them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        dead = deployment.select().projector_dead
+        step = 0.0 if dead else min(1.0, max(0.0, deadline - time.monotonic()))
+        if wait.wait_projected(settings, run_id, expected, timeout=step):
+            return None
+        if dead or time.monotonic() >= deadline:
+            break
+    try:
+        stored = wait.projected_rows(settings, run_id)
+    except Exception:  # noqa: BLE001 - the store cannot be read at all: none of them can be seen
+        stored = 0
+    why = ("the local stack's projector is DEAD: `veribus up` restarts it, and it writes them from the stream"
+           if dead else f"the projector did not write them within {timeout:g} s: is it running? `veribus status`")
+    return (f"{'none' if not stored else f'only {stored}'} of their {expected} rows are in ClickHouse ({why}), "
+            "so `veribus results`, `report` and `query` cannot show them yet")
+
+
+def _not_stored(verdict: Any, n: int, why: str) -> None:
+    """Fold "the rows are not in ClickHouse" into the verdict, in place: a run that passed on its
+    results from the event stream (complete and final there) is not reported as PASSED / exit 0
+    while its rows cannot be read back; the reason says plainly which part holds."""
+    if verdict.ok:
+        verdict.code, verdict.status = EXIT_NOT_STORED, "not_stored"
+        verdict.reasons.append(f"results not stored: on its {n} results from the event stream the run passed (every "
+                               f"job completed, every gate passed), but {why}")
+    else:
+        verdict.reasons.append(f"and its {n} results from the event stream are not all stored: {why}")

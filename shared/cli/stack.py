@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
-from shared.cli.common import deployment_settings, resolve_run_arg
+from shared.cli.common import deployment_settings, err, resolve_run_arg, stale_store, unstored
 from shared.control import stack
 from shared.control.deployment import select
-from shared.control.runref import RunNotFound, format_runs, list_runs
+from shared.control.runref import format_runs, list_runs
 from shared.control.status import format_run_problems, run_problems
 from shared.core.config import Settings
-from shared.core.outcome import EXIT_OK
-from shared.store.reads import format_json, format_table, run_query
+from shared.core.outcome import EXIT_BAD_INPUT, EXIT_OK, EXIT_RESULTS_MISSING
+from shared.store.reads import QueryError, format_json, format_table, run_query
 
 
 def _parse_replicas(items: list[str] | None) -> dict[str, int]:
@@ -78,10 +79,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st["orphans"]:
         print(f"  orphans (not in stack.json): pids {', '.join(map(str, st['orphans']))}; `veribus down` stops them")
     if args.run:
-        try:
-            run_id = resolve_run_arg(settings, args.run, stream=False)
-        except RunNotFound:
-            run_id = args.run  # events without a run row yet (or a foreign run id): show what there is
+        # a run ClickHouse does not know is looked up in the stream: NotStored (exit 3) when only the
+        # stream has it, RunNotFound (exit 2: "no run 'X'") when neither does
+        run_id = resolve_run_arg(settings, args.run, stream=False)
         res = run_query(settings, "SELECT count() AS results, countIf(ifNull(verify_result, false)) AS passed, "
                                   "countIf(NOT completed_without_errors) AS errors FROM verification_results FINAL "
                                   "WHERE run_id = {run:String}", {"run": run_id})
@@ -90,6 +90,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in zip(res.columns, res.rows[0], strict=False))
               + state)
         print(format_run_problems(run_problems(settings, run_id)))
+        behind = unstored(run_id)
+        if behind:  # the counts above are ClickHouse's: say what the stream holds beyond them
+            err(behind)
+            return EXIT_RESULTS_MISSING
     return EXIT_OK
 
 
@@ -101,13 +105,54 @@ def cmd_runs(args: argparse.Namespace) -> int:
         print("no runs yet")
     else:
         print(format_runs(rows))
+    stale = stale_store(select())
+    if stale:  # the counts above will not catch up by themselves
+        err(stale)
+        return EXIT_RESULTS_MISSING
     return EXIT_OK
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    res = run_query(deployment_settings(), args.sql)
+    try:
+        res = run_query(deployment_settings(), args.sql)
+    except QueryError as exc:
+        err(str(exc))
+        return query_error_code(str(exc))
     print(format_json(res) if args.format == "json" else format_table(res))
+    stale = stale_store(select())
+    if stale:  # the rows above are what ClickHouse has; it lacks what the stream holds beyond them
+        err(stale)
+        return EXIT_RESULTS_MISSING
     return EXIT_OK
+
+
+# engine errors that are the query's own fault (its text, names, types or arguments): bad input
+BAD_QUERY_ERRORS = frozenset({
+    "SYNTAX_ERROR", "UNKNOWN_IDENTIFIER", "UNKNOWN_TABLE", "UNKNOWN_DATABASE", "UNKNOWN_FUNCTION",
+    "UNKNOWN_AGGREGATE_FUNCTION", "UNKNOWN_TYPE", "UNKNOWN_SETTING", "UNKNOWN_QUERY_PARAMETER",
+    "BAD_QUERY_PARAMETER", "NO_SUCH_COLUMN_IN_TABLE", "NOT_FOUND_COLUMN_IN_BLOCK", "THERE_IS_NO_COLUMN",
+    "AMBIGUOUS_COLUMN_NAME", "AMBIGUOUS_IDENTIFIER", "MULTIPLE_EXPRESSIONS_FOR_ALIAS", "ILLEGAL_TYPE_OF_ARGUMENT",
+    "ILLEGAL_COLUMN", "TYPE_MISMATCH", "NO_COMMON_TYPE", "NUMBER_OF_ARGUMENTS_DOESNT_MATCH",
+    "TOO_FEW_ARGUMENTS_FOR_FUNCTION", "TOO_MANY_ARGUMENTS_FOR_FUNCTION", "BAD_ARGUMENTS", "ILLEGAL_AGGREGATION",
+    "NOT_AN_AGGREGATE", "CANNOT_PARSE_TEXT", "CANNOT_PARSE_NUMBER", "CANNOT_PARSE_DATE", "CANNOT_PARSE_DATETIME",
+    "CANNOT_PARSE_INPUT_ASSERTION_FAILED", "CANNOT_CONVERT_TYPE", "ARGUMENT_OUT_OF_BOUND", "ILLEGAL_DIVISION",
+    "INCORRECT_QUERY", "EMPTY_QUERY", "READONLY", "ACCESS_DENIED", "SUPPORT_IS_DISABLED", "NOT_IMPLEMENTED",
+    "FUNCTION_NOT_ALLOWED", "UNSUPPORTED_METHOD", "ILLEGAL_PREWHERE", "ILLEGAL_FINAL",
+    "INVALID_JOIN_ON_EXPRESSION", "UNKNOWN_JOIN", "DUPLICATE_COLUMN", "INVALID_LIMIT_EXPRESSION",
+})
+
+
+def query_error_code(message: str) -> int:
+    """The exit code of a query that failed: 2 (bad input) when the query itself is at fault
+    (refused as not read-only, not parsed, a name, type or argument the engine rejects, a result
+    too large to send back), 3 when the store is (unreachable, no answer in time, a limit on time
+    or memory, a folder it cannot open)."""
+    if message.startswith("refused:") or "too large for a NATS reply" in message:
+        return EXIT_BAD_INPUT
+    if "Unable to open the chdb engine" in message or "Cannot lock file" in message:
+        return EXIT_RESULTS_MISSING  # the folder (held by another process): whatever code it names
+    named = re.findall(r"\(([A-Z][A-Z_]+)\)", message)
+    return EXIT_BAD_INPUT if named and named[-1] in BAD_QUERY_ERRORS else EXIT_RESULTS_MISSING
 
 
 def cmd_view(args: argparse.Namespace) -> int:

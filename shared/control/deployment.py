@@ -4,6 +4,10 @@
   `_PASSWORD` / `_TOKEN` / `_TLS_CA`), and `VERIBUS_CLICKHOUSE_URL` for the results. A configured
   deployment always wins: the CLI never starts a local stack beside it.
 - local: the stack `veribus up` started from `VERIBUS_HOME` (its `stack.json`, NATS alive).
+- degraded: the stack of `VERIBUS_HOME` has lost its bus (every NATS node dead) while some of it
+  still runs. No command treats that as "no stack" (its projector may hold the chdb folder, and
+  `veribus run` must never replace it with a temporary one): each says so and stops (exit 3),
+  naming `veribus up` and `veribus down`.
 - none: nothing configured and nothing running locally. Only then does `veribus run` start a
   temporary local stack; read commands open the embedded ClickHouse folder directly.
 
@@ -18,7 +22,7 @@ import asyncio
 import re
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from shared.control import stack
@@ -41,10 +45,19 @@ def mask_url(url: str) -> str:
 
 @dataclass
 class Deployment:
-    kind: str  # configured | local | none
+    kind: str  # configured | local | degraded | none
     settings: Settings
     source: str = ""  # --nats-url, VERIBUS_NATS_URL, the local stack's home
     simulator_url: str | None = None
+    dead: list[str] = field(default_factory=list)  # a local stack's processes that are not running
+    problem: str = ""  # degraded: what is dead and what runs
+    # a local stack whose projector is not running (none of its replicas): nothing writes the
+    # stream's events to ClickHouse, and reads open the folder as the projector last wrote it
+    projector_dead: bool = False
+
+    def degraded_error(self) -> str:
+        return (f"the local stack in {self.source} is degraded ({self.problem}): run `veribus up` to restart what "
+                "died (or `veribus down` to stop the rest); `veribus status` shows each process")
 
     @property
     def configured(self) -> bool:
@@ -53,9 +66,15 @@ class Deployment:
     def describe(self) -> str:
         """One line: bus, where it came from, and where results are read."""
         s = self.settings
-        store = (f"ClickHouse server {mask_url(s.clickhouse_url)} (VERIBUS_CLICKHOUSE_URL)" if s.clickhouse_url
-                 else "embedded ClickHouse" + (" (via the projector)" if self.kind != "none"
-                                               else f" folder {s.chdb_path} (opened directly)"))
+        if s.clickhouse_url:
+            store = f"ClickHouse server {mask_url(s.clickhouse_url)} (VERIBUS_CLICKHOUSE_URL)"
+        elif self.projector_dead:
+            store = (f"embedded ClickHouse folder {s.chdb_path} (opened directly: the stack's projector is DEAD, "
+                     "so events it has not written are missing; `veribus up` restarts it)")
+        elif self.kind in ("configured", "local"):
+            store = "embedded ClickHouse (via the projector)"
+        else:
+            store = f"embedded ClickHouse folder {s.chdb_path} (opened directly)"
         auth = ""
         if s.nats_user:
             auth = f", user {s.nats_user}"
@@ -66,7 +85,10 @@ class Deployment:
         if self.kind == "configured":
             return f"deployment: NATS {mask_url(s.nats_url)} (from {self.source}{auth}); results: {store}"
         if self.kind == "local":
-            return f"deployment: local stack in {self.source} (NATS {s.nats_url}{auth}); results: {store}"
+            dead = f"; DEAD: {', '.join(self.dead)} (`veribus up` restarts them)" if self.dead else ""
+            return f"deployment: local stack in {self.source} (NATS {s.nats_url}{auth}{dead}); results: {store}"
+        if self.kind == "degraded":
+            return f"deployment: the local stack in {self.source}, degraded ({self.problem})"
         return f"deployment: none configured and no local stack running; results: {store}"
 
 
@@ -81,7 +103,16 @@ def select(settings: Settings | None = None) -> Deployment:
     if state is not None:
         settings.nats_url = state.nats_url
         settings.simulator_url = settings.simulator_url or state.simulator_url
-        return Deployment("local", settings, str(state.home), settings.simulator_url)
+        dead = stack.dead_procs(state)
+        projector = [p.name for p in state.procs if p.name == "projector" or p.name.startswith("projector-")]
+        return Deployment("local", settings, str(state.home), settings.simulator_url, dead=dead,
+                          projector_dead=bool(projector) and set(projector) <= set(dead))
+    degraded = stack.degraded_stack(settings)
+    if degraded is not None:
+        state, problem = degraded
+        settings.nats_url = state.nats_url
+        return Deployment("degraded", settings, str(state.home), settings.simulator_url,
+                          dead=stack.dead_procs(state), problem=problem)
     return Deployment("none", settings, "", settings.simulator_url)
 
 
@@ -142,6 +173,8 @@ def check_bus(dep: Deployment) -> None:
     """Connect once (no reconnect loop) within a few seconds; raise Unreachable naming the URL,
     where it came from and why. The NATS handshake runs in a daemon thread, so a client that
     does not give up cannot hold the command past the deadline."""
+    if dep.kind == "degraded":
+        raise Unreachable(dep.degraded_error())
     where = f" (from {dep.source})" if dep.source else ""
     url = mask_url(dep.settings.nats_url)
     tcp = _tcp_reason(dep.settings.nats_url)

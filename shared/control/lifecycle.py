@@ -18,9 +18,17 @@ from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from shared.control.runner import RunInputError, new_run_id, plan_run
-from shared.control.streams import LifecycleError, finalized_ids, queued_for_services, read_events, run_event
+from shared.control.streams import (
+    LifecycleError,
+    finalized_ids,
+    queued_for_services,
+    read_events,
+    read_messages,
+    run_event,
+)
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import Settings, VerificationConfig
@@ -42,17 +50,56 @@ class CancelOutcome:
     run_id: str
     job_count: int
     finalized: int
+    already_finished: bool = False  # every job had its result: nothing was published
 
 
 async def cancel(settings: Settings, run_id: str, reason: str = "") -> CancelOutcome:
-    """Publish `run.cancelled`: answers not yet generated finalize as cancelled results."""
+    """Publish `run.cancelled`: answers not yet generated finalize as cancelled results. A run
+    that has already finished (`run_finished`) is left as it is: nothing is published."""
     async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
         run = await run_event(js, run_id)
+        done = len(await finalized_ids(js, run_id))
+        if done >= run.job_count and await run_finished(js, run_id):
+            return CancelOutcome(run_id, run.job_count, done, already_finished=True)
         await publish_control(js, run_id, events.RunControlChange(cancelled=True, reason=reason, at=time.time()))
         done = len(await finalized_ids(js, run_id))
         return CancelOutcome(run_id, run.job_count, done)
+
+
+async def run_finished(js: JetStreamContext, run_id: str) -> bool:
+    """Whether a run whose every job has a `result.finalized` is really over: no `resume` is
+    running jobs again. A resume that re-runs cancelled or budget-stopped jobs first lifts the
+    stop (a `run.cancelled` with cancelled=False), then publishes them again; until each of them
+    has a result newer than that lift, its newest result is still the stopped one, and the run
+    is not over."""
+    try:
+        msg = await js.get_last_msg(events.STREAM, events.subject(events.RUN_CANCELLED, run_id))
+    except NotFoundError:
+        return True  # never stopped, never resumed
+    control = events.decode(msg.data, msg.subject) if msg.data else None
+    if control is None:
+        return True
+    try:
+        change = events.payload_as(control, events.RunControlChange)
+    except Exception:  # noqa: BLE001 - a foreign message on the subject
+        return True
+    if change.cancelled:
+        return True  # the newest control stops the run: nothing of it runs again
+    lifted_at = int(msg.seq or 0)
+    newest: dict[str, Any] = {}
+    for m in await read_messages(js, events.subject(events.RESULT_FINALIZED, run_id, "*")):
+        newest[m.subject.rsplit(".", 1)[-1]] = m
+    for m in newest.values():
+        if int(m.metadata.sequence.stream) < lifted_at:
+            try:
+                env = events.decode(m.data, m.subject)
+            except Exception:  # noqa: BLE001
+                continue
+            if _stopped(env):
+                return False  # stopped before the resume, and not finalized since: it runs again
+    return True
 
 
 async def publish_control(js: JetStreamContext, run_id: str, payload: events.RunControlChange) -> None:

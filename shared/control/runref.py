@@ -63,7 +63,7 @@ def next_regrade_name(base: str, names: Sequence[str | None]) -> str:
 
 async def runs_in_stream(settings: Settings) -> list[RunRef]:
     """Every run.requested in the stream (one per run: the newest message per subject)."""
-    async with bus.session(settings, **bus.ONE_TRY) as nc:
+    async with bus.session(settings, connect_timeout=2, within=10.0, **bus.ONE_TRY) as nc:  # never a hang
         js = nc.jetstream()
         await bus.ensure_stream(js)
         info = await js.stream_info(events.STREAM, subjects_filter=events.subject(events.RUN_REQUESTED, "*"))
@@ -119,8 +119,15 @@ def run_state(row: dict[str, Any]) -> str:
     return "done, errors" if row["errors"] else "done"
 
 
-def list_runs(settings: Settings, limit: int = 50) -> list[dict[str, Any]]:
-    res = run_query(settings, RUNS_SQL, {"limit": int(limit)})
+def list_runs(settings: Settings, limit: int | None = 50) -> list[dict[str, Any]]:
+    """The most recent `limit` runs, newest first; every run when `limit` is 0 or None (a
+    negative limit is refused: ValueError)."""
+    if limit is not None and int(limit) < 0:
+        raise ValueError(f"the number of runs to list must be >= 0 (0: every run), got {limit}")
+    if limit:
+        res = run_query(settings, RUNS_SQL, {"limit": int(limit)})
+    else:
+        res = run_query(settings, RUNS_SQL.replace("LIMIT {limit:UInt32}", ""))
     rows = [dict(zip(res.columns, r, strict=False)) for r in res.rows]
     for row in rows:
         for k in ("jobs", "done", "passed", "errors", "cancelled", "budget_stopped"):

@@ -108,6 +108,31 @@ def running_stack(settings: Settings) -> StackState | None:
     return state
 
 
+def degraded_stack(settings: Settings) -> tuple[StackState, str] | None:
+    """The stack started from this home when its bus is gone but some of it still runs (every
+    NATS node dead; services, the simulator or orphans of it alive), with what is dead and what
+    runs, e.g. "nats DEAD; still running: simulator, projector". Such a stack is neither "no
+    stack" (its projector may still hold the chdb folder, and starting another stack here would
+    replace it) nor usable: `veribus up` heals it, `veribus down` stops the rest. None otherwise
+    (no stack.json, a NATS node alive, or nothing of it running at all)."""
+    home = settings.home.resolve()
+    state = StackState.load(home)
+    if state is None or any(p.alive() for p in state.nats_procs()):
+        return None
+    alive = [p.name for p in state.procs if p.alive()]
+    orphans = [q.pid for q in marked_processes(home) if q.pid not in _accounted_pids(state)]
+    if not alive and not orphans:
+        return None
+    dead = ", ".join(f"{p.name} DEAD" for p in state.nats_procs())
+    running = ", ".join(alive + [f"orphan pid {pid}" for pid in orphans])
+    return state, f"{dead}; still running: {running}"
+
+
+def dead_procs(state: StackState) -> list[str]:
+    """Names of the stack's processes that are not running (by identity)."""
+    return [p.name for p in state.procs if not p.alive()]
+
+
 def stack_settings() -> Settings:
     """Settings from the environment, pointed at the local stack when one runs from this home
     (an explicit VERIBUS_NATS_URL wins). Every CLI command starts from these."""

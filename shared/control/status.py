@@ -1,11 +1,22 @@
-"""The problems of one run (stage failures, dead letters, result errors) for `veribus status RUN`."""
+"""The problems of one run (stage failures, dead letters, result errors) for `veribus status RUN`, and how
+far ClickHouse is behind the stream (`store_lag`), so a read never passes stale rows off as the whole story."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from dataclasses import dataclass
 from typing import Any
 
+from nats.js.errors import NotFoundError
+
+from shared.control.streams import PROJECTOR_DURABLE, subject_counts
+from shared.core import events
 from shared.core.config import Settings
+from shared.runtime import bus
 from shared.store.reads import run_query
+
+log = logging.getLogger("veribus.status")
 
 
 def run_problems(settings: Settings, run_id: str, limit: int = 20) -> dict[str, Any]:
@@ -61,3 +72,45 @@ def format_run_problems(problems: dict[str, Any]) -> str:
         for e in problems["errors"]:
             lines.append(f"    {e['count']:>6}  {e['error']}")
     return "\n".join(lines)
+
+
+# ---- how far ClickHouse is behind the stream (the projector dead or behind) ----
+
+@dataclass
+class StoreLag:
+    """What the stream holds that ClickHouse may not yet: `pending` events the projector has not
+    written (its durable consumer's pending + unacknowledged; None when it has none yet), and,
+    for one run, `streamed` results finalized in the stream."""
+
+    pending: int | None = None
+    streamed: int | None = None
+
+
+LAG_CONNECT_S = 4.0  # the connect; the whole read is bounded by LAG_READ_S
+LAG_READ_S = 15.0
+
+
+async def _read_lag(settings: Settings, run_id: str | None) -> StoreLag:
+    async with bus.session(settings, name="veribus-store-lag", connect_timeout=2, within=LAG_CONNECT_S,
+                           **bus.ONE_TRY) as nc:
+        js = nc.jetstream(timeout=5.0)
+        streamed = None
+        if run_id is not None:
+            streamed = len(await subject_counts(js, events.subject(events.RESULT_FINALIZED, run_id, "*")))
+        try:
+            ci = await js.consumer_info(events.STREAM, PROJECTOR_DURABLE)
+        except NotFoundError:
+            return StoreLag(None, streamed)
+        return StoreLag(int(ci.num_pending or 0) + int(ci.num_ack_pending or 0), streamed)
+
+
+def store_lag(settings: Settings, run_id: str | None = None) -> StoreLag | None:
+    """The stream's side of the comparison (see StoreLag); None when the bus cannot be read
+    (nothing listens: known at once; a server that does not answer: within LAG_READ_S)."""
+    if not bus.server_reachable(settings.nats_url):
+        return None
+    try:
+        return asyncio.run(asyncio.wait_for(_read_lag(settings, run_id), timeout=LAG_READ_S))
+    except Exception as exc:  # noqa: BLE001 - nothing to compare with: the caller says nothing
+        log.debug("store_lag: %s", exc)
+        return None

@@ -62,6 +62,11 @@ async def finalized_counts(settings: Settings, run_id: str) -> dict[str, int]:
 PROJECTED_SQL = "SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}"
 
 
+def projected_rows(settings: Settings, run_id: str) -> int:
+    """The run's result rows in the store now."""
+    return int(run_query(settings, PROJECTED_SQL, {"r": run_id}).rows[0][0])
+
+
 def wait_projected(settings: Settings, run_id: str, expected: int, *, timeout: float = 30.0,
                    first_poll_s: float = 0.02, max_poll_s: float = 0.25) -> bool:
     """Wait until the store has `expected` result rows of the run (what `veribus run` does before

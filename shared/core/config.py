@@ -19,6 +19,14 @@ from shared.core.events import ModelSpec
 EvaluationMode = Literal["template_only", "template_and_rubric", "rubric_only"]
 
 
+def config_uses_simulator(config: Mapping[str, Any] | None) -> bool:
+    """True when a run config (as stored: a dict) names the `simulator` interface for a model:
+    its results come from the offline simulator and are labelled SIMULATED."""
+    return bool(config) and any(isinstance(m, Mapping) and m.get("interface") == "simulator"
+                                for key in ("answering_models", "parsing_models")
+                                for m in (config or {}).get(key) or [])
+
+
 class ModelConfig(BaseModel):
     """One answering or parsing model. `model_name` is any litellm model string."""
 

@@ -8,7 +8,9 @@ through the `veribus` command itself (`python -m shared.cli`). The stack helpers
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -312,6 +314,16 @@ def test_lifecycle_commands_on_the_cli(dstack: Stack, finished_run, tmp_path: Pa
     assert regrade.returncode == 0, regrade.stderr
     assert f"regrade of {plan.run_id}: {N} jobs from stored answers" in regrade.stdout
     assert f"{N}/{N} finalized" in regrade.stdout and f"verify_result changed for 0 of {N}" in regrade.stdout
+    # judged again by the simulator: the regrade's report says SIMULATED, as its rows do
+    simulated = veribus_cli(dstack, "regrade", plan.run_id, "--simulate", "--timeout", "60")
+    assert simulated.returncode == 0, simulated.stderr
+    regrade_id = re.search(r"^run (\S+) ", simulated.stdout, re.M).group(1)  # type: ignore[union-attr]
+    wait_projected(dstack, regrade_id, N)
+    out_dir = tmp_path / "regrade-report"
+    report = veribus_cli(dstack, "report", regrade_id, "--output", str(out_dir))
+    assert report.returncode == 0, report.stderr + report.stdout
+    assert "(SIMULATED LLM)" in report.stdout
+    assert json.loads((out_dir / "header.json").read_text())["simulated"] is True
     bad = tmp_path / "bad.yaml"
     bad.write_text(path.read_text().replace("class Answer(BaseAnswer):", "class Answer(BaseAnswer:", 1))
     refused = veribus_cli(dstack, "regrade", plan.run_id, "--benchmark", str(bad))

@@ -465,3 +465,138 @@ def test_a_run_its_budget_stopped_is_not_reported_as_passed(live, slow_model: st
     assert body["outcome"]["exit_code"] == 4 and body["outcome"]["status"] == "budget_stopped", body["outcome"]
     stopped = int(out.stdout.split(says + " (", 1)[1].split(" job(s)", 1)[0])
     assert 1 <= stopped < 30, out.stdout  # the first job was dispatched; the budget stopped later ones
+
+
+# --------------------------------------------------------------------------------------------
+# a new user's defects: bad input is exit 2, a finished run is not "cancelled"
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0"])
+def test_a_timeout_that_is_not_positive_is_refused_before_publishing(nats_server, tmp_path: Path,
+                                                                     timeout: str) -> None:
+    """`--timeout -1` was published, timed out at once (exit 3) and left the run going."""
+    env = cli_env(tmp_path / "home", VERIBUS_NATS_URL=nats_server.url)
+    out = veribus(env, "run", str(write_bench(tmp_path / "b.yaml", 1)), "--simulate", "--timeout", timeout,
+                  timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"argument --timeout: must be > 0 seconds, got {timeout}" in out.stderr
+    assert "Traceback" not in out.stderr and run_requested(nats_server.url) == []
+
+
+def test_status_of_a_run_nobody_knows_is_exit_2(live) -> None:
+    """`status RUN` resolves RUN as `results`, `report` and `cancel` do: the store, then the stream."""
+    settings, _ = live
+    for ref in ("nosuchrun", "20990101T000000-deadbeef"):
+        out = veribus(local_env(settings), "status", ref, timeout=60)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"no run {ref!r}" in out.stderr and f"run {ref}: results=" not in out.stdout
+        assert "Traceback" not in out.stderr
+
+
+BAD_QUERIES = ["DROP TABLE x", "INSERT INTO verification_results VALUES (1)", "CREATE TABLE x (a Int8) ENGINE = Memory",
+               "SELECT 1; SELECT 2", "SELECT * FROM file('/etc/passwd')", "SELEC 1", "",
+               "SELECT nosuchcol FROM verification_results", "SELECT * FROM nosuchtable"]
+
+
+def test_refused_and_bad_queries_are_bad_input_not_an_unreachable_deployment(live) -> None:
+    settings, _ = live
+    env = local_env(settings)
+    for sql in BAD_QUERIES:
+        out = veribus(env, "query", sql, timeout=60)
+        assert out.returncode == 2, (sql, out.returncode, out.stderr)
+        assert "veribus: error: " in out.stderr and "Traceback" not in out.stderr, (sql, out.stderr)
+    ok = veribus(env, "query", "SELECT 1 AS one")
+    assert ok.returncode == 0 and "(1 row)" in ok.stdout, ok.stderr
+
+
+def test_runs_limit_and_results_grouping_are_checked(live, tmp_path: Path) -> None:
+    settings, _ = live
+    env = local_env(settings)
+    bench = write_bench(tmp_path / "b.yaml", 1, prefix="Limited")
+    for _ in range(2):
+        assert veribus(env, "run", str(bench), "--simulate", "--run-name", "limited", "--quiet").returncode == 0
+    negative = veribus(env, "runs", "--limit", "-1")
+    assert negative.returncode == 2 and "argument --limit: must be >= 0" in negative.stderr, negative.stderr
+    assert "UInt32" not in negative.stderr
+    every = veribus(env, "runs", "--limit", "0", "--format", "json")
+    one = veribus(env, "runs", "--limit", "1", "--format", "json")
+    assert every.returncode == 0 and one.returncode == 0, every.stderr + one.stderr
+    assert len(json.loads(one.stdout)) == 1 and len(json.loads(every.stdout)) >= 2  # 0: every run, not none
+    assert "no runs yet" not in every.stdout
+
+    by = veribus(env, "results", "limited", "--by", "nosuchcol")
+    assert by.returncode == 2, by.stderr
+    assert "cannot group by 'nosuchcol': use one of answering_model, parsing_model" in by.stderr
+    assert "KeyError" not in by.stderr
+    assert veribus(env, "results", "limited", "--by", "question_id").returncode == 0
+
+
+def test_cancelling_a_finished_run_says_so_and_publishes_nothing(live, tmp_path: Path) -> None:
+    settings, _ = live
+    env = local_env(settings)
+    done = veribus(env, "run", str(write_bench(tmp_path / "b.yaml", 2, prefix="Finished")), "--simulate",
+                   "--run-name", "finished-then-cancelled")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_id = done.stdout.split()[1].rstrip(":")
+    out = veribus(env, "cancel", "finished-then-cancelled")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"run {run_id} already finished (2/2 results): nothing to cancel", out.stdout
+    assert stream_subjects(settings.nats_url, f"vb.run.cancelled.{run_id}.>", home=str(settings.home)) == {}
+    runs = {r["run_id"]: r for r in json.loads(veribus(env, "runs", "--format", "json").stdout)}
+    assert runs[run_id]["state"] == "done"
+
+
+def test_cancel_tells_a_finished_run_from_one_a_resume_runs_again(nats_server) -> None:
+    """`cancel` publishes nothing once every job has its result, unless a resume lifted a stop and
+    is running stopped jobs again (their newest result is the stopped one, older than the lift)."""
+    from shared.control import lifecycle
+
+    settings = Settings(nats_url=nats_server.url)
+    stopped_error = "generate_answer: RunCancelled: the run was cancelled"
+
+    async def publish(run_id: str, *items: tuple[str, str, Any], key: str = "") -> None:
+        async with bus.session(settings) as nc:
+            js = nc.jetstream()
+            await bus.ensure_stream(js)
+            for event_type, rid, payload in items:
+                await bus.publish(js, events.make_envelope(event_type, run_id, rid, payload, "test", attempt_key=key))
+
+    def requested(run_id: str) -> tuple[str, str, Any]:
+        return (events.RUN_REQUESTED, events.RUN_KEY,
+                events.RunRequested(run_id=run_id, timestamp="2026-01-01T00:00:00", job_count=2, answer_count=2))
+
+    def final(rid: str, error: str | None = None) -> tuple[str, str, Any]:
+        return (events.RESULT_FINALIZED, rid,
+                events.ResultFinalized(result={"metadata": {"result_id": rid, "error": error}}))
+
+    def control(cancelled: bool) -> tuple[str, str, Any]:
+        return (events.RUN_CANCELLED, events.RUN_KEY,
+                events.RunControlChange(cancelled=cancelled, reason="test", at=time.time()))
+
+    def cancel(run_id: str) -> lifecycle.CancelOutcome:
+        return asyncio.run(lifecycle.cancel(settings, run_id))
+
+    def controls(run_id: str) -> int:
+        return sum(stream_subjects(nats_server.url, f"vb.run.cancelled.{run_id}.>").values())
+
+    asyncio.run(publish("done", requested("done"), final("d1"), final("d2")))
+    out = cancel("done")
+    assert out.already_finished and out.finalized == 2 and controls("done") == 0
+
+    asyncio.run(publish("half", requested("half"), final("h1")))
+    out = cancel("half")
+    assert not out.already_finished and controls("half") == 1
+
+    # cancelled, its last job finalized as cancelled: over; a resume lifts the stop: running again
+    asyncio.run(publish("res", requested("res"), final("r1"), control(True), final("r2", stopped_error)))
+    assert cancel("res").already_finished and controls("res") == 1
+    asyncio.run(publish("res", control(False), key="lift"))
+    out = cancel("res")
+    assert not out.already_finished and controls("res") == 3  # the lift, and this cancel
+
+    # ... and once the resumed job has a result newer than the lift, it is over again
+    asyncio.run(publish("res2", requested("res2"), final("s1"), control(True), final("s2", stopped_error)))
+    asyncio.run(publish("res2", control(False), key="lift"))
+    asyncio.run(publish("res2", final("s2"), key="resume-1"))
+    assert cancel("res2").already_finished and controls("res2") == 2

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from shared.analysis.stats import Proportion, mcnemar_exact, newcombe_paired_diff
 from shared.cli.view.filters import Filters
+from shared.core.config import config_uses_simulator
 from shared.store.engine import QueryResult
 
 PAGE_SIZE = 50
@@ -42,8 +43,7 @@ def _simulated_config(raw: str | None) -> bool:
         cfg = json.loads(raw) if raw else {}
     except (TypeError, ValueError):
         return False
-    return any(isinstance(m, dict) and m.get("interface") == "simulator"
-               for key in ("answering_models", "parsing_models") for m in cfg.get(key, []) or [])
+    return config_uses_simulator(cfg if isinstance(cfg, dict) else None)
 
 
 # --------------------------------------------------------------------------------------------

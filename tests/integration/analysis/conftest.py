@@ -45,7 +45,7 @@ def store(settings: Settings) -> Iterator[Store]:
         st.insert_results([result_to_row(r, RUN_B, version=1) for r in spec_results()])
         st.insert_runs([events.RunRequested(
             run_id=RUN_A, timestamp="2025-06-15T10:00:00Z", job_count=36, answer_count=18, run_name="grid",
-            benchmark_name="grid-bench", evaluation_mode="template_and_rubric",
+            benchmark_name="grid-bench", evaluation_mode="template_and_rubric", unfinished_skipped=["draft-1", "draft-2"],
             config={"answering_models": [{"model_name": "model-a", "temperature": 0.0},
                                          {"model_name": "model-b", "temperature": 0.0}],
                     "parsing_models": [{"model_name": "judge-1"}, {"model_name": "judge-2"}],

@@ -276,6 +276,7 @@ def test_cli_commands(settings: Settings, store: Store, tmp_path: Path, monkeypa
     assert html.stat().st_size > 5000 and junit.exists()
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["gates_passed"] is True and summary["metrics"]["total"] == 36
+    assert summary["metrics"]["unfinished_questions_skipped"] == 2 and "Unfinished questions skipped: 2" in text
     assert summary["suite"] == "grid-bench" and len((out_dir / "results.jsonl").read_text().splitlines()) == 36
 
     assert main(["report", "grid", "--gate", "accuracy>=0.9", "--quiet", "--max-errors", "1"]) == 1

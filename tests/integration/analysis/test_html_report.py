@@ -36,6 +36,7 @@ def _chromium() -> str | None:
 def test_report_from_the_store_has_every_section(store: Store) -> None:  # noqa: F811 - fixture
     data = load_run_data(StoreSource(store), "grid")
     assert data.run_id == RUN_A and data.run_name == "grid" and data.benchmark_name == "grid-bench"
+    assert data.unfinished_skipped == ["draft-1", "draft-2"] and data.simulated is False
     assert len(data.results) == 36 and data.config and data.rubric_definition
     assert {x["stage"] for x in data.stage_latency} == {"generate_answer", "parse_template", "verify_template",
                                                          "rubric_evaluation"}
@@ -119,3 +120,16 @@ def test_a_stored_runs_aggregates_match_the_same_results_in_memory(store: Store)
         assert (m1, n1) == (m2, n2) and q1 == pytest.approx(q2)
     assert stored.per_model == held.per_model and stored.cells == held.cells and stored.tokens == held.tokens
     assert stored.error_groups() == held.error_groups() and stored.replicates == held.replicates
+
+
+def test_a_run_judged_by_the_simulator_is_simulated_whatever_its_config_says(store: Store) -> None:  # noqa: F811
+    """A regrade by the simulator keeps its parent's config (real models there): its rows say
+    who answered and judged, and they make the run SIMULATED in every report."""
+    from shared.store.rows import result_to_row
+
+    row = result_to_row(grid_results()[0], "run-sim-judged", version=1)
+    row["parsing_interface"] = "simulator"
+    store.insert_results([row])
+    data = load_run_data(StoreSource(store), "run-sim-judged")
+    assert data.simulated is True
+    assert render_html(data, []).count("SIMULATED") >= 1
