@@ -511,10 +511,12 @@ async def test_forged_protocol_frames_stay_in_their_own_call(pool: Sandbox) -> N
     assert ok.verify_result is True and ok.error is None
 
 
-async def test_one_forged_reply_frame_is_checked_by_the_service(pool: Sandbox) -> None:
-    forge = textwrap.dedent("""
+def _frame_writer(body: str) -> str:
+    """Code that writes one reply frame of `body` (a Python expression) on every descriptor it
+    has, then exits without a word."""
+    return textwrap.dedent(f"""
         import os, struct, msgspec
-        body = msgspec.msgpack.encode(VALUE)
+        body = {body}
         for fd in range(3, 64):
             try:
                 os.write(fd, struct.pack('<I', len(body)) + body)
@@ -522,6 +524,10 @@ async def test_one_forged_reply_frame_is_checked_by_the_service(pool: Sandbox) -
                 pass
         os._exit(0)
         """)
+
+
+async def test_one_forged_reply_frame_is_checked_by_the_service(pool: Sandbox) -> None:
+    forge = _frame_writer("msgspec.msgpack.encode(VALUE)")
     bad_verify = forge.replace("VALUE", repr({"ok": True, "value": {"verify_result": "forged", "field_results": 3}}))
     outcome = await run_verify(_attack_template("r = {}\n" + bad_verify + "\nreturn r\n"), {"result": 4}, "q", sandbox=pool)
     assert outcome.verify_result is None and "malformed result" in (outcome.error or ""), outcome
@@ -764,16 +770,7 @@ async def test_a_run_cannot_poison_another_runs_template_description(pool: Sandb
 async def test_a_reply_nested_thousands_deep_is_a_malformed_reply_at_once(pool: Sandbox) -> None:
     """msgpack nesting past the decoder's recursion limit: the call gets an error reply, not a
     wait for its wall time, and the pool serves on."""
-    nested = textwrap.dedent("""
-        import os, struct
-        body = b"\\x91" * 100000 + b"\\xc0"  # a list in a list ... 100,000 deep
-        for fd in range(3, 64):
-            try:
-                os.write(fd, struct.pack('<I', len(body)) + body)
-            except OSError:
-                pass
-        os._exit(0)
-        """)
+    nested = _frame_writer('b"\\x91" * 100000 + b"\\xc0"')  # a list in a list ... 100,000 deep
     reply = await pool.call("exec", code=nested)
     assert reply == {"ok": False, "kind": "crash", "error": "code sent a malformed sandbox reply"}
     assert (await pool.call("ping", n=2))["value"]["echo"] == {"n": 2}
