@@ -5,6 +5,7 @@ input before anything is published), publish them, then collect finalized result
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from datetime import UTC, datetime
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from shared.control.deployment import Unreachable, mask_url
 from shared.control.streams import STAGE_DURABLES
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
@@ -229,6 +231,9 @@ class RunOutcome:
                 f"elapsed_s={self.elapsed_s:.3f}, timed_out={self.timed_out})")
 
 
+LOST_BUS_S = 5.0  # how long `collect` waits for a lost NATS server to come back before it says so
+
+
 async def collect(
     settings: Settings,
     run_id: str,
@@ -288,6 +293,7 @@ async def collect(
             done.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         timed_out = False
+        lost_since: float | None = None
         while not done.is_set():
             wait = tick_s if deadline is None else min(tick_s, max(0.0, deadline - time.monotonic()))
             try:
@@ -296,8 +302,19 @@ async def collect(
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True
                     break
+                if not nc.is_connected:  # the client reconnects meanwhile; a server that stays gone ends it
+                    lost_since = lost_since or time.monotonic()
+                    if time.monotonic() - lost_since >= LOST_BUS_S:
+                        raise Unreachable(f"lost the NATS server at {mask_url(settings.nats_url)} while following "
+                                          f"run {run_id} ({len(results)} of {len(expected)} results in); the run's "
+                                          f"events are kept: `veribus status {run_id}` once it is back") from None
+                    continue
+                lost_since = None
                 if on_tick:
-                    on_tick(await retrying_now(js))
+                    # bounded: each read waits for its own timeout while the server is away
+                    with contextlib.suppress(TimeoutError):
+                        on_tick(await asyncio.wait_for(retrying_now(js), tick_s))
         for s in subs:
-            await s.unsubscribe()
+            with contextlib.suppress(Exception):  # a lost server: nothing to unsubscribe from
+                await asyncio.wait_for(s.unsubscribe(), tick_s)
     return RunOutcome(results, dead, time.monotonic() - start, timed_out)

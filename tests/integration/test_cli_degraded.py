@@ -125,3 +125,30 @@ def test_a_dead_projector_is_never_reported_as_success(tmp_path: Path) -> None:
             assert out.returncode == 3, (cmd, out.stdout + out.stderr)
             assert "is in the event stream but not in ClickHouse yet" in out.stderr, (cmd, out.stderr)
             assert "no run 'unseen'" not in out.stderr
+
+
+def test_losing_the_bus_while_following_a_run_ends_it_at_once_naming_the_server(tmp_path: Path) -> None:
+    """nats-server dies while `run` follows a slow run: within seconds (not at --timeout, not
+    after retrying every read for its own timeout) `run` says it lost the server, names it and
+    the command to read the run later, exit 3, without a traceback."""
+    with up_and_down(tmp_path / "home", simulator_args=["--latency-ms", "1500"]) as (settings, state):
+        env = cli_env(settings.home)
+        bench = write_bench(tmp_path / "slow.yaml", 20, prefix="Lost")
+        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "run", str(bench), "--simulate",
+                                 "--replicates", "5", "--timeout", "120"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not stack.StackState.load(settings.home).procs:
+                time.sleep(0.2)
+            time.sleep(4.0)  # submitted and following (the first answers take 1.5 s)
+            assert proc.poll() is None, proc.communicate()
+            processes.kill_proc(stack.proc_named(state, "nats"))
+            out, errs = proc.communicate(timeout=90)  # well before --timeout 120 would end it
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        assert proc.returncode == 3, out + errs
+        assert f"lost the NATS server at {settings.nats_url}" in errs and "Traceback" not in errs, errs
+        assert "veribus status" in errs
