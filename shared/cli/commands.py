@@ -5,6 +5,7 @@ themselves: `stack` (up, down, status, runs, query, view), `run`, `analysis`, `l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -195,6 +196,9 @@ def _debug() -> bool:
         return True
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command killed by SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: every failure becomes one line on stderr and an exit code from
     `shared.outcome` (VERIBUS_DEBUG=1 re-raises unexpected errors with their traceback)."""
@@ -209,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err("interrupted; results already finalized are stored")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (`| head`): no error line for that, the shell's code
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more at exit either
+        return EXIT_BROKEN_PIPE
     except (Unreachable, NotStored) as exc:  # the deployment, or the rows it should have: exit 3
         err(str(exc))
         return EXIT_RESULTS_MISSING

@@ -83,5 +83,6 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         for bucket, d in data.items():
-            print(f"{bucket}: {d['entries']} entries, {d['bytes']} bytes, max age {d['max_age_s']} s")
+            age = f"max age {d['max_age_s']:g} s" if d.get("max_age_s") else "no max age (kept until cleared)"
+            print(f"{bucket}: {d['entries']} entries, {d['bytes']} bytes, {age}")
     return 0

@@ -94,7 +94,7 @@ def write_nats_configs(settings: Settings, home: Path, nodes: list[NatsNode],
     out = {}
     for node in nodes:
         path = home / "conf" / f"{node.name}.conf"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(nats_config(settings, node, nodes, role_auth))

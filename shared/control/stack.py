@@ -172,7 +172,7 @@ def up(
     (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
     nodes = plan_nats_nodes(home, nats_cluster, nats_port)
     for node in nodes:
-        node.store.mkdir(parents=True, exist_ok=True)
+        node.store.mkdir(parents=True, exist_ok=True, mode=0o700)
     # the configured user/password or token; else per-role users and subject permissions (bus_auth)
     role_auth = "" if nats_auth_block(settings) else bus_auth.generate(home).read_text()
     confs = write_nats_configs(settings, home, nodes, role_auth)
