@@ -85,8 +85,8 @@ class Simulator:
         self.delays.clear()
 
     # -- randomness: a pure function of (seed, request bytes, occurrence)
-    def _uniforms(self, body: bytes) -> tuple[float, float, float, float]:
-        key = _body_hash(body)
+    def _uniforms(self, key: bytes) -> tuple[float, float, float, float]:
+        """`key`: the request body's hash (`_body_hash`)."""
         if len(self._seen) > _MAX_SEEN:
             self._seen.clear()
         n = self._seen.get(key, 0)
@@ -184,7 +184,8 @@ class Simulator:
         kind = "judge" if judge else "answer"
         self.recent.append({"model": model, "kind": kind, "messages": messages, "entry": entry and entry.match})
 
-        u = self._uniforms(raw)
+        body_key = _body_hash(raw)
+        u = self._uniforms(body_key)
         forced = self._forced(entry, kind)
         if forced is None and self.config.error_rate > 0 and u[0] < self.config.error_rate:
             forced = next((k for edge, k in self._mix if u[1] < edge), self._mix[-1][1] if self._mix else None)
@@ -194,7 +195,7 @@ class Simulator:
                 return resp
 
         delay = self._latency_s(u[2])
-        self.delays.append((kind, round(delay * 1000, 3), _request_key(raw)))
+        self.delays.append((kind, round(delay * 1000, 3), body_key[:6].hex()))  # equal for equal bodies
         if delay > 0:
             await asyncio.sleep(delay)
 
@@ -391,11 +392,6 @@ class Simulator:
 
 def _body_hash(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
-
-
-def _request_key(body: bytes) -> str:
-    """A request's key in /simulator/delays: equal for equal bodies."""
-    return _body_hash(body)[:6].hex()
 
 
 def _error(status: int, message: str, typ: str, headers: dict[str, str] | None = None) -> web.Response:

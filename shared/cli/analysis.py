@@ -90,7 +90,8 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
     Print the block afterwards with `shared.report.print_results(summary, summary["gate_lines"])`."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
-    from shared.analysis.gates import evaluate_gates, resolve_gates, summary_criterion, write_junit
+    from shared.analysis.gates import evaluate_gates, resolve_gates, summary_criterion
+    from shared.analysis.junit import write_junit
 
     gates = resolve_gates(validate_run_gates(args), trait_ranges)  # a trait's threshold on its scale
     overall, per_metric = summary_criterion(gates)
@@ -229,8 +230,9 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     results.jsonl, the page's appendix and JUnit each read the results again as they write."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
-    from shared.analysis.gates import GateEvaluator, check_gates, parse_gates, summary_criterion, write_junit
+    from shared.analysis.gates import GateEvaluator, check_gates, parse_gates, summary_criterion
     from shared.analysis.html_digest import RunDigest
+    from shared.analysis.junit import write_junit
 
     gates = parse_gates(args.gate)
     max_errors = MaxErrors.parse(args.max_errors)

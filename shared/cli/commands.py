@@ -165,25 +165,23 @@ def _preflight(args: argparse.Namespace) -> None:
     """Say which deployment this command talks to, and fail fast (one line, no retries) when
     its bus cannot be reached. `run` does this itself, after checking its input."""
     cmd = args.command
+    reads = cmd in READ_COMMANDS and not _reads_a_file(args)
+    if cmd not in BUS_COMMANDS and not reads:
+        return
+    dep = deployment.select()
+    if cmd == "status" and not args.run and dep.kind != "configured":
+        return  # the local stack's processes: shown by `status` itself
+    if dep.kind == "degraded":  # not "no stack": its projector may hold the folder, its bus is gone
+        raise deployment.Unreachable(dep.degraded_error())
     if cmd in BUS_COMMANDS:
-        dep = deployment.select()
-        if dep.kind == "degraded":
-            raise deployment.Unreachable(dep.degraded_error())
         if dep.kind == "none":
             raise deployment.Unreachable(
                 f"`veribus {cmd}` needs a running deployment: nothing is configured (--nats-url / "
                 "VERIBUS_NATS_URL) and no local stack runs here (start one with `veribus up`)")
         deployment.check_bus(dep)
-        say(dep.describe())
-    elif cmd in READ_COMMANDS and not _reads_a_file(args):
-        dep = deployment.select()
-        if cmd == "status" and not args.run and dep.kind != "configured":
-            return  # the local stack's processes: shown by `status` itself
-        if dep.kind == "degraded":  # not "no stack": its projector may hold the folder, its bus is gone
-            raise deployment.Unreachable(dep.degraded_error())
-        if dep.kind != "none" and not dep.settings.clickhouse_url:
-            deployment.check_bus(dep)  # reads go through the projector on this bus
-        say(dep.describe())
+    elif dep.kind != "none" and not dep.settings.clickhouse_url:
+        deployment.check_bus(dep)  # reads go through the projector on this bus
+    say(dep.describe())
 
 
 def _debug() -> bool:

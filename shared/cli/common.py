@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 from shared.control.deployment import select
 from shared.control.runref import RunNotFound, resolve
 from shared.control.status import store_lag
-from shared.control.wait import projected_rows
+from shared.control.wait import projected_rows, wait_projected
 from shared.runtime.bus import server_reachable
 
 
@@ -118,13 +117,10 @@ def unstored(run_id: str) -> str | None:
     lag = store_lag(dep.settings, run_id)
     if lag is None or not lag.streamed:
         return None
-    stored = projected_rows(dep.settings, run_id)
-    deadline = time.monotonic() + (0.0 if dep.projector_dead else PROJECTOR_GRACE_S)
-    while stored < lag.streamed and time.monotonic() < deadline:
-        time.sleep(0.25)
-        stored = projected_rows(dep.settings, run_id)
-    if stored >= lag.streamed:
+    grace = 0.0 if dep.projector_dead else PROJECTOR_GRACE_S
+    if wait_projected(dep.settings, run_id, lag.streamed, timeout=grace):
         return None
+    stored = projected_rows(dep.settings, run_id)
     short = (f"ClickHouse has {stored} of the {lag.streamed} finalized results of run {run_id} that the event stream "
              f"holds; {lag.streamed - stored} are missing from what is shown")
     if lag.pending == 0:

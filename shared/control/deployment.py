@@ -104,7 +104,7 @@ def select(settings: Settings | None = None) -> Deployment:
         settings.nats_url = state.nats_url
         settings.simulator_url = settings.simulator_url or state.simulator_url
         dead = stack.dead_procs(state)
-        projector = [p.name for p in state.procs if p.name == "projector" or p.name.startswith("projector-")]
+        projector = [p.name for p in state.replicas_of("projector")]
         return Deployment("local", settings, str(state.home), settings.simulator_url, dead=dead,
                           projector_dead=bool(projector) and set(projector) <= set(dead))
     degraded = stack.degraded_stack(settings)

@@ -174,7 +174,7 @@ def rebuild_projections(settings: Settings, *, timeout: float = 600.0,
     if not bus.server_reachable(settings.nats_url):
         raise LifecycleError(f"no NATS server at {settings.nats_url}: the stream is needed to rebuild "
                              "(start the stack with `veribus up`)")
-    projectors = [p for p in state.procs if p.name.split("-")[0] == "projector"] if state else []
+    projectors = state.replicas_of("projector") if state else []
     if not projectors:
         return _rebuild_in_process(settings, say, t0)
     before = fingerprint(lambda sql: run_query(settings, sql))

@@ -94,6 +94,10 @@ class StackState:
     def service_procs(self) -> list[Proc]:
         return [p for p in self.procs if is_service(p.name)]
 
+    def replicas_of(self, service: str) -> list[Proc]:
+        """The processes of one service: `service`, `service-2`, ..."""
+        return [p for p in self.procs if p.name.split("-")[0] == service]
+
     def dead(self) -> list[Proc]:
         return [p for p in self.procs if not p.alive()]
 

@@ -77,8 +77,7 @@ def wait_projected(settings: Settings, run_id: str, expected: int, *, timeout: f
     poll = first_poll_s
     while True:
         try:
-            res = run_query(settings, PROJECTED_SQL, {"r": run_id})
-            if int(res.rows[0][0]) >= expected:
+            if projected_rows(settings, run_id) >= expected:
                 return True
         except Exception as exc:  # noqa: BLE001 - the projector is still starting: ask again
             log.debug("wait_projected: %s", exc)

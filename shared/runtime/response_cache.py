@@ -33,12 +33,17 @@ CACHE_TTL: ContextVar[float] = ContextVar("veribus_response_cache_ttl", default=
 """How old a shared entry may be for the job being handled (its run's `response_cache_ttl_s`)."""
 
 
-def _options_of(payload: Any) -> dict[str, Any]:
+def _job_of(payload: Any) -> Any:
+    """The job a handled event is for (an answer's requests name one per judge: the first)."""
     job = getattr(payload, "job", None)
     if job is None:
         jobs = getattr(payload, "jobs", None)
         job = jobs[0] if jobs else None
-    options = getattr(job, "options", None)
+    return job
+
+
+def _options_of(payload: Any) -> dict[str, Any]:
+    options = getattr(_job_of(payload), "options", None)
     return options if isinstance(options, dict) else {}
 
 
@@ -55,10 +60,7 @@ def scope_for(run_id: str, payload: Any) -> str:
 def job_for(payload: Any) -> tuple[Any, ...] | None:
     """The identity of the job a handled event is for (`CACHE_JOB`): question, answering model,
     replicate (an answer's judges share it: they parse one answer, asked for once)."""
-    job = getattr(payload, "job", None)
-    if job is None:
-        jobs = getattr(payload, "jobs", None)
-        job = jobs[0] if jobs else None
+    job = _job_of(payload)
     if job is None:
         return None
     answering = getattr(job, "answering", None)

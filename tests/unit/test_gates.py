@@ -21,12 +21,12 @@ from shared.analysis.gates import (
     check_gates,
     evaluate_gates,
     gates_from_config,
-    junit_xml,
     known_metrics,
     parse_gate,
     summary_criterion,
 )
 from shared.analysis.html_report import RunData
+from shared.analysis.junit import junit_xml
 from shared.analysis.report import PassCriterion
 from shared.cli import analysis as cli_analysis
 from shared.cli import commands as cli

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from shared.analysis import report
-from shared.analysis.gates import evaluate_gates, parse_gate, write_junit
+from shared.analysis.gates import evaluate_gates, parse_gate
 from shared.analysis.html_report import iter_html, load_run_data, write_html
+from shared.analysis.junit import write_junit
 from shared.analysis.resultset import ResultSetTooLarge, VerificationResultSet
 from shared.core.config import Settings
 from shared.core.models import VerificationResult
