@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from shared.analysis.html_report import RunData
     from shared.core.models import VerificationResult
 
-from shared.cli.common import NotStored, deployment_settings, number_arg, resolve_run_arg, unstored
+from shared.cli.common import NotStored, deployment_settings, err, number_arg, resolve_run_arg, unstored
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, EXIT_RESULTS_MISSING, MaxErrors, judge
 from shared.store.reads import ResultFilter, run_query
@@ -413,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except (ValueError, FileNotFoundError) as exc:
-        print(f"veribus: error: {exc}", file=sys.stderr)
+        err(exc)
         return EXIT_INPUT
 
 

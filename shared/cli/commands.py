@@ -10,13 +10,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from shared.cli import analysis as cli_analysis
 from shared.cli import asyncapi as cli_asyncapi
 from shared.cli import lifecycle as cli_lifecycle
 from shared.cli import scale as cli_scale
-from shared.cli.common import SECONDS, NotStored, err, number_arg, say
+from shared.cli.common import SECONDS, NotStored, err, error_text, number_arg, say
 from shared.cli.run import cmd_run
 from shared.cli.stack import cmd_down, cmd_query, cmd_runs, cmd_status, cmd_up, cmd_view
 from shared.control import deployment
@@ -34,6 +34,14 @@ LATENCY_MS = number_arg(float, low=0, what=" ms")
 RATE = number_arg(float, low=0, high=1)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a refusal said in one line (`veribus run: error: argument --replicates: must
+    be >= 1, got 0`, exit 2) and a pointer to --help instead of the whole usage text before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nats-url", default=argparse.SUPPRESS, metavar="URL",
@@ -41,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "auth/TLS from VERIBUS_NATS_USER/_PASSWORD/_TOKEN/_TLS_CA")
     common.add_argument("--clickhouse-url", default=argparse.SUPPRESS, metavar="URL",
                         help="a ClickHouse server for results (default: VERIBUS_CLICKHOUSE_URL, else embedded)")
-    p = argparse.ArgumentParser(prog="veribus", description=DESCRIPTION, parents=[common],
-                                epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="veribus", description=DESCRIPTION, parents=[common],
+               epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     _orig_add_parser = sub.add_parser
 
@@ -218,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     except (Unreachable, NotStored) as exc:  # the deployment, or the rows it should have: exit 3
         err(str(exc))
         return EXIT_RESULTS_MISSING
-    except (RunNotFound, ValueError, FileNotFoundError) as exc:
-        err(str(exc).strip("'\""))
+    except (RunNotFound, ValueError, FileNotFoundError) as exc:  # a pydantic ValidationError is a ValueError
+        text = error_text(exc)
+        quoted = len(text) > 1 and text[0] == text[-1] and text[0] in "'\""  # a KeyError's str() is its repr
+        err(text[1:-1] if quoted else text)
         return EXIT_INPUT
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback (unless asked)
         if _debug():

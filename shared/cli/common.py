@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from pydantic import ValidationError
 
 from shared.control.deployment import select
 from shared.control.runref import RunNotFound, resolve
@@ -21,8 +23,53 @@ def deployment_settings() -> Any:
     return select().settings
 
 
-def err(msg: str) -> None:
-    print(f"veribus: error: {msg}", file=sys.stderr)
+def err(msg: str | BaseException) -> None:
+    """One line on stderr; an exception is said by `error_text` (a pydantic error readably)."""
+    print(f"veribus: error: {error_text(msg) if isinstance(msg, BaseException) else msg}", file=sys.stderr)
+
+
+def error_text(exc: BaseException) -> str:
+    """What an exception says to the user: a pydantic ValidationError as `validation_text` (never
+    its multi-line dump with type tags, inputs and errors.pydantic.dev links), others as str()."""
+    return validation_text(exc) if isinstance(exc, ValidationError) else str(exc)
+
+
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+
+
+def validation_text(exc: ValidationError, names: Mapping[str, str] | None = None) -> str:
+    """A pydantic ValidationError as one line, each error `NAME: what is allowed, got VALUE`.
+    NAME: `names[field]` for the top-level field, either the option that sets it (`--replicates`)
+    or where it was read (`in run.yaml`, after the field's dotted path); else that path."""
+    names = names or {}
+    parts: list[str] = []
+    for e in exc.errors(include_url=False):
+        loc = [str(x) for x in e.get("loc", ())]
+        path = ".".join(loc)
+        where = names.get(loc[0], "") if loc else ""
+        if where.startswith("-"):  # a part of what the option gave, e.g. --model's model_name: said by `what`
+            name = where
+        else:
+            name = f"{path} {where}".strip()
+        kind, ctx = e.get("type", ""), e.get("ctx") or {}
+        if kind in _BOUNDS and _BOUNDS[kind][1] in ctx:
+            bound = ctx[_BOUNDS[kind][1]]
+            what = f"must be {_BOUNDS[kind][0]} {f'{bound:g}' if isinstance(bound, float) else bound}"
+        elif kind == "extra_forbidden":
+            what = f"not a {exc.title} field" if exc.title else "not a known field"
+        elif kind == "missing":
+            what = "is required"
+        else:
+            what = str(e.get("msg", "")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+            what = what.replace("Input should be", "must be", 1)
+        value = e.get("input")
+        if kind not in ("missing", "extra_forbidden", "value_error", "assertion_error") \
+                and isinstance(value, str | int | float | bool):
+            shown = repr(value) if isinstance(value, str) else str(value)
+            what += f", got {shown[:40] + '...' if len(shown) > 40 else shown}"
+        parts.append(f"{name}: {what}" if name else what)
+    return "; ".join(parts)
 
 
 def say(msg: str) -> None:

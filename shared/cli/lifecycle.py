@@ -42,7 +42,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
                                              budget_cost_usd=args.max_cost_usd,
                                              benchmark=bench))
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
-        err(str(exc))
+        err(exc)
         return EXIT_INPUT
     print(f"run {plan.run_id}: {plan.job_count} jobs, {plan.finalized} with a result (skipped, no model calls), "
           f"{plan.stopped} cancelled/over budget, {plan.jobs} job(s) in {len(plan.requests)} answer request(s) "
@@ -115,7 +115,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
         plan = run_main(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
                                                run_name=args.run_name))
     except (streams.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
-        err(str(exc))
+        err(exc)
         return EXIT_INPUT
     if not plan.generated:
         err(f"run {args.run} has no stored answers to regrade")

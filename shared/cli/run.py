@@ -17,7 +17,7 @@ from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli import analysis as cli_analysis
 from shared.cli import scale as cli_scale
 from shared.cli.aio import run_main
-from shared.cli.common import err, say
+from shared.cli.common import err, say, validation_text
 from shared.cli.progress import ProgressPrinter, RunProgress
 from shared.cli.stack import simulator_args
 from shared.control import deployment, runner, stack, wait
@@ -57,6 +57,7 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
     config without an api_base get `simulated_base`."""
     data = _read_config_file(args)
     data.pop("gates", None)
+    from_file = set(data)
     if args.config:
         budget = pop_budget(data)
         if budget is not None and getattr(args, "max_tokens_budget", None) is None:
@@ -98,7 +99,32 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
     for flag in ("abstention_enabled", "sufficiency_enabled", "embedding_check_enabled", "deep_judgment_enabled"):
         if getattr(args, flag, False):
             data[flag] = True
-    return VerificationConfig.model_validate(data)
+    try:
+        return VerificationConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(validation_text(exc, _field_sources(args, from_file))) from None
+
+
+# the run options that set a VerificationConfig field: (field, option, its argparse dest)
+FIELD_FLAGS = (("answering_models", "--model", "model"), ("parsing_models", "--judge", "judge"),
+               ("replicate_count", "--replicates", "replicates"), ("evaluation_mode", "--mode", "mode"),
+               ("run_name", "--run-name", "run_name"), ("rubric_evaluation_strategy", "--strategy", "strategy"),
+               ("response_cache", "--cache", "response_cache"),
+               ("response_cache_ttl_s", "--cache-ttl", "response_cache_ttl_s"),
+               ("abstention_enabled", "--abstention", "abstention_enabled"),
+               ("sufficiency_enabled", "--sufficiency", "sufficiency_enabled"),
+               ("embedding_check_enabled", "--embedding-check", "embedding_check_enabled"),
+               ("deep_judgment_enabled", "--deep-judgment", "deep_judgment_enabled"))
+
+
+def _field_sources(args: argparse.Namespace, from_file: set[str]) -> dict[str, str]:
+    """Where each config field came from, for its error (`validation_text`): the option when it
+    set the field, `in FILE` when --config did; a field neither set is named by its option."""
+    where = {field: f"in {args.config}" for field in from_file}
+    for field, flag, dest in FIELD_FLAGS:
+        if getattr(args, dest, None) not in (None, False, []) or field not in from_file:
+            where[field] = flag
+    return where
 
 
 def _is_simulated(args: argparse.Namespace) -> bool:
@@ -168,8 +194,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     simulated = _is_simulated(args)
     try:
         config, gates, max_errors = _validate_run(args, benchmark, simulated)
-    except (ValidationError, ValueError) as exc:
-        err(str(exc))
+    except ValueError as exc:  # a pydantic ValidationError too: `err` says it in one line
+        err(exc)
         return EXIT_INPUT
     for g in gates:
         if not args.quiet or g.note:

@@ -147,20 +147,28 @@ class StageOptions(BaseModel):
 class VerificationConfig(StageOptions):
     """What to run: models × replicates × mode, plus the stage switches."""
 
-    answering_models: list[ModelConfig] = Field(default_factory=list)
-    parsing_models: list[ModelConfig] = Field(default_factory=list)
+    # validated when left out too: an empty list is refused under the field's own name (its `loc`),
+    # so the CLI can name the option that sets it (shared.cli.common.validation_text)
+    answering_models: list[ModelConfig] = Field(default_factory=list, validate_default=True)
+    parsing_models: list[ModelConfig] = Field(default_factory=list, validate_default=True)
     replicate_count: int = Field(default=1, ge=1, le=1000)
     evaluation_mode: EvaluationMode = "template_only"
     run_name: str | None = None
     few_shot_config: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _needs_models(self) -> VerificationConfig:
-        if not self.answering_models:
-            raise ValueError("answering_models: at least one answering model is required")
-        if not self.parsing_models:
-            raise ValueError("parsing_models: at least one parsing (judge) model is required")
-        return self
+    @field_validator("answering_models")
+    @classmethod
+    def _needs_answering(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        if not models:
+            raise ValueError("at least one answering model is required")
+        return models
+
+    @field_validator("parsing_models")
+    @classmethod
+    def _needs_judge(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        if not models:
+            raise ValueError("at least one parsing (judge) model is required")
+        return models
 
     def stage_options(self) -> StageOptions:
         return StageOptions(**{k: getattr(self, k) for k in StageOptions.model_fields})

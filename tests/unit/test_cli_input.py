@@ -98,3 +98,64 @@ def test_a_query_at_fault_is_bad_input(message: str) -> None:
 ])
 def test_a_store_at_fault_is_exit_3(message: str) -> None:
     assert query_error_code(message) == 3
+
+
+EXAMPLE = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "example.yaml")
+
+
+def one_line_refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path,  # noqa: ANN001
+                     capsys: pytest.CaptureFixture[str]) -> str:
+    """`veribus ARGV` with no deployment: refused with exit 2 and one line, no pydantic dump."""
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # refused while the command line is read
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "pydantic" not in err and "Traceback" not in err and "type=" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--model", "openai/x"], "veribus: error: --judge: at least one parsing (judge) model is required\n"),
+    ([], "--model: at least one answering model is required; --judge: at least one parsing (judge) model"),
+    (["--model", "openai/x", "--judge", "openai/j", "--replicates", "2000"], "--replicates: must be <= 1000, got 2000"),
+    (["--model", "openai/x", "--judge", "openai/j", "--cache-ttl", "nan"], "--cache-ttl: must be > 0, got nan"),
+    (["--model", " ", "--judge", "openai/j"], "--model: model_name must not be empty"),
+    (["--model", "openai/x", "--replicates", "0"], "argument --replicates: must be >= 1, got 0"),
+])
+def test_a_run_option_the_config_refuses_is_one_line_naming_the_option(
+        argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch, tmp_path,  # noqa: ANN001
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert says in one_line_refusal(["run", EXAMPLE, *argv], monkeypatch, tmp_path, capsys)
+
+
+def test_a_bad_run_config_field_is_named_with_its_file_and_an_option_wins_over_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("replicate_count: 0\nanswering_models:\n  - model_name: openai/a\n    timeout: -1\nfoo: 1\n")
+    base = ["run", EXAMPLE, "--judge", "openai/j", "--config", str(cfg)]
+    said = one_line_refusal(base, monkeypatch, tmp_path, capsys)
+    assert f"replicate_count in {cfg}: must be >= 1, got 0" in said
+    assert f"answering_models.0.timeout in {cfg}: must be > 0, got -1" in said
+    assert f"foo in {cfg}: not a VerificationConfig field" in said
+    said = one_line_refusal([*base, "--replicates", "5000"], monkeypatch, tmp_path, capsys)
+    assert "--replicates: must be <= 1000, got 5000" in said and "replicate_count in" not in said
+
+
+def test_any_validation_error_reaching_the_entry_point_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Not only `run`: a command whose input fails a pydantic model is said the same way, exit 2."""
+    from shared.core.config import ModelConfig
+
+    def bad(_args: object) -> int:
+        ModelConfig(model_name="m", max_concurrency=0, limit_scope="nowhere")
+        return 0
+
+    monkeypatch.setattr("shared.cli.commands.cmd_down", bad)
+    assert main(["down"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("veribus: error: max_concurrency: must be >= 1, got 0; limit_scope: must be 'model' or "
+                   "'endpoint', got 'nowhere'\n")
