@@ -23,6 +23,7 @@ import math
 import random
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -191,14 +192,14 @@ def hedged_replay_fraction(answer_s: list[float], judge_s: list[float], concurre
     return round(sum(n / span / bound for span in spans) / len(spans), 3)
 
 
-def first_copies(drawn: list[tuple[str, float, str]]) -> tuple[list[float], list[float], int]:
+def first_copies(drawn: Sequence[tuple[Any, ...]]) -> tuple[list[float], list[float], int]:
     """A run's draws from /simulator/delays as (answer, judge) first copies' latencies in
     seconds, in call order, and how many calls repeated a request already drawn for (a hedge's
     copy, a retry)."""
     seen: set[str] = set()
     firsts: dict[str, list[float]] = {"answer": [], "judge": []}
     repeats = 0
-    for kind, ms, key in drawn:
+    for kind, ms, key, *_ in drawn:
         if key in seen:
             repeats += 1
             continue

@@ -18,6 +18,7 @@ import json
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,26 @@ def timeline(times: dict[str, list[float]], t0: float, submit_s: float, n: int, 
     return out
 
 
+def slot_occupancy(drawn: Sequence[tuple[str, float, str, float]], t0: float, arrivals: Sequence[float],
+                   concurrency: int) -> dict[str, float] | None:
+    """The share of the C model slots busy with a call (the simulator's arrivals and drawn
+    latencies; a hedge's copy holds a slot too) in each part of the run: the fill (submit to the
+    10th percentile of results), the steady state (10th to 90th), the drain (90th to the last
+    result) and the whole run. Where whole-run throughput goes short of C/(2L): slots left idle."""
+    n = len(arrivals)
+    if not drawn or n < 10 or concurrency <= 0:
+        return None
+    lo, hi = arrivals[n // 10], arrivals[n - 1 - n // 10]
+    parts = {"fill": (t0, lo), "steady": (lo, hi), "drain": (hi, arrivals[-1]), "whole": (t0, arrivals[-1])}
+    out: dict[str, float] = {}
+    for name, (a, b) in parts.items():
+        if b <= a:
+            continue
+        busy = sum(max(0.0, min(b, at + ms / 1000) - max(a, at)) for _, ms, _, at in drawn)
+        out[name] = round(busy / (concurrency * (b - a)), 3)
+    return out
+
+
 def timeline_line(tl: dict[str, Any]) -> str:
     parts = [f"submit {tl['submit_s']} s"]
     for key in ("requested", "answered", "parsed", "finalized"):
@@ -200,12 +221,12 @@ def simulator_ceiling(url: str, concurrency: int, latency_ms: float, seconds: fl
     return asyncio.run(_ceiling(url, concurrency, latency_ms, seconds, skip_s))
 
 
-def simulator_delays(url: str, since: int = 0) -> list[tuple[str, float, str]]:
-    """The latencies (kind, ms, request key) the simulator drew per call, in call order, after
-    the first `since`."""
+def simulator_delays(url: str, since: int = 0) -> list[tuple[str, float, str, float]]:
+    """The latencies (kind, ms, request key, arrival on the monotonic clock in s) the simulator
+    drew per call, in call order, after the first `since`."""
     resp = httpx.get(url.removesuffix("/v1") + "/simulator/delays", params={"since": since}, timeout=30)
     resp.raise_for_status()
-    return [(str(kind), float(ms), str(key)) for kind, ms, key in resp.json()]
+    return [(str(kind), float(ms), str(key), float(at)) for kind, ms, key, at in resp.json()]
 
 
 def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, int],
@@ -288,9 +309,11 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                          for r in outcome.results.values())
             # the run's own draws replayed, the slots shared as the run shared them; hedged, its
             # first copies' draws with each copy drawn afresh (the mean over sets of copies' draws)
-            hedged_possible = None
+            hedged_possible = occupancy = None
             if api_base is None and bound:
-                answers, judges, _repeats = ideal.first_copies(simulator_delays(state.simulator_url, since=delays0))
+                drawn = simulator_delays(state.simulator_url, since=delays0)
+                occupancy = slot_occupancy(drawn, t0, arrivals, concurrency)
+                answers, judges, _repeats = ideal.first_copies(drawn)
                 if not hedge_after_ms:
                     possible = ideal.replay_fraction(answers, judges, concurrency, latency_ms, shared=shared_limit)
                 elif latency_dist == "lognormal":
@@ -311,6 +334,7 @@ def run_once(n: int, latency_ms: float, concurrency: int, replicas: dict[str, in
                 "simulator_ceiling_fraction": ceiling,
                 "zero_overhead_fraction": possible,
                 "hedged_zero_overhead_fraction": hedged_possible,
+                "slot_occupancy": occupancy,
                 "queryable_results_per_s": round(done / projected_s, 1) if projected and projected_s else None,
                 "queryable_fraction_of_bound": (round(done / projected_s / bound, 3)
                                                 if bound and projected and projected_s else None),
@@ -425,6 +449,10 @@ def print_run(row: dict[str, Any], where: str, concurrency: int) -> None:
         print(f"  hedged requests: a second copy of a call unanswered after {hedge_label(row['hedge_after_ms'])}, on a "
               f"free slot; {row['hedged_calls']} copies sent ({row['hedged_calls'] / max(1, 2 * row['results']):.1%}"
               " of the calls), each counted in cost as the reply it raced")
+    if row.get("slot_occupancy"):
+        occ = row["slot_occupancy"]
+        print("  model slots busy (share of C, from the simulator's calls): "
+              + ", ".join(f"{k} {occ[k]:.1%}" for k in ("fill", "steady", "drain", "whole") if k in occ))
     print(timeline_line(row["timeline"]))
     print(f"  CPU ms per result, services total: {row['cpu_ms_per_result_services_total']}")
     print(f"  event stream: {row['stream_bytes_per_result']} bytes per result (target <= 6144)")

@@ -16,6 +16,7 @@ import hashlib
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from statistics import NormalDist
 from typing import Any
 
@@ -65,7 +66,9 @@ class Simulator:
         # the latency drawn for each call, in call order, and which request drew it (a hedge's
         # copy repeats its first copy's body): the bench replays a run's own draws through a
         # pipeline without overhead to say what the distribution itself allowed
-        self.delays: deque[tuple[str, float, str]] = deque(maxlen=_MAX_DELAYS)
+        self.delays: deque[tuple[str, float, str, float]] = deque(maxlen=_MAX_DELAYS)
+        self.clock: Callable[[], float] = time.monotonic  # when a request arrived, and how long it has been here
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the drawn latency's wait
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -128,11 +131,11 @@ class Simulator:
         if stats["in_flight"] > stats["max_in_flight"]:
             stats["max_in_flight"] = stats["in_flight"]
         try:
-            return await self._chat(request)
+            return await self._chat(request, self.clock())
         finally:
             stats["in_flight"] -= 1
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: web.Request, arrived: float) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = _decode(raw)
@@ -171,12 +174,13 @@ class Simulator:
         if now_flying > peaks.get(model, 0):
             peaks[model] = now_flying
         try:
-            return await self._respond(request, body, raw, model, messages, texts, joined, entry)
+            return await self._respond(request, body, raw, model, messages, texts, joined, entry, arrived)
         finally:
             flying[model] -= 1
 
     async def _respond(self, request: web.Request, body: dict[str, Any], raw: bytes, model: str,
-                       messages: list[Any], texts: list[str], joined: str, entry: Entry | None) -> web.StreamResponse:
+                       messages: list[Any], texts: list[str], joined: str, entry: Entry | None,
+                       arrived: float) -> web.StreamResponse:
         stats = self.stats
 
         schema, judge = self._judge_schema(body, texts)
@@ -195,9 +199,15 @@ class Simulator:
                 return resp
 
         delay = self._latency_s(u[2])
-        self.delays.append((kind, round(delay * 1000, 3), body_key[:6].hex()))  # equal for equal bodies
-        if delay > 0:
-            await asyncio.sleep(delay)
+        # the key is equal for equal bodies; the arrival is on the machine's monotonic clock (s)
+        self.delays.append((kind, round(delay * 1000, 3), body_key[:6].hex(), round(arrived, 4)))
+        # the drawn latency runs from the request's arrival, as a provider's does: the time spent
+        # reading, decoding and matching it here is part of it, not added to it (on a busy
+        # machine that was ~1 % of the throughput bound C/(2L) at 300 ms: the bench's
+        # `simulator_ceiling` measured 0.987 with minimal callers)
+        wait = delay - (self.clock() - arrived)
+        if wait > 0:
+            await self.sleep(wait)
 
         tool_calls = None
         if tools and entry is not None and entry.tool_calls:
@@ -379,9 +389,11 @@ class Simulator:
         return web.Response(body=_encode(list(self.recent)), content_type="application/json")
 
     async def handle_delays(self, request: web.Request) -> web.Response:
-        """`[[kind, ms, request], ...]`: the latency drawn for each call since the start (or a
-        reset), in call order, and a short key of its request body (the same for a repeated
-        request, as a hedge's copy is); `?since=K` leaves out the first K."""
+        """`[[kind, ms, request, arrived], ...]`: the latency drawn for each call since the start
+        (or a reset), in call order, a short key of its request body (the same for a repeated
+        request, as a hedge's copy is) and when the call arrived, in seconds of the machine's
+        monotonic clock (`time.monotonic()`, which is `time.perf_counter()` on Linux: a bench
+        places the calls on its own timeline); `?since=K` leaves out the first K."""
         since = max(0, int(request.query.get("since", "0") or 0))
         return web.Response(body=_encode(list(self.delays)[since:]), content_type="application/json")
 

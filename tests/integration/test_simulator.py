@@ -315,7 +315,7 @@ async def test_hedged_calls_cut_the_tail_on_a_real_server(tail_sim: Sim) -> None
     replies = await asyncio.gather(*[client.complete(spec, [{"role": "user", "content": q}], stage="answer_generation")
                                      for q in questions])
     elapsed = time.monotonic() - t0
-    drawn = [ms / 1000 for _, ms, _ in tail_sim.get("/simulator/delays")]
+    drawn = [ms / 1000 for _, ms, _, _ in tail_sim.get("/simulator/delays")]
     first, copies = drawn[:40], drawn[40:]
     hedges = sum(r.retries.get("hedge", 0) for r in replies)
     assert max(first) > 2.0, "the seed gives a slow first copy (else this test shows nothing)"

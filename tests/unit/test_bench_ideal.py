@@ -18,7 +18,7 @@ from bench.ideal import (
     zero_overhead_fraction,
 )
 from infra.simulator.script import SimConfig
-from infra.simulator.server import create_app
+from infra.simulator.server import SIMULATOR, create_app
 
 pytestmark = pytest.mark.unit
 
@@ -94,12 +94,14 @@ async def test_the_simulator_lists_each_calls_drawn_latency_in_call_order() -> N
         body = {"model": "m", "messages": [{"role": "user", "content": "question 0"}]}
         assert (await client.post("/v1/chat/completions", json=body)).status == 200
         drawn = await (await client.get("/simulator/delays")).json()
-        assert [kind for kind, _, _ in drawn] == ["answer"] * 4
-        assert all(ms > 0 for _, ms, _ in drawn) and len({ms for _, ms, _ in drawn}) == 4
-        keys = [key for _, _, key in drawn]
+        assert [kind for kind, _, _, _ in drawn] == ["answer"] * 4
+        assert all(ms > 0 for _, ms, _, _ in drawn) and len({ms for _, ms, _, _ in drawn}) == 4
+        keys = [key for _, _, key, _ in drawn]
         assert len(set(keys[:3])) == 3 and keys[3] == keys[0]
+        arrived = [at for _, _, _, at in drawn]  # on the monotonic clock, in call order
+        assert arrived == sorted(arrived) and 0 < arrived[-1] - arrived[0] < 60
         answers, judges, repeats = first_copies([tuple(d) for d in drawn])
-        assert answers == [ms / 1000 for _, ms, _ in drawn[:3]] and judges == [] and repeats == 1
+        assert answers == [ms / 1000 for _, ms, _, _ in drawn[:3]] and judges == [] and repeats == 1
         assert await (await client.get("/simulator/delays", params={"since": 2})).json() == drawn[2:]
         await client.post("/simulator/reset")
         assert await (await client.get("/simulator/delays")).json() == []
@@ -124,3 +126,42 @@ def test_the_hedged_replay_races_the_runs_own_slow_call() -> None:
     calm_hedged = hedged_replay_fraction(calm, calm, 64, 300, 450, trials=3)
     assert calm_hedged == pytest.approx(replay_fraction(calm, calm, 64, 300), abs=0.002)
     assert hedged_replay_fraction([], [], 64, 300, 450) is None
+
+
+def test_slot_occupancy_splits_idle_slots_into_fill_steady_and_drain() -> None:
+    from bench.run import slot_occupancy
+
+    # two slots; results at 1..10 s: the fill is 0..2 (10th percentile), steady 2..9, drain 9..10
+    arrivals = [float(i) for i in range(1, 11)]
+    drawn = [("answer", 2000.0, "a", 0.0),   # slot 1 busy 0..2: the whole fill
+             ("judge", 7000.0, "b", 2.0),    # slot 1 busy 2..9: the whole steady part
+             ("judge", 3500.0, "c", 2.0),    # slot 2 busy 2..5.5 only: half the steady part
+             ("judge", 500.0, "d", 9.0)]     # one slot of two for half the drain
+    occ = slot_occupancy(drawn, 0.0, arrivals, concurrency=2)
+    assert occ == {"fill": 0.5, "steady": 0.75, "drain": 0.25, "whole": pytest.approx(0.65)}
+    # a call lasting past the run's last result counts only up to it; too few results: no figure
+    assert slot_occupancy([("judge", 20_000.0, "e", 9.0)], 0.0, arrivals, 2)["drain"] == 0.5
+    assert slot_occupancy(drawn, 0.0, arrivals[:5], 2) is None
+
+
+async def test_the_simulators_latency_runs_from_the_requests_arrival() -> None:
+    """Reading and matching a request in the simulator is part of the drawn latency, as a
+    provider's own processing is, not added to it (its clock moves 20 ms at each look)."""
+    clock = [1000.0]
+    slept: list[float] = []
+
+    def ticking() -> float:
+        clock[0] += 0.02
+        return clock[0]
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    app = create_app(config=SimConfig(latency_ms=300, latency_dist="fixed"))
+    app[SIMULATOR].clock, app[SIMULATOR].sleep = ticking, sleep
+    async with TestClient(TestServer(app)) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": "question"}]}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        drawn = await (await client.get("/simulator/delays")).json()
+    assert [(ms, at) for _, ms, _, at in drawn] == [(300.0, 1000.02)]
+    assert slept == [pytest.approx(0.3 - 0.02)]  # the wait, less the time already spent here
