@@ -51,6 +51,7 @@ from shared.analysis.html_svg import (
     PALETTE,
     _esc,
     _fmt,
+    _pct,
     _short,
     svg_grouped_bars,
     svg_question_heatmap,
@@ -173,7 +174,7 @@ def iter_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping
         ", ".join(sorted(d.judges))
     usage = s["usage"]
     kpis = [("results", s["total"]), ("attempted", s["total_attempted"]), ("errors", s["errors"]),
-            ("passed", f"{s['passed_attempts']} ({s['pass_rate']:.1f}%)"),
+            ("passed", f"{s['passed_attempts']} ({_pct(s['passed_attempts'] / (s['total_attempted'] or 1))})"),
             ("avg score", f"{s['avg_score_attempted']:.3f}"),
             ("questions", len(d.per_q)),
             ("model calls", f"{usage['model_calls']} (+{usage['cached_replies']} cached)"),

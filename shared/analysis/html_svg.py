@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from shared.analysis.stats import Proportion
+from shared.analysis.stats import Proportion, percent
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D", "#FF9DA6",
            "#BAB0AC"]
@@ -34,7 +34,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{100 * v:.1f}%"
+    return "–" if v is None else f"{percent(v):.1f}%"
 
 
 def _table(columns: Sequence[str], rows: Iterable[Sequence[Any]], caption: str = "") -> str:

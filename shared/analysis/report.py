@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from shared.analysis.export import veribus_version
-from shared.analysis.stats import Proportion, describe
+from shared.analysis.stats import Proportion, describe, percent
 from shared.analysis.stored import iter_sorted
 from shared.core.models import VerificationResult
 from shared.core.outcome import VERIFY_RAISED, error_kind, error_lines
@@ -322,7 +322,7 @@ class SummaryTally:
                 "failed_samples": t.attempted - t.passed,
                 "errors": t.total - t.attempted,
                 "pass_rate": _rate(t.passed, t.attempted, pct=True) if t.attempted else None,
-                "pass_rate_ci95": [round(100 * pp.ci_low, 2), round(100 * pp.ci_high, 2)],
+                "pass_rate_ci95": list(pp.ci_percent),
             })
         by_metric: dict[str, Any] = {}
         for name in sorted(self.metrics, key=lambda n: (n != ACCURACY, n)):
@@ -333,7 +333,7 @@ class SummaryTally:
                 "avg_score_attempted": round(t.score_sum / t.attempted, 4) if t.attempted else 0.0,
                 "avg_score_total": round(t.score_sum / total, 4) if total else 0.0,
                 "pass_rate": _rate(t.passed, t.attempted, pct=True),
-                "pass_rate_ci95": [round(100 * mp.ci_low, 2), round(100 * mp.ci_high, 2)],
+                "pass_rate_ci95": list(mp.ci_percent),
                 "passed_attempts": t.passed,
                 "failed_attempts": t.attempted - t.passed,
             }
@@ -347,7 +347,7 @@ class SummaryTally:
             "passed_attempts": passed,
             "failed_attempts": att - passed,
             "pass_rate": _rate(passed, att, pct=True),
-            "pass_rate_ci95": [round(100 * p.ci_low, 2), round(100 * p.ci_high, 2)],
+            "pass_rate_ci95": list(p.ci_percent),
             "errors": total - att,
             "verify_raised": raised,
             "failed_plain": max(0, att - passed - raised),
@@ -385,7 +385,7 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
     """The console results block of `spec/004`: totals, attempted, avg score, passed, gate
     line(s), then one line per model."""
     s = summary
-    pct = 100.0 * s["passed_attempts"] / s["total_attempted"] if s["total_attempted"] else 0.0
+    pct = percent(s["passed_attempts"] / s["total_attempted"]) if s["total_attempted"] else 0.0
     lines = ["Results:" + ("  (SIMULATED LLM)" if simulated else ""),
              f"  Total samples: {s['total']}",
              f"  Attempted: {s['total_attempted']}",
@@ -416,8 +416,8 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
         lines.append("")
         lines.append("Results by model:")
         for m in models:
-            rate = f"{m['pass_rate']:.1f}%" if m.get("pass_rate") is not None else "n/a"
-            lo, hi = m.get("pass_rate_ci95") or (0.0, 100.0)
+            rate = "n/a" if m.get("pass_rate") is None else f"{_shown_rate(m):.1f}%"
+            lo, hi = m.get("pass_rate_ci95") or (0.0, 100.0)  # `percent`-rounded by `summary`
             extra = f", {m['errors']} error(s)" if m.get("errors") else ""
             lines.append(f"  {m['model_name']:<{width}}  - Avg: {m['avg_score_attempted']:.2f}, Pass: {rate} "
                          f"(95% CI {lo:.1f}-{hi:.1f}%){extra}")
@@ -427,6 +427,14 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
         lines.append("Outcome: " + ("✓ PASSED" if verdict["exit_code"] == 0 else "✗ FAILED: " + "; ".join(verdict["reasons"]))
                      + f" (exit {verdict['exit_code']})")
     return "\n".join(lines)
+
+
+def _shown_rate(m: Mapping[str, Any]) -> float:
+    """A model's pass rate as every output shows it (`percent` of its counts, not the rounded
+    `pass_rate` rounded again); a summary without the counts shows its `pass_rate`."""
+    if m.get("total_attempted") and "passed_samples" in m:
+        return percent(m["passed_samples"] / m["total_attempted"])
+    return float(m["pass_rate"])
 
 
 def print_results(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), *, simulated: bool = False,

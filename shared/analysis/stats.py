@@ -4,6 +4,8 @@ Everything here is plain Python (no scipy) so the core install stays small:
 
 - `wilson_interval`: the Wilson score interval for a binomial proportion. It behaves at 0/n and
   n/n (where the textbook Wald interval collapses to a point), which is common for pass rates.
+- `percent`: the one rounding of every rate, Wilson limit and difference an output shows or
+  writes (`Proportion.ci_percent` for an interval), so that outputs of the same run agree.
 - `pass_at_k` / `pass_hat_k`: the unbiased estimators over n replicates with c passes
   (Chen et al. 2021 for pass@k; pass^k = all k draws pass, as in tau-bench).
 - `mcnemar_exact` and `newcombe_paired_diff`: paired comparison of two models on the same jobs.
@@ -16,6 +18,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +140,16 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     return (lo, hi)
 
 
+PERCENT_PLACES = Decimal("0.1")  # every percentage shown or written: one decimal
+
+
+def percent(fraction: float) -> float:
+    """`fraction` (0.206549...) as the percentage every output shows and writes (20.7): rounded
+    once, half away from zero, from its exact value. Never round a rounded figure again (20.65
+    shown to one place is 20.6, while 20.6549 is 20.7): format this with `:.1f`."""
+    return float((Decimal(fraction) * 100).quantize(PERCENT_PLACES, rounding=ROUND_HALF_UP))
+
+
 @dataclass
 class Proportion:
     """A pass rate with its Wilson interval (what every rate in reports carries)."""
@@ -151,6 +164,11 @@ class Proportion:
     def of(cls, successes: int, n: int, confidence: float = 0.95) -> Proportion:
         lo, hi = wilson_interval(successes, n, confidence)
         return cls(successes, n, successes / n if n else None, lo, hi)
+
+    @property
+    def ci_percent(self) -> tuple[float, float]:
+        """The Wilson interval in percent, as every output shows and writes it (`percent`)."""
+        return percent(self.ci_low), percent(self.ci_high)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -323,7 +341,8 @@ class PairedComparison:
         pa, pb = self.pass_rate_a, self.pass_rate_b
 
         def rate(p: Proportion) -> str:
-            return "n/a" if p.rate is None else f"{100 * p.rate:.1f}% [{100 * p.ci_low:.1f}, {100 * p.ci_high:.1f}]"
+            lo, hi = p.ci_percent
+            return "n/a" if p.rate is None else f"{percent(p.rate):.1f}% [{lo:.1f}, {hi:.1f}]"
 
         verdict = "significant at 5%" if self.mcnemar_p < 0.05 else "not significant at 5%"
         return [
@@ -331,8 +350,8 @@ class PairedComparison:
             f"A {self.model_a}: {pa.successes}/{pa.n} passed, {rate(pa)}",
             f"B {self.model_b}: {pb.successes}/{pb.n} passed, {rate(pb)}",
             f"both pass {self.both_pass}, A only {self.a_only}, B only {self.b_only}, both fail {self.both_fail}",
-            f"difference A - B: {100 * self.difference:+.1f} points, 95% CI [{100 * self.diff_ci_low:+.1f}, "
-            f"{100 * self.diff_ci_high:+.1f}]",
+            f"difference A - B: {percent(self.difference):+.1f} points, 95% CI [{percent(self.diff_ci_low):+.1f}, "
+            f"{percent(self.diff_ci_high):+.1f}]",
             f"exact McNemar p = {self.mcnemar_p:.4g} ({verdict})",
         ]
 

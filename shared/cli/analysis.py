@@ -289,6 +289,7 @@ def cmd_results(args: argparse.Namespace) -> int:
     """Pass rates with Wilson intervals by a dimension, and pass@k across replicates."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.resultset import VerificationResultSet
+    from shared.analysis.stats import percent
 
     data = load_run_arg(args.run)
     rs = VerificationResultSet(data.results, run_ids=[data.run_id])
@@ -305,9 +306,9 @@ def cmd_results(args: argparse.Namespace) -> int:
     print(f"\npass rate by {table.columns[0]} (Wilson 95% CI):")
     width = max([len(str(v)) for v in table.iloc[:, 0]] + [10])
     for row in table.itertuples(index=False):
-        rate = "n/a" if row.pass_rate is None else f"{100 * row.pass_rate:5.1f}%"
-        print(f"  {str(row[0]):<{width}}  {row.passed:>6}/{row.n:<6} {rate}  [{100 * row.ci_low:.1f}, "
-              f"{100 * row.ci_high:.1f}]")
+        rate = "n/a" if row.pass_rate is None else f"{percent(row.pass_rate):5.1f}%"
+        print(f"  {str(row[0]):<{width}}  {row.passed:>6}/{row.n:<6} {rate}  [{percent(row.ci_low):.1f}, "
+              f"{percent(row.ci_high):.1f}]")
     if pak.per_model and max(m["max_replicates"] for m in pak.per_model) > 1:
         ks = [k for k in pak.ks if k <= max(m["max_replicates"] for m in pak.per_model)][:5]
         print("\nacross replicates (unbiased pass@k / pass^k):")

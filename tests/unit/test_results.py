@@ -389,3 +389,30 @@ def test_flat_dataframe_and_view_filters() -> None:
     abst[0].template.abstention_detected = True  # type: ignore[union-attr]
     assert TemplateResults(abst).aggregate_abstention_rate(by="question_id") == {"q1": 1.0}
     assert TemplateResults(abst).get_verification_results(question_id="q2") == {abst[1].metadata.result_id: True}
+
+
+def test_every_output_of_a_run_shows_the_same_wilson_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """1 of 1 passed: the lower Wilson limit is 20.6549...%. summary.json and the console block
+    once had 20.65 rounded again (20.6) while `veribus results` and the HTML report said 20.7;
+    now every output rounds once, in `stats.percent`."""
+    from shared.analysis import report
+    from shared.cli.commands import main
+
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    results = [make("q1", GPT, True)]
+    report.write_outputs(tmp_path / "run", "s", "r1", results, report.summarize(results), {}, False)
+    assert main(["results", str(tmp_path / "run" / "results.jsonl")]) == 0
+    shown = capsys.readouterr().out
+    assert main(["report", str(tmp_path / "run" / "results.jsonl"), "--html", str(tmp_path / "r.html"),
+                 "--output", str(tmp_path / "again")]) == 0
+    console = capsys.readouterr().out
+    html = (tmp_path / "r.html").read_text()
+    written = json.loads((tmp_path / "again" / "summary.json").read_text())["metrics"]
+    assert "100.0%  [20.7, 100.0]" in shown                      # veribus results
+    assert "Pass: 100.0% (95% CI 20.7-100.0%)" in console         # the console block of run / report
+    assert written["pass_rate_ci95"] == [20.7, 100.0] == written["per_model"][0]["pass_rate_ci95"]
+    assert "<td>20.7%</td><td>100.0%</td>" in html                # the HTML report's table
+    for text in (shown, console, html):
+        assert "20.6" not in text

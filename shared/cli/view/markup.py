@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from shared.analysis.html_svg import _esc, _fmt
-from shared.analysis.stats import Proportion
+from shared.analysis.stats import Proportion, percent
 from shared.cli.view.filters import Filters
 
 # escaping and number formatting are the static report's, so the two tell numbers the same way
@@ -19,7 +19,7 @@ _n = _fmt
 
 
 def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{100 * v:.1f}%"
+    return "–" if v is None else f"{percent(v):.1f}%"
 
 
 def _ci(p: Proportion) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from shared.analysis.html_svg import PALETTE, _color, svg_grouped_bars, svg_rate_bars
+from shared.analysis.stats import percent
 from shared.cli.view.filters import STATUSES, Filters
 from shared.cli.view.markup import (
     Raw,
@@ -364,7 +365,7 @@ def _compare_result(form: Mapping[str, str], r: Mapping[str, Any]) -> str:
         (la, _ci(r["rate_a"])), (lb, _ci(r["rate_b"])),
         ("both pass / A only / B only / both fail", f"{r['both_pass']} / {r['a_only']} / {r['b_only']} / {r['both_fail']}"),
         ("difference A − B (95% CI, Newcombe)",
-         f"{100 * r['difference']:+.1f} points [{100 * r['ci_low']:+.1f}, {100 * r['ci_high']:+.1f}]"),
+         f"{percent(r['difference']):+.1f} points [{percent(r['ci_low']):+.1f}, {percent(r['ci_high']):+.1f}]"),
         ("exact McNemar p", f"{fmt_p(r['mcnemar_p'])} ({sig})"),
     ], "compare-summary")
     chart = svg_rate_bars([(la, r["rate_a"]), (lb, r["rate_b"])], "Pass rate on the paired jobs (Wilson 95%)")
