@@ -362,6 +362,24 @@ def model_matches(display: str, model_name: str, query: str) -> bool:
     return query in (display, model_name) or model_name.split("/", 1)[-1] == query
 
 
+def answering_models(results: Iterable[VerificationResult]) -> list[tuple[str, str]]:
+    """(display string, model name) of each answering model of `results`, sorted; results in the
+    store (`StoredResults`) are asked in one query instead of read."""
+    listed = getattr(results, "answering_models", None)
+    if callable(listed):
+        return listed()
+    return sorted({(r.metadata.answering_model, r.metadata.answering.model_name) for r in results})
+
+
+def unknown_model(results: Iterable[VerificationResult], model: str) -> list[str] | None:
+    """None when `model` names an answering model of `results` (as `model_matches` reads it);
+    else the model names there are (empty: no results), for the error that says so."""
+    models = answering_models(results)
+    if any(model_matches(display, name, model) for display, name in models):
+        return None
+    return sorted({name for _, name in models})
+
+
 def _verdicts(results: Iterable[VerificationResult], model: str) -> dict[tuple[Any, ...], bool]:
     out: dict[tuple[Any, ...], bool] = {}
     for r in results:

@@ -65,6 +65,13 @@ class StoredResults:
     def __repr__(self) -> str:
         return f"StoredResults({self.where.run_id or self.where.run_name or 'all runs'}, page_size={self.page_size})"
 
+    def answering_models(self) -> list[tuple[str, str]]:
+        """(display string, model name) of each answering model of these results, in one query."""
+        cond, params = self.where.sql()
+        res = self._query(f"SELECT DISTINCT answering_model, answering_model_name FROM verification_results FINAL "
+                          f"WHERE {cond} ORDER BY answering_model", params)
+        return [(str(d), str(n)) for d, n in res.rows]
+
     def execution_time_by_model(self) -> list[tuple[str, int, float | None, float | None, float | None]]:
         """(answering model, results, p50, p95, max) of execution_time, aggregated in SQL."""
         cond, params = self.where.sql()

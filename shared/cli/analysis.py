@@ -352,10 +352,18 @@ def _f(v: float | None) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     # local import: shared.analysis (15 modules) would slow every command's start-up
-    from shared.analysis.stats import compare_models
+    from shared.analysis.stats import compare_models, unknown_model
 
     a = load_run_arg(args.run)
     b = load_run_arg(args.run_b) if args.run_b else None
+    # a model the run does not have is named, with those it has, before any verdict is read
+    for flag, model, ref, data in (("--model-a", args.model_a, args.run, a),
+                                   ("--model-b", args.model_b, args.run_b or args.run, b or a)):
+        known = unknown_model(data.results, model)
+        if known is not None:
+            named = ref if data.run_id in (ref, Path(ref).stem) else f"{ref} ({data.run_id})"
+            raise ValueError(f"{flag} {model!r} is not an answering model of run {named}: "
+                             + (f"its answering models are {', '.join(known)}" if known else "it has no results"))
     cmp = compare_models(a.results, args.model_a, args.model_b, b.results if b is not None else None)
     if args.format == "json":
         print(json.dumps({"run_a": a.run_id, "run_b": b.run_id if b else a.run_id, **cmp.as_dict()}, indent=2))

@@ -131,3 +131,34 @@ def test_proportion_of() -> None:
     p = Proportion.of(8, 10)
     assert p.rate == 0.8 and p.ci_low == pytest.approx(0.4902, abs=1e-4)
     assert Proportion.of(0, 0).rate is None
+
+
+def test_compare_names_a_model_the_run_does_not_have(tmp_path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "no paired verdicts": the model is not in the run, and the run's models are listed (exit 2)."""
+    import shared.analysis.stats as stats
+    from shared.analysis import report
+    from shared.cli.commands import main
+    from tests.support.results import make
+
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    for name, models in (("one", ("openai/gpt-x", "openai/gpt-y")), ("two", ("openai/gpt-x",))):
+        results = [make("q1", m, True) for m in models]
+        report.write_outputs(tmp_path / name, "s", name, results, report.summarize(results), {}, False)
+    one, two = str(tmp_path / "one" / "results.jsonl"), str(tmp_path / "two" / "results.jsonl")
+
+    def no_verdicts(*_a: object) -> object:
+        raise AssertionError("verdicts read for a model the run does not have")
+
+    monkeypatch.setattr(stats, "_verdicts", no_verdicts)
+    assert main(["compare", one, "--model-a", "gpt-x", "--model-b", "gpt-z"]) == 2
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert said.err == (f"veribus: error: --model-b 'gpt-z' is not an answering model of run {one}: "
+                        "its answering models are openai/gpt-x, openai/gpt-y\n")
+    # with two runs, each model is looked for in its own run
+    assert main(["compare", one, two, "--model-a", "gpt-x", "--model-b", "gpt-y"]) == 2
+    assert ("--model-b 'gpt-y' is not an answering model of run " + two) in capsys.readouterr().err
+    assert main(["compare", one, two, "--model-a", "nope", "--model-b", "gpt-x"]) == 2
+    assert "--model-a 'nope' is not an answering model of run " + one in capsys.readouterr().err

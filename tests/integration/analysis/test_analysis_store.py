@@ -308,6 +308,11 @@ def test_cli_commands(settings: Settings, store: Store, tmp_path: Path, monkeypa
     assert cmp["pairs"] == 17 and cmp["mcnemar_p"] == pytest.approx(1124 / 2048)
     assert main(["compare", "grid", str(tmp_path / "g.json"), "--model-a", "model-a", "--model-b", "model-b"]) == 0
     assert "exact McNemar p" in capsys.readouterr().out
+    # a model the run does not have is named with the models it has (one query), exit 2, nothing compared
+    assert main(["compare", "grid", "--model-a", "model-a", "--model-b", "model-z"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err == ("veribus: error: --model-b 'model-z' is not an answering model of run grid "
+                                           f"({RUN_A}): its answering models are model-a, model-b\n")
 
 
 def test_analysis_bench_small(tmp_path: Path) -> None:
