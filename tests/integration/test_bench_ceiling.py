@@ -1,4 +1,4 @@
-"""`bench.run.simulator_ceiling` against a real simulator: it measures completed calls as a
+"""`bench.timing.simulator_ceiling` against a real simulator: it measures completed calls as a
 fraction of the bound C/(2L), which no client can beat (a figure, not a timing assertion)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.run import simulator_ceiling, simulator_latency
+from bench.run import simulator_latency
+from bench.timing import simulator_ceiling
 from shared.control.processes import free_port
 from shared.runtime.bus import wait_for_port
 from tests.support.procs import stop_process

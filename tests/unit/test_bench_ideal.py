@@ -128,22 +128,6 @@ def test_the_hedged_replay_races_the_runs_own_slow_call() -> None:
     assert hedged_replay_fraction([], [], 64, 300, 450) is None
 
 
-def test_slot_occupancy_splits_idle_slots_into_fill_steady_and_drain() -> None:
-    from bench.run import slot_occupancy
-
-    # two slots; results at 1..10 s: the fill is 0..2 (10th percentile), steady 2..9, drain 9..10
-    arrivals = [float(i) for i in range(1, 11)]
-    drawn = [("answer", 2000.0, "a", 0.0),   # slot 1 busy 0..2: the whole fill
-             ("judge", 7000.0, "b", 2.0),    # slot 1 busy 2..9: the whole steady part
-             ("judge", 3500.0, "c", 2.0),    # slot 2 busy 2..5.5 only: half the steady part
-             ("judge", 500.0, "d", 9.0)]     # one slot of two for half the drain
-    occ = slot_occupancy(drawn, 0.0, arrivals, concurrency=2)
-    assert occ == {"fill": 0.5, "steady": 0.75, "drain": 0.25, "whole": pytest.approx(0.65)}
-    # a call lasting past the run's last result counts only up to it; too few results: no figure
-    assert slot_occupancy([("judge", 20_000.0, "e", 9.0)], 0.0, arrivals, 2)["drain"] == 0.5
-    assert slot_occupancy(drawn, 0.0, arrivals[:5], 2) is None
-
-
 async def test_the_simulators_latency_runs_from_the_requests_arrival() -> None:
     """Reading and matching a request in the simulator is part of the drawn latency, as a
     provider's own processing is, not added to it (its clock moves 20 ms at each look)."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from bench.__main__ import build_parser
-from bench.run import SCALED, simulator_latency, steady_rate, targets_block, timeline, timeline_line
+from bench.run import SCALED, simulator_latency, targets_block
+from bench.timing import slot_occupancy, steady_rate, timeline, timeline_line
 from shared.core import events
 
 
@@ -148,3 +149,17 @@ def test_hedge_after_takes_milliseconds_or_auto_and_refuses_the_rest() -> None:
     assert hedge_label(450.0) == "450 ms" and "95th percentile (auto)" in hedge_label("auto")
     # the bench's lognormal (mean 300 ms, sigma 0.5): median 265 ms, 95th percentile 603 ms
     assert round(lognormal_quantile(300, 0.5, 0.5)) == 265 and round(lognormal_quantile(300, 0.5, 0.95)) == 603
+
+
+def test_slot_occupancy_splits_idle_slots_into_fill_steady_and_drain() -> None:
+    # two slots; results at 1..10 s: the fill is 0..2 (10th percentile), steady 2..9, drain 9..10
+    arrivals = [float(i) for i in range(1, 11)]
+    drawn = [("answer", 2000.0, "a", 0.0),   # slot 1 busy 0..2: the whole fill
+             ("judge", 7000.0, "b", 2.0),    # slot 1 busy 2..9: the whole steady part
+             ("judge", 3500.0, "c", 2.0),    # slot 2 busy 2..5.5 only: half the steady part
+             ("judge", 500.0, "d", 9.0)]     # one slot of two for half the drain
+    occ = slot_occupancy(drawn, 0.0, arrivals, concurrency=2)
+    assert occ == {"fill": 0.5, "steady": 0.75, "drain": 0.25, "whole": 0.65}
+    # a call lasting past the run's last result counts only up to it; too few results: no figure
+    assert slot_occupancy([("judge", 20_000.0, "e", 9.0)], 0.0, arrivals, 2)["drain"] == 0.5
+    assert slot_occupancy(drawn, 0.0, arrivals[:5], 2) is None
