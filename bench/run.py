@@ -470,6 +470,11 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
                 lines.append(_figure("zero-overhead pipeline, hedged", h, note="the same hedging, no time outside the "
                                      "calls, on this run's own first copies' draws, each copy drawn afresh (mean of 30: "
                                      f"`bench.ideal.hedged_replay_fraction`); veribus reached {row['fraction_of_bound'] / h:.3f} of it"))
+            occ = row.get("slot_occupancy") or {}
+            if "whole" in occ:
+                lines.append(_figure("model slots busy, whole run", occ["whole"], note="share of C; fill "
+                                     f"{occ.get('fill', '-')}, steady {occ.get('steady', '-')}, drain "
+                                     f"{occ.get('drain', '-')}: where the run's idle slots are"))
             if row.get("simulator_ceiling_fraction"):
                 lines.append(_figure("simulator's own ceiling", row["simulator_ceiling_fraction"],
                                      note="C/2 minimal callers per model, same sitting: the load's share"))

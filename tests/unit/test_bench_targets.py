@@ -163,3 +163,12 @@ def test_slot_occupancy_splits_idle_slots_into_fill_steady_and_drain() -> None:
     # a call lasting past the run's last result counts only up to it; too few results: no figure
     assert slot_occupancy([("judge", 20_000.0, "e", 9.0)], 0.0, arrivals, 2)["drain"] == 0.5
     assert slot_occupancy(drawn, 0.0, arrivals[:5], 2) is None
+
+
+def test_targets_block_says_in_which_part_of_the_run_the_slots_idled() -> None:
+    row = {**_row(300.0, 96.0, 11.0, 0.9), "slot_occupancy": {"fill": 0.93, "steady": 0.979, "drain": 0.512,
+                                                               "whole": 0.906}}
+    text = targets_block([row])
+    assert "model slots busy, whole run          0.906" in text
+    assert "fill 0.93, steady 0.979, drain 0.512" in text
+    assert "model slots busy" not in targets_block([_row(300.0, 96.0, 11.0, 0.9)]), "not measured: not shown"
