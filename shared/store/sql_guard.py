@@ -118,18 +118,24 @@ ALLOWED_ROOTS = frozenset({"SelectWithUnionQuery", "SelectQuery", "ShowTables", 
 # under SelectQuery, a SHOW ... LIKE pattern is not a child node)
 OUTFILE_PARENTS = ALLOWED_ROOTS - {"SelectQuery"}
 # pure generators: no storage, no network (readonly allows them; bounded by the query limits)
+# (not `merge`: `merge('system', '^processes$')` reads any table, system ones included, named by a string)
 SAFE_TABLE_FUNCTIONS = frozenset({"numbers", "numbers_mt", "zeros", "zeros_mt", "values", "generate_series",
-                                  "generateseries", "null", "view", "merge", "primes", "sqlstandardvalues"})
+                                  "generateseries", "null", "view", "primes", "sqlstandardvalues"})
 DENIED_FUNCTIONS = frozenset({
     "file", "filecluster", "url", "urlcluster", "executable", "executablepool", "input", "python", "remote",
     "remotesecure", "cluster", "clusterallreplicas", "dictionary", "dictget", "joinget", "joingetornull",
     "filesystemavailable", "filesystemcapacity", "filesystemunreserved", "getserversetting", "getmacro",
-    "currentrequesturl", "eval", "s3", "hdfs", "mysql", "postgresql", "sqlite", "mongodb", "redis", "jdbc", "odbc",
+    "currentrequesturl", "eval", "merge", "s3", "hdfs", "mysql", "postgresql", "sqlite", "mongodb", "redis", "jdbc", "odbc",
 })
 DENIED_PREFIXES = ("dictget", "joinget", "filesystem", "iceberg", "deltalake", "hudi", "paimon", "azure", "s3",
                    "timeseries", "prometheus", "mergetree", "fuzz")
 ALLOWED_SYSTEM_TABLES = frozenset({"one", "numbers", "numbers_mt", "zeros", "zeros_mt", "tables", "columns",
                                    "functions", "table_functions", "data_type_families", "time_zones"})
+
+# a bound parameter's name, and a placeholder the engine binds it to (clickhouse-connect's own
+# pattern for one is a superset of this: where this finds one, it binds on the engine's side)
+_PARAM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PLACEHOLDER = re.compile(r"\{(\w+):[^}]+\}")
 
 _NODE = re.compile(r"^\s*(\w+)(?: (.*?))?(?: \(alias [^)]*\))?(?: \(children \d+\))?$")
 
@@ -189,6 +195,28 @@ def refusal_from_ast(ast_lines: list[str], engine_table_functions: frozenset[str
     return None
 
 
+def params_refusal(canonical: str, params: Mapping[str, Any] | None) -> str | None:
+    """Why `params` may not go with the statement `canonical`; None when they may.
+
+    Parameters are bound by the engine, to `{name:Type}` placeholders, or not at all. A query
+    without a placeholder has its parameters formatted into its text by clickhouse-connect
+    (`%(name)s`, client side), after the guard has read that text: a value could then close a
+    string literal of the checked statement and add statements of its own (chdb runs several,
+    so `SELECT '%(x)s'` with `x = " AS a; SELECT file(...) AS b; SELECT "` read any file)."""
+    if not params:
+        return None
+    if not isinstance(params, Mapping):
+        return "query parameters must be an object of name -> value"
+    for name, value in params.items():
+        if not isinstance(name, str) or not _PARAM_NAME.fullmatch(name):
+            return f"query parameter name {str(name)[:40]!r} is not a plain name ([A-Za-z_][A-Za-z0-9_]*)"
+        if isinstance(value, bytes | bytearray | memoryview):
+            return f"query parameter {name!r} is raw bytes"
+    if not _PLACEHOLDER.search(canonical):
+        return "query parameters are bound only to {name:Type} placeholders, and this query has none"
+    return None
+
+
 def _engine_message(exc: BaseException) -> str:
     text = str(exc).strip()
     m = re.search(r"DB::Exception: (.*?)(?: \(version [\d.]+\))?(?:\. \(\w+\))?$", text, re.S)
@@ -209,6 +237,9 @@ def engine_check(run: Callable[[str, Mapping[str, Any] | None], list[tuple[Any, 
         canonical = str(run("SELECT formatQuerySingleLine({veribus_sql:String})", {"veribus_sql": sql})[0][0])
     except Exception as exc:  # noqa: BLE001 - the engine's parse error is the answer
         return f"the engine does not accept this query: {_engine_message(exc)}", ""
+    reason = params_refusal(canonical, params)  # before anything runs with them (the EXPLAIN below too)
+    if reason:
+        return reason, ""
     try:
         rows = run(f"EXPLAIN AST {canonical}", params)
     except Exception as exc:  # noqa: BLE001

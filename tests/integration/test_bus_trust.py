@@ -423,6 +423,34 @@ def test_query_endpoint_attacks_through_the_stack(tstack: Stack, tmp_path: Path)
         assert "file()" in str(ei.value) and secret.read_text() not in str(ei.value) and PLANTED not in str(ei.value)
 
 
+def test_query_parameters_cannot_read_the_credentials_through_the_projector(tstack: Stack) -> None:
+    """A `cli` client asks the projector (as root, holding the stack's home) a query whose
+    parameters clickhouse-connect would have formatted into its text after the guard read it:
+    the value closes the checked literal and adds `SELECT file(<credentials.json>)`, which gave
+    every role's password, `admin` included. And `merge('system', ...)` read system tables."""
+    creds = bus_auth.credentials_path(Path(tstack.settings.home))
+    admin_password = json.loads(creds.read_text())["admin"]["password"]
+    path_sql = "char(" + ", ".join(str(ord(c)) for c in str(creds)) + ")"
+
+    async def ask() -> list[dict[str, Any]]:
+        nc = await _connect(_as(tstack, "cli"), [])
+        try:
+            out = []
+            for body in ({"sql": "SELECT '%(x)s' AS a", "params": {"x": f" AS a; SELECT file({path_sql}) AS b; SELECT "}},
+                         {"sql": "SELECT query FROM merge('system', '^processes$')"}):
+                msg = await nc.request(events.QUERY_SUBJECT, json.dumps(body).encode(), timeout=60)
+                out.append(json.loads(msg.data))
+            return out
+        finally:
+            await nc.close()
+
+    smuggled, system = sync(ask())
+    assert admin_password not in json.dumps(smuggled)
+    assert "placeholder" in (smuggled.get("error") or ""), smuggled
+    assert "merge()" in (system.get("error") or ""), system
+    assert run_query(tstack.settings, "SELECT {r:String} AS r", {"r": "x'y"}).rows == [("x'y",)]
+
+
 def test_heavy_query_blocks_neither_queries_nor_a_run(tstack: Stack, tmp_path: Path) -> None:
     path, script = generated_benchmark(tmp_path / "b.yaml", 4, rubric=False, prefix="Heavy")
     tstack.post_script(script)

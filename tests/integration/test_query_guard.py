@@ -76,6 +76,9 @@ def test_dollar_string_bypass_is_refused_by_the_engine_parser(store: Store, secr
     "SELECT $$'$$ AS a; SELECT file('{f}'); SELECT 'x'",
     "SELECT $$'$$ AS a; DROP TABLE runs; SELECT 'x'",
     "SELECT $$'$$ AS a SETTINGS readonly = 0",
+    "SELECT * FROM merge('system', '^processes$')",
+    "SELECT name, value FROM merge('system', '^server_settings$') WHERE name = 'path'",
+    "SELECT * FROM merge(REGEXP('^sys'), '^disks$')",
 ])
 def test_attacks_refused_at_the_engine(store: Store, secret_file: Path, tmp_path: Path, sql: str) -> None:
     out = tmp_path / "written.txt"
@@ -85,6 +88,27 @@ def test_attacks_refused_at_the_engine(store: Store, secret_file: Path, tmp_path
         store.query_read_only(sql)
     assert not out.exists()
     assert store.count("runs") == 0 or store.query("EXISTS TABLE runs").rows[0][0] == 1
+
+
+def _chars(text: str) -> str:
+    """`text` as SQL without a quote: char(47, 116, ...)."""
+    return "char(" + ", ".join(str(ord(c)) for c in text) + ")"
+
+
+@pytest.mark.parametrize("sql", ["SELECT '%(x)s' AS a", "SELECT 1 AS n, '%(x)s' AS a"])
+def test_parameters_cannot_add_statements_to_the_checked_query(store: Store, secret_file: Path, sql: str) -> None:
+    """A query over the endpoint comes with its parameters (`{"sql": ..., "params": {...}}`). Without a
+    `{name:Type}` placeholder clickhouse-connect formats them into the text (`%(x)s`) after the guard read
+    it, and chdb runs every statement: the value closes the literal and adds a `SELECT file(...)` (no
+    quote needed), which read any file the projector can (the credentials file holds the admin password)."""
+    params = {"x": f" AS a; SELECT file({_chars(str(secret_file))}) AS b; SELECT "}
+    with pytest.raises(ReadOnlyError) as ei:  # before: rows ('',), (the file,), ('',)
+        store.query_read_only(sql, params)
+    assert "placeholder" in str(ei.value) and secret_file.read_text() not in str(ei.value)
+    # a write smuggled the same way is refused too, and the tables are untouched
+    with pytest.raises(ReadOnlyError):
+        store.query_read_only(sql, {"x": " AS a; DROP TABLE runs; SELECT "})
+    assert store.query("EXISTS TABLE runs").rows[0][0] == 1
 
 
 def test_ordinary_queries_still_work(store: Store) -> None:
