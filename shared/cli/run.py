@@ -18,7 +18,7 @@ from shared.cli import analysis as cli_analysis
 from shared.cli import scale as cli_scale
 from shared.cli.aio import run_main
 from shared.cli.common import err, say, validation_text
-from shared.cli.progress import ProgressPrinter, RunProgress
+from shared.cli.progress import ProgressPrinter, RunProgress, StackWatch
 from shared.cli.stack import simulator_args
 from shared.control import deployment, runner, stack, wait
 from shared.control.credentials import config_problems
@@ -350,10 +350,19 @@ def _post_script(simulator_url: str, script: dict) -> None:
 
 async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: ANN001, ANN202
     """Collect the run's results, showing progress on stderr (redrawn on a terminal, a plain line
-    every VERIBUS_PROGRESS_INTERVAL_S seconds, default 10, when piped)."""
+    every VERIBUS_PROGRESS_INTERVAL_S seconds, default 10, when piped). On a local stack (its own
+    or a temporary one) a process that is DEAD is named once, with `veribus up`, --quiet or not,
+    and on the progress line while it is (looked for with the retry count, every 2 s)."""
     expected = set(plan.result_ids)
+    dep = deployment.select()
+    watch = StackWatch(dep.settings.home.resolve()) if dep.kind == "local" else None
     if quiet:
-        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout))
+        def warn(_retrying: int) -> None:
+            for line in watch.check():
+                say(line)
+
+        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
+                                                   on_tick=warn if watch else None))
     prog = RunProgress(total=len(expected), started=time.monotonic())
     printer = ProgressPrinter(prog, interval_s=Settings.from_env().progress_interval_s)
 
@@ -363,6 +372,10 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
 
     def on_tick(retrying: int) -> None:
         prog.retrying = retrying
+        if watch is not None:
+            for line in watch.check():
+                printer.note(line)
+            prog.dead = watch.dead
         printer.update()
 
     try:

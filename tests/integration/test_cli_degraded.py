@@ -152,3 +152,53 @@ def test_losing_the_bus_while_following_a_run_ends_it_at_once_naming_the_server(
         assert proc.returncode == 3, out + errs
         assert f"lost the NATS server at {settings.nats_url}" in errs and "Traceback" not in errs, errs
         assert "veribus status" in errs
+
+
+def test_a_service_that_dies_while_a_run_is_followed_is_named_and_up_brings_it_back(tmp_path: Path) -> None:
+    """parsing is killed once `run` follows its run: stderr names it (DEAD, its PID, what waits,
+    `veribus up`) once, and on the progress line; `veribus up`, as it says, restarts it, a note
+    says it runs again, and the run completes (exit 0)."""
+    import threading
+
+    with up_and_down(tmp_path / "home", simulator_args=["--latency-ms", "1500"],
+                     extra_env={"VERIBUS_CONSUMER_ACK_WAIT_S": "5"}) as (settings, state):
+        env = cli_env(settings.home)
+        bench = write_bench(tmp_path / "watched.yaml", 10, prefix="Watched")
+        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "run", str(bench), "--simulate",
+                                 "--replicates", "2", "--timeout", "240"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out: list[str] = []
+        err: list[str] = []
+        readers = [threading.Thread(target=lambda f=f, into=into: into.extend(f), daemon=True)
+                   for f, into in ((proc.stdout, out), (proc.stderr, err))]
+        for t in readers:
+            t.start()
+
+        def wait_for(lines: list[str], text: str) -> None:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and proc.poll() is None and not any(text in ln for ln in lines):
+                time.sleep(0.05)
+            assert any(text in ln for ln in lines), (text, "".join(out), "".join(err))
+
+        parsing = stack.proc_named(state, "parsing")
+        try:
+            wait_for(out, "submitted run")  # following; the first answers take 1.5 s to reach parsing
+            processes.kill_proc(parsing)
+            wait_for(err, "warning: the local stack's parsing is DEAD")
+            healed = veribus(env, "up")  # what the warning says to do
+            assert healed.returncode == 0, healed.stdout + healed.stderr
+            proc.wait(timeout=200)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            for t in readers:
+                t.join(10)
+        stderr = "".join(err)
+        assert proc.returncode == 0, "".join(out) + stderr
+        warned = [ln for ln in err if "is DEAD" in ln and ln.startswith("warning:")]
+        assert warned == [f"warning: the local stack's parsing is DEAD (pid {parsing.pid} exited): the run's jobs "
+                          "wait for it at that stage; `veribus up` restarts it\n"], stderr
+        assert any(ln.startswith("progress: ") and ln.rstrip().endswith(", DEAD: parsing") for ln in err), stderr
+        assert "note: the local stack's parsing is running again\n" in err, stderr
+        assert "Traceback" not in stderr and "✓ PASSED" in "".join(out)

@@ -318,6 +318,62 @@ def test_piped_progress_is_periodic_plain_lines() -> None:
     assert "\r" not in out.getvalue()
 
 
+def test_a_dead_process_of_the_local_stack_is_named_once_while_a_run_is_followed() -> None:
+    """StackWatch: each death said once (PID, what waits, `veribus up`), on the progress line while
+    it lasts, a note when it runs again; stack.json is read at most every `every_s` (fake clock)."""
+    import subprocess
+
+    import psutil
+
+    from shared.cli.progress import StackWatch
+    from shared.control.processes import Proc
+    from shared.control.stack import StackState
+
+    me = psutil.Process()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def proc(name: str, alive: bool = True) -> Proc:
+        return Proc(name=name, pid=me.pid if alive else gone.pid, cmd=[], log="log",
+                    create_time=me.create_time() if alive else 1.0)
+
+    def state(*dead: str) -> StackState:
+        names = ("nats", "simulator", "projector", "projector-2", "parsing", "rubric")
+        return StackState(home="h", nats_url="nats://x", simulator_url=None,
+                          procs=[proc(n, n not in dead) for n in names])
+
+    states, loads, clock = [state("parsing", "projector")], [], [0.0]
+    watch = StackWatch(Path("h"), every_s=2.0, clock=lambda: clock[0],
+                       load=lambda home: loads.append(home) or states[-1])
+    assert watch.check() == [
+        f"warning: the local stack's projector is DEAD (pid {gone.pid} exited): projector-2 carry on its work; "
+        "`veribus up` restarts it",
+        f"warning: the local stack's parsing is DEAD (pid {gone.pid} exited): the run's jobs wait for it at that "
+        "stage; `veribus up` restarts it"]
+    assert watch.dead == ["projector", "parsing"]
+    prog = RunProgress(total=4, started=0.0, dead=watch.dead)
+    assert prog.line(1.0).endswith(", DEAD: projector, parsing")
+    clock[0] = 1.0
+    assert watch.check() == [] and len(loads) == 1  # not looked at again within every_s
+    clock[0] = 2.0
+    assert watch.check() == [] and len(loads) == 2  # looked at, and said once
+    states.append(state("parsing", "simulator"))
+    clock[0] = 4.0
+    assert watch.check() == ["note: the local stack's projector is running again",
+                             f"warning: the local stack's simulator is DEAD (pid {gone.pid} exited): the simulated "
+                             "models' calls fail and are retried; `veribus up` restarts it"]
+    states.append(state())
+    clock[0] = 6.0
+    assert sorted(watch.check()) == ["note: the local stack's parsing is running again",
+                                     "note: the local stack's simulator is running again"]
+    assert watch.dead == []
+    out = io.StringIO()  # on a terminal the warning gets a line of its own, the progress line is redrawn below
+    printer = ProgressPrinter(RunProgress(total=4, started=0.0), out, clock=lambda: 0.0, tty=True)
+    printer.update()
+    printer.note("warning: x")
+    assert out.getvalue().startswith("\r0/4 done") and "\rwarning: x\n\r0/4 done" in out.getvalue()
+
+
 # --------------------------------------------------------------------------------------------
 # logs say why, once per cause
 # --------------------------------------------------------------------------------------------
