@@ -109,3 +109,23 @@ def test_runs_page_is_live_only_while_a_run_runs() -> None:
     assert "bus: not connected" in page
     page = pages.runs_page({"runs": [{**row, "state": "finished"}], "more": False, "page": 0}, "", None, "x")
     assert 'data-live="0"' in page
+
+
+def test_a_port_in_use_is_one_line_of_bad_input(tmp_path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`veribus view --port P` with P taken: exit 2 and a line naming the port and `--port 0`,
+    not an OSError with exit 3 (which means an unreachable deployment)."""
+    import socket
+
+    from shared.cli.commands import main
+
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["view", "--port", str(port)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (f"veribus: error: cannot listen on 127.0.0.1:{port}: address already in use; another program "
+                    "(a `veribus view`?) listens there; `--port 0` takes any free port"), line

@@ -56,7 +56,7 @@ def runs_page(data: Mapping[str, Any], q: str, bus: Mapping[str, Any] | None, ba
         ])
     live = any(r["state"] == "running" for r in data["runs"])
     table = _table(["run", "requested", "benchmark", "models", "jobs", "done", "pass rate [95% CI]", "errors",
-                    "state"], rows, "runs", "runs") if rows else "<p class='muted' id='no-runs'>No runs in the store.</p>"
+                    "state"], rows, "runs", "runs") if rows else _no_runs(q, data["page"])
     pager = ""
     if data["page"] or data["more"]:
         prev = _a("/?" + urlencode({"q": q, "page": data["page"] - 1}), "← newer") if data["page"] else ""
@@ -66,6 +66,19 @@ def runs_page(data: Mapping[str, Any], q: str, bus: Mapping[str, Any] | None, ba
               f"placeholder='run id, name or benchmark' aria-label='search runs'><button>Search</button></form>")
     return page("Runs", f"<h1>Runs</h1>{search}<div id='live'>{_bus_strip(bus, backend)}{table}{pager}</div>",
                 live=live, active="runs")
+
+
+def _no_runs(q: str, page_no: int) -> str:
+    """What an empty runs list means: a search that matched nothing, a page past the last, or
+    a store without runs (only the last is "no runs in the store")."""
+    if page_no:
+        first = _a("/?" + urlencode({"q": q} if q else {}), "the first page")
+        return (f"<p class='muted' id='no-runs'>No runs on page {page_no + 1}"
+                f"{' for ' + _e(repr(q)) if q else ''}: it is past the last one; go to {first}.</p>")
+    if q:
+        return (f"<p class='muted' id='no-runs'>No run matches {_e(repr(q))} (run id, name or benchmark); "
+                f"{_a('/', 'all runs')}.</p>")
+    return "<p class='muted' id='no-runs'>No runs in the store.</p>"
 
 
 def _bus_strip(bus: Mapping[str, Any] | None, backend: str) -> str:
@@ -129,6 +142,10 @@ def _rates_section(rows: Sequence[Mapping[str, Any]], what: str, run_id: str, f:
 
 
 def _heatmap_section(heat: Mapping[str, Any], run_id: str, f: Filters, hpage: int) -> str:
+    if not heat["questions"] and hpage and heat["total"]:
+        last = (heat["total"] - 1) // 40
+        return (f"<p class='muted'>{heat['total']:,} questions · page {hpage + 1} is past the last one "
+                f"({last + 1}): {_a(run_url(run_id, f, hpage=last, anchor='heat'), 'go to the last page')}</p>")
     if not heat["questions"]:
         return "<p class='muted'>No results match.</p>"
     models = heat["models"]
@@ -252,8 +269,11 @@ def _cost_section(cost: Mapping[str, Any] | None) -> str:
     """Total cost, then per model and per model and stage (when any result carries a price)."""
     if not cost or not (cost["priced_results"] or cost["calls"]):
         return "<p class='muted' id='no-cost'>No cost recorded for these results (no model calls, or no prices).</p>"
-    unpriced = (f" <span class='muted'>({cost['unpriced_results']:,} results without a price)</span>"
-                if cost["unpriced_results"] else "")
+    unknown = cost.get("unknown_models") or []
+    unpriced = (f" <span class='muted'>(unknown for {_e(', '.join(unknown))}: no price; "
+                f"{cost['unpriced_results']:,} results without a full price)</span>"
+                if unknown else (f" <span class='muted'>({cost['unpriced_results']:,} results without a price)</span>"
+                                 if cost["unpriced_results"] else ""))
     head = (f"<p id='cost-total'>Total cost: <b>${cost['total_usd']:,.6f}</b> · {cost['calls']:,} model calls · "
             f"{cost['cached']:,} cached replies{unpriced}</p>")
     by_model = _table(["model", "cost USD"], [(m["model"], f"{m['cost_usd']:.6f}") for m in cost["by_model"]],
@@ -273,6 +293,11 @@ def _samples_section(s: Mapping[str, Any], run_id: str, f: Filters, page_no: int
     table = _table(["question", "model", "judge", "rep", "verdict", "response / error", "time s", "tokens"], rows,
                    "samples", "samples-table") if rows else "<p class='muted' id='no-samples'>No results match.</p>"
     last = max(0, (s["total"] - 1) // s["page_size"])
+    if page_no > last:  # a page past the end (an old link, a hand-made URL): say so, link to the last
+        return (f"<p class='muted' id='samples-count'>{s['total']:,} results match · page {page_no + 1} is past "
+                f"the last one ({last + 1}): "
+                f"{_a(run_url(run_id, f, page=last, anchor='samples'), 'go to the last page')}</p>"
+                "<p class='muted' id='no-samples'>No results on this page.</p>")
     pager = []
     if page_no:
         pager.append(_a(run_url(run_id, f, page=page_no - 1, anchor="samples"), "← previous"))
@@ -299,8 +324,8 @@ def run_page(h: Mapping[str, Any], f: Filters, *, models: Sequence[Mapping[str, 
     meta = (f"<p class='muted'>run {_e(run_id)} · benchmark {_e(h['benchmark'] or '–')} · mode "
             f"{_e(h['mode'] or cfg.get('evaluation_mode') or '–')} · requested {_e(_when(h['requested_at']))} · "
             f"state {_state(h['state'])}{compare}</p>")
-    note = ("<p class='note'>Filtered: every section below shows only matching results "
-            "(stage latency is for the whole run).</p>") if f.active() else ""
+    note = ("<p class='note' id='filtered-note'>Filtered: the run's totals just below and the stage latency are "
+            "for the whole run; every other section shows only matching results.</p>") if f.active() else ""
     body = [
         f"<h1>{_e(title)}{sim}</h1>", meta, _filter_form(run_url(run_id), f, h), note,
         "<div id='live'>", _kpis(h),

@@ -310,9 +310,14 @@ async def cost(src: AsyncSource, run_id: str, f: Filters) -> dict[str, Any]:
     per_model: dict[str, float] = {}
     for r in rows:
         per_model[r["model"]] = per_model.get(r["model"], 0.0) + r["cost_usd"]
-    return {"total_usd": float(usd or 0.0), "calls": int(calls or 0), "cached": int(cached or 0),
+    # the total is the priced entries' sum, as the HTML report and the console summary add it up:
+    # a result's own cost_usd is NULL when any one of its calls has no price, and summing those
+    # alone would leave out the priced calls of every such result
+    total = sum(r["cost_usd"] for r in rows) if rows else float(usd or 0.0)
+    return {"total_usd": total, "calls": int(calls or 0), "cached": int(cached or 0),
             "unpriced_results": int(unpriced or 0), "priced_results": int(priced or 0), "by_stage": rows,
-            "by_model": [{"model": m, "cost_usd": c} for m, c in sorted(per_model.items())]}
+            "by_model": [{"model": m, "cost_usd": c} for m, c in sorted(per_model.items())],
+            "unknown_models": sorted({r["model"] for r in rows if r["unpriced"]})}
 
 
 SAMPLE_COLUMNS = ("result_id, question_id, question_text, answering_model, parsing_model, replicate, verify_result, "
@@ -406,6 +411,15 @@ class Side:
             cond += f" AND (answering_model = {{{tag}_m:String}} OR answering_model_name = {{{tag}_m:String}})"
             params[f"{tag}_m"] = self.model
         return cond, params
+
+
+async def answering_models(src: AsyncSource, run_id: str) -> tuple[list[str], set[str]]:
+    """A run's answering models as shown (`interface:model`), and every name a side may give
+    for one of them (shown or bare model name, as `Side.sql` matches)."""
+    res = await src.query("SELECT groupUniqArray(200)(answering_model), groupUniqArray(200)(answering_model_name) "
+                          "FROM verification_results FINAL WHERE run_id = {r:String}", {"r": run_id})
+    shown, names = res.rows[0] if res.rows else ([], [])
+    return sorted(shown), set(shown) | set(names)
 
 
 async def compare(src: AsyncSource, a: Side, b: Side, f: Filters) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import sys
 import webbrowser
@@ -149,7 +150,10 @@ async def compare_handler(request: web.Request) -> web.Response:
             models = sorted(set((await queries.run_header(src, run_a))["models"])
                             | (set((await queries.run_header(src, run_b))["models"]) if run_b != run_a else set()))
             one_run = not form["run_b"]
-            if one_run and not (form["a"] and form["b"]):
+            unknown = await _unknown_model(src, (("A", run_a, form["a"]), ("B", run_b, form["b"])))
+            if unknown:
+                problem = unknown
+            elif one_run and not (form["a"] and form["b"]):
                 problem = "two models of one run: choose model A and model B (or choose a second run)"
             elif one_run and form["a"] == form["b"]:
                 problem = "model A and model B are the same model of the same run: nothing to compare"
@@ -157,6 +161,19 @@ async def compare_handler(request: web.Request) -> web.Response:
                 result = await queries.compare(src, queries.Side(run_a, form["a"]), queries.Side(run_b, form["b"]), f)
     status = 400 if problem else 200
     return _html(pages.compare_page(form, runs, models, result, problem), status)
+
+
+async def _unknown_model(src: Any, sides: tuple[tuple[str, str, str], ...]) -> str:
+    """The problem with a model A or B its run does not have (named, with the run's answering
+    models, as `veribus compare` refuses it), else ""."""
+    for label, run_id, model in sides:
+        if not model:
+            continue
+        shown, names = await queries.answering_models(src, run_id)
+        if model not in names:
+            return (f"model {label} {model!r} is not an answering model of run {run_id}: its answering models are "
+                    f"{', '.join(shown) or 'none'}")
+    return ""
 
 
 async def static_handler(request: web.Request) -> web.Response:
@@ -206,7 +223,14 @@ async def _serve(settings: Settings, host: str, port: int, open_browser: bool,
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # bad input, said in one line (`veribus` exits 2 on a ValueError)
+        await runner.cleanup()
+        hint = ("another program (a `veribus view`?) listens there; `--port 0` takes any free port"
+                if exc.errno == errno.EADDRINUSE else "`--host` must be an address of this machine")
+        why = (exc.strerror or str(exc)).rsplit(": ", 1)[-1]  # asyncio repeats the address before the reason
+        raise ValueError(f"cannot listen on {host}:{port}: {why}; {hint}") from exc
     bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     app[HOSTS] |= _hosts_for(host, bound)
     url = f"http://{'localhost' if host in ('127.0.0.1', 'localhost') else host}:{bound}/"

@@ -231,7 +231,7 @@ async def test_runs_page_lists_searches_and_serves_json(client: TestClient) -> N
     assert "grid-bench" in page and "model-a, model-b" in page  # benchmark and models from the run's config
     found = await _get(client, "/?q=evil0001")
     assert RUN_EVIL in found and RUN_A not in found and RUN_BIG not in found
-    assert "No runs in the store." in await _get(client, "/?q=no-such-run-anywhere")
+    assert "No run matches" in await _get(client, "/?q=no-such-run-anywhere")
     resp = await client.get("/api/runs")
     data = await resp.json()
     by_id = {r["run_id"]: r for r in data["runs"]}
@@ -314,3 +314,54 @@ async def test_run_page_shows_cost_total_per_model_and_per_stage(client: TestCli
     assert f"Total cost: <b>${mine:,.6f}</b>" in page.split("<h2 id='cost'>", 1)[1] and mine < 0.099
     # a run without prices says so
     assert "id='no-cost'" in await _get(client, f"/run/{RUN_A}")
+
+
+async def test_cost_total_counts_the_priced_calls_of_partly_priced_results(client: TestClient, seeded: Store) -> None:
+    """A result with one call of an unknown price has no total cost of its own: the run's total
+    still adds up its priced calls (as the HTML report and the console do), and says which
+    model has no price, instead of leaving every such result out."""
+    run = "20260101T000000-cost0002"
+    rs = grid_results()
+    for r in rs:
+        answer = {"input_tokens": 100, "output_tokens": 50, "model": r.metadata.answering.model_name,
+                  "model_calls": 1, "cached_replies": 0}
+        if r.metadata.answering.model_name == "model-a":
+            answer["cost_usd"] = 0.002  # model-b has no price
+        r.template.usage_metadata = {
+            "answer_generation": answer,
+            "parsing": {"input_tokens": 80, "output_tokens": 20, "model": r.metadata.parsing.model_name,
+                        "model_calls": 1, "cached_replies": 0, "cost_usd": 0.001},
+        }
+    seeded.insert_results([result_to_row(r, run, version=1) for r in rs])
+    section = (await _get(client, f"/run/{run}")).split("<h2 id='cost'>", 1)[1].split("<h2", 1)[0]
+    # 18 x 0.002 (model-a's answers) + 36 x 0.001 (every parse, model-b's results too) = 0.072
+    assert "Total cost: <b>$0.072000</b> · 72 model calls" in section, section[:600]
+    assert "unknown for model-b: no price" in section
+
+
+async def test_empty_pages_say_why(client: TestClient) -> None:
+    """A search that matches no run, a page of runs or results past the last one: each says so
+    (and links back), never "No runs in the store." or a "showing 0–4,950" of a store that has them."""
+    page = await _get(client, "/?q=no-such-run-anywhere")
+    assert "No run matches &#x27;no-such-run-anywhere&#x27;" in page and "No runs in the store." not in page
+    page = await _get(client, "/?page=500")
+    assert "No runs on page 501" in page and "No runs in the store." not in page
+    page = await _get(client, f"/run/{RUN_A}?model=model-a&page=99")
+    count = page.split("id='samples-count'>", 1)[1].split("</p>", 1)[0]
+    assert "page 100 is past the last one (1)" in count and "showing" not in count, count
+    assert f"/run/{RUN_A}?model=model-a&amp;page=0#samples" in count
+    page = await _get(client, f"/run/{RUN_BIG}?hpage=99")
+    heat = page.split("<h2 id='heat'>", 1)[1].split("<h2", 1)[0]
+    assert "500 questions · page 100 is past the last one (13)" in heat, heat[:400]
+    # a filtered page says its totals are the whole run's (they are not filtered)
+    assert "the run's totals just below and the stage latency are for the whole run" in \
+        await _get(client, f"/run/{RUN_A}?status=failed")
+
+
+async def test_compare_names_a_model_the_run_does_not_have(client: TestClient) -> None:
+    """As `veribus compare` refuses it: the model and the run's answering models, not "no paired
+    verdicts"."""
+    page = await _get(client, f"/compare?run={RUN_A}&a=model-a&b=no-such-model", status=400)
+    assert "model B &#x27;no-such-model&#x27; is not an answering model of run" in page
+    assert "litellm:model-a, litellm:model-b" in page and "No paired verdicts" not in page
+    await _get(client, f"/compare?run={RUN_A}&a=model-a&b=litellm:model-b")  # a bare or shown name is known
