@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the local stack (nats-server, simulator, every service)")
     up.add_argument("--replicas", nargs="*", metavar="SERVICE=N", help="replicas per service, e.g. parsing=3")
     up.add_argument("--no-simulator", action="store_true", help="do not start the LLM simulator")
-    up.add_argument("--nats-cluster", type=number_arg(int, low=1), default=1, metavar="N",
-                    help="run N NATS nodes as one cluster (routes on loopback); stream replicas min(3, N)")
+    up.add_argument("--nats-cluster", type=number_arg(int, low=1), default=None, metavar="N",
+                    help="run N NATS nodes as one cluster (routes on loopback); stream replicas min(3, N) "
+                         "(default: 1 node)")
     up.add_argument("--sim-latency-ms", type=LATENCY_MS, help="simulator latency per call")
     up.add_argument("--sim-error-rate", type=RATE, help="simulator injected error rate (0 to 1)")
     up.add_argument("--log-format", choices=["text", "json"], help="service log lines: text (default) or JSON")

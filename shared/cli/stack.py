@@ -30,19 +30,52 @@ def _parse_replicas(items: list[str] | None) -> dict[str, int]:
 def cmd_up(args: argparse.Namespace) -> int:
     settings = deployment_settings()
     sim_args = simulator_args(args)
-    state = stack.up(settings, replicas=_parse_replicas(args.replicas), simulator=not args.no_simulator,
-                     simulator_args=sim_args, nats_cluster=args.nats_cluster,
+    replicas = _parse_replicas(args.replicas)
+    state = stack.up(settings, replicas=replicas, simulator=not args.no_simulator,
+                     simulator_args=sim_args, nats_cluster=args.nats_cluster or 1,
                      extra_env={"VERIBUS_LOG_FORMAT": args.log_format} if args.log_format else None)
     print(f"stack up: nats {state.nats_url}" + (f", simulator {state.simulator_url}" if state.simulator_url else ""))
     restarted = set(state.restarted)
-    if args.nats_cluster != state.nats_cluster and len(restarted) < len(state.procs):
-        print(f"  note: the running stack has {state.nats_cluster} NATS node(s), not {args.nats_cluster}; "
-              "`veribus down` first to change that")
+    if len(restarted) < len(state.procs):  # a stack that ran already: what was asked and is not so
+        for line in _not_applied(args, replicas, sim_args, state):
+            print(f"  note: {line}; `veribus down` first to change that")
     if len(restarted) < len(state.procs):
         print("  already running; " + (f"restarted: {', '.join(state.restarted)}" if restarted else "nothing to restart"))
     for p in state.procs:
         print(f"  {p.name:<16} pid {p.pid}" + ("  (started)" if p.name in restarted else ""))
     return EXIT_OK
+
+
+def _not_applied(args: argparse.Namespace, replicas: dict[str, int], sim_args: list[str],
+                 state: stack.StackState) -> list[str]:
+    """The options of this `up` that a stack already running does not have (it is healed, never
+    rebuilt): one line each, naming what runs. Only options given are compared (`up` alone
+    heals whatever shape the stack has)."""
+    out = []
+    if args.nats_cluster is not None and args.nats_cluster != state.nats_cluster:
+        out.append(f"the running stack has {state.nats_cluster} NATS node(s), not {args.nats_cluster}")
+    for name, n in sorted(replicas.items()):
+        have = len(state.replicas_of(name))
+        if have != n:
+            out.append(f"the running stack has {have} {name} process(es), not {n} (--replicas {name}={n})")
+    sim = next((p for p in state.procs if p.name == "simulator"), None)
+    if args.no_simulator and sim is not None:
+        out.append("the running stack has its LLM simulator (--no-simulator)")
+    if sim is not None:
+        running = sim.cmd[sim.cmd.index("--port") + 2:] if "--port" in sim.cmd else []
+        for flag, value in zip(sim_args[::2], sim_args[1::2], strict=True):
+            now = running[running.index(flag) + 1] if flag in running[:-1] else "its default"
+            if _number(now) != _number(value):
+                out.append(f"the running simulator has {flag} {now}, not {value} "
+                           f"(--sim-{flag.removeprefix('--')})")
+    return out
+
+
+def _number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def simulator_args(args: argparse.Namespace) -> list[str]:
