@@ -15,6 +15,7 @@ import logging
 import operator
 import os
 import queue
+import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -229,6 +230,7 @@ class Store:
         if reason:
             raise ReadOnlyError(f"refused: {reason}")
         reader = self._acquire_reader()
+        in_step = True
         try:
             def run(q: str, p: Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
                 return self._query(reader, q, p).rows
@@ -239,8 +241,42 @@ class Store:
             if reason:
                 raise ReadOnlyError(f"refused: {reason}")
             return self._query(reader, canonical, params)
+        except ReadOnlyError:
+            raise
+        except BaseException:
+            in_step = self._in_step(reader)
+            raise
         finally:
-            self._release_reader(reader)
+            if in_step:
+                self._release_reader(reader)
+            else:
+                self._discard_reader(reader)
+
+    def _in_step(self, reader: Any) -> bool:
+        """Whether a handle whose query failed answers its next query with that query's rows.
+        On chdb a result stopped by a limit (`max_result_rows`) leaves its unread blocks on the
+        handle, and the next query read them as its own result: another client's query, or the
+        guard's own re-write of the next SQL (`formatQuerySingleLine`), got rows the failed query
+        chose. A token only this check knows must come back, or the handle is not used again."""
+        token = "veribus-in-step-" + secrets.token_hex(8)
+        for _ in range(3):
+            try:
+                if self._query(reader, f"SELECT '{token}'", None).rows == [(token,)]:
+                    return True
+            except Exception:  # noqa: BLE001 - leftovers of the failed query: read on
+                continue
+        return False
+
+    def _discard_reader(self, reader: Any) -> None:
+        """Close a handle that is out of step; the pool makes a new one when it needs it."""
+        if self._reader_factory is None:
+            return  # the store's own client (a server, or tests): nothing else to use
+        with self._pool_lock:
+            self._made -= 1
+        try:
+            reader.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.warning("closing an out-of-step read-only handle failed", exc_info=True)
 
     def _acquire_reader(self) -> Any:
         """A read-only handle for one query: an idle one, a new one while under the pool size,

@@ -394,3 +394,24 @@ def test_a_rebuild_sized_insert_writes_one_compact_part(store: Store) -> None:
     engine = store.query("SELECT engine_full FROM system.tables WHERE database = {db:String} AND name = 'events'",
                          {"db": store.database}).rows[0][0]
     assert "min_bytes_for_wide_part = 268435456" in engine
+
+
+def test_a_query_stopped_by_the_row_limit_does_not_answer_the_next_one(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the projector runs for each `veribus.query` request (`query_read_only`), on chdb. A
+    query stopped by `max_result_rows` left its unread blocks on its handle, and the next query
+    there read them as its own rows: the guard's re-write of that next SQL came back as the
+    attacker's first row, a statement then checked and run in place of the victim's, so a
+    `cli` client chose what another client's query returned."""
+    monkeypatch.setenv("VERIBUS_QUERY_CONCURRENCY", "1")  # one handle: the next query lands on it
+    st = open_store(settings)
+    try:
+        forged = "SELECT 42 AS forged"
+        with pytest.raises(Exception, match="TOO_MANY_ROWS_OR_BYTES"):
+            st.query_read_only(f"SELECT '{forged}' AS s FROM numbers(5000000)")
+        victim = st.query_read_only("SELECT count() AS runs FROM runs FINAL")
+        assert (victim.columns, victim.rows) == (["runs"], [(0,)])  # before: (['forged'], [(42,)])
+        assert st.query_read_only("SELECT {r:String} AS r", {"r": "x"}).rows == [("x",)]
+    finally:
+        st.client.command(f"DROP DATABASE IF EXISTS {settings.clickhouse_database}")
+        st.close()
