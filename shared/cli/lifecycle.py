@@ -117,6 +117,12 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     except (streams.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
         err(exc)
         return EXIT_INPUT
+    if not plan.generated and plan.skipped_not_in_benchmark:
+        ids = sorted(set(plan.skipped_not_in_benchmark))
+        err(f"none of the {len(plan.skipped_not_in_benchmark)} stored answer(s) of run {args.run} is to a question "
+            f"of {args.benchmark} (the run's questions: {', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}): "
+            "nothing to regrade")
+        return EXIT_INPUT
     if not plan.generated:
         err(f"run {args.run} has no stored answers to regrade")
         return EXIT_INPUT

@@ -253,16 +253,11 @@ def regrade_jobs(
     mode = mode or parent.evaluation_mode
     run_id = run_id or new_run_id()
     timestamp = timestamp or datetime.now(UTC).isoformat()
-    questions = {q.id: q for q in benchmark.finished_questions()} if benchmark is not None else {}
-    problems: list[str] = []
-    if benchmark is not None and mode != "rubric_only":
-        for q in questions.values():
-            if not q.template_code:
-                problems.append(f"question {q.id!r}: no answer template (mode {mode} needs one)")
-            elif err := compile_check(q.template_code):
-                problems.append(f"question {q.id!r}: template does not compile: {err}")
-    if problems:
-        raise RunInputError("regrade refused before publishing:\n  " + "\n  ".join(problems))
+    # every question of the benchmark, finished or not: the parent run chose which questions it
+    # answered (`--include-unfinished` too), and each stored answer is regraded with its question's
+    # new template; only the templates of questions with an answer have to compile
+    questions = {q.id: q for q in benchmark.questions} if benchmark is not None else {}
+    checked: dict[str, str | None] = {}
     out: list[events.StageEvent] = []
     skipped: list[str] = []
     now = time.time()
@@ -272,6 +267,14 @@ def regrade_jobs(
         if benchmark is not None and q is None:
             skipped.append(job.question_id)
             continue
+        if q is not None and mode != "rubric_only":
+            if q.id not in checked:
+                checked[q.id] = (f"question {q.id!r}: no answer template (mode {mode} needs one)"
+                                 if not q.template_code else
+                                 (f"question {q.id!r}: template does not compile: {err}"
+                                  if (err := compile_check(q.template_code)) else None))
+            if checked[q.id]:
+                continue
         if q is not None:
             code = q.template_code if mode != "rubric_only" else None
             rubric = benchmark.rubric_for(q) if benchmark is not None and mode != "template_only" else None
@@ -294,6 +297,9 @@ def regrade_jobs(
         )
         state = msgspec.structs.replace(ev.state, started_at=now)
         out.append(events.StageEvent(job=new_job, state=state, status=ev.status, reason=ev.reason))
+    problems = [why for why in checked.values() if why]
+    if problems:
+        raise RunInputError("regrade refused before publishing:\n  " + "\n  ".join(problems))
     if mode != "template_only" and out and not any(ev.job.rubric for ev in out):
         raise RunInputError(f"evaluation_mode {mode!r} needs rubric traits, and the regraded jobs have none")
     config = {**parent.config, "evaluation_mode": mode, "regraded_from": parent.run_id}

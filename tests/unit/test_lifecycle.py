@@ -22,7 +22,7 @@ from shared.core.ids import compute_result_id
 from shared.core.stage import stage_error
 from shared.runtime import costcontrol, runcontrol
 from shared.runtime.harness import StageService
-from tests.conftest import EXAMPLE
+from tests.conftest import EXAMPLE, REFERENCE
 
 # ------------------------------------------------------------------------------ fakes
 
@@ -659,6 +659,29 @@ def test_regrade_refuses_bad_templates_and_missing_rubrics() -> None:
         lifecycle.regrade_jobs(parent, answers, mode="rubric_only")  # the stored jobs carry no rubric
 
 
+def test_regrade_with_the_runs_own_benchmark_keeps_its_unfinished_questions() -> None:
+    """A run made with --include-unfinished (the reference's minimal.jsonld has no `finished`
+    property: every question is unfinished) regraded with the same benchmark: every stored answer
+    is regraded. Only finished questions were looked up, so all of them were "not in the new
+    benchmark" and the CLI said the run "has no stored answers to regrade"."""
+    bench = Benchmark.load(REFERENCE / "checkpoints" / "minimal.jsonld")
+    assert not bench.finished_questions()
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=1, answer_count=1,
+                                 evaluation_mode="template_only")
+    answers = _answers(bench.model_copy(update={"questions": [q.model_copy(update={"finished": True})
+                                                             for q in bench.questions]}))
+    plan = lifecycle.regrade_jobs(parent, answers, benchmark=bench, run_id="new")
+    assert [ev.job.question_id for ev in plan.generated] == [q.id for q in bench.questions]
+    assert plan.skipped_not_in_benchmark == []
+    # only the templates of answered questions must compile: a broken draft nobody answered is no refusal
+    bench = Benchmark.load(EXAMPLE)
+    drafts = bench.model_copy(deep=True)
+    for q in drafts.unfinished_questions():
+        q.template_code = "class Answer(:\n    pass\n"
+    plan = lifecycle.regrade_jobs(parent, _answers(bench), benchmark=drafts, run_id="new")
+    assert len(plan.generated) == len(bench.finished_questions())
+
+
 def test_stopped_results_are_recognised() -> None:
     def final(error: str | None) -> events.Envelope:
         result = {"metadata": {"error": error}}
@@ -769,3 +792,30 @@ def test_a_durable_whose_copy_lags_still_counts_as_queued() -> None:
     assert asyncio.run(streams.queued_for_services(behind)) == {"parsing": 1}  # type: ignore[arg-type]
     assert [(subject, seq) for seq, subject, _ in behind.asked] == [("vb.answer.generated.>", 501)]
     assert asyncio.run(streams.queued_for_services(Stream({"vb.answer.generated.>": 500}))) == {}  # type: ignore[arg-type]
+
+
+def test_regrade_with_a_benchmark_of_other_questions_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Every stored answer skipped as not in --benchmark: the CLI names that and the run's
+    questions (exit 2), not "has no stored answers to regrade" (the run has them)."""
+    from shared.cli import lifecycle as cli_lifecycle
+    from shared.cli.commands import build_parser
+
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=18, answer_count=18,
+                                 evaluation_mode="template_only")
+    other = REFERENCE / "checkpoints" / "with_rubrics.jsonld"
+
+    async def plan_regrade(settings: Settings, run_id: str, *, benchmark: Benchmark | None = None,
+                           **_: Any) -> lifecycle.RegradePlan:
+        return lifecycle.regrade_jobs(parent, _answers(bench), benchmark=benchmark, run_id="new")
+
+    monkeypatch.setattr(cli_lifecycle, "deployment_settings", Settings)
+    monkeypatch.setattr(cli_lifecycle, "resolve_run_arg", lambda settings, run, stream: run)
+    monkeypatch.setattr(cli_lifecycle.lifecycle, "plan_regrade", plan_regrade)
+    args = build_parser().parse_args(["regrade", "old", "--benchmark", str(other), "--simulate"])
+    assert cli_lifecycle.cmd_regrade(args) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"veribus: error: none of the 18 stored answer(s) of run old is to a question of {other} "
+                           "(the run's questions: ex-arith-multiply, "), line
+    assert "no stored answers" not in line
