@@ -339,6 +339,26 @@ class Store:
         self._reader = None
 
 
+def folder_held_elsewhere(path: Path) -> bool:
+    """Whether a chdb folder's lock (ClickHouse's `flock` on `<folder>/status`) is held, by
+    another process or another open file of this one."""
+    import fcntl  # local import: POSIX only, and only asked after an open failed
+
+    try:
+        fd = os.open(path / "status", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def _chdb_client(path: Path, database: str | None = None) -> Any:
     import clickhouse_connect  # local import: ~0.2 s, only a store connection needs it
 
@@ -365,10 +385,13 @@ def open_store(settings: Settings, migrate: bool = True) -> Store:
         try:
             client = _chdb_client(path)
         except Exception as exc:
-            if "lock" in str(exc).lower():
+            # chdb prints "Cannot lock file .../status" on stderr and raises "Error initializing
+            # EmbeddedServer: . (BAD_ARGUMENTS)": the lock itself says whether another process has it
+            if "lock" in str(exc).lower() or folder_held_elsewhere(path):
                 raise RuntimeError(
                     f"the chdb folder {path} is open in another process (one process per folder: the "
-                    f"projector owns it; query through it, or stop it first)"
+                    "stack's projector, a `veribus view` reading it (it lets go after a few idle seconds), "
+                    "or another command); query through the running stack, or try again when it is free"
                 ) from exc
             raise
         client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
