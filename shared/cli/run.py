@@ -218,6 +218,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         deployment.check_bus(dep)
         say(dep.describe())
+        ignored = [f"{flag} {value}" for flag, value in (("--sim-latency-ms", args.sim_latency_ms),
+                                                          ("--sim-error-rate", args.sim_error_rate)) if value]
+        if ignored:  # the running simulator keeps what it was started with
+            say(f"note: {' and '.join(ignored)} not applied: the --sim-* options set up a temporary stack's "
+                "simulator, and this run goes to a running deployment, whose simulator keeps its own settings "
+                "(locally: `veribus down`, then `veribus up --sim-...`)")
     current: dict[str, Any] = {}
     try:
         if simulated:

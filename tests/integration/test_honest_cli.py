@@ -375,6 +375,18 @@ def test_simulate_on_a_configured_deployment(live, tmp_path: Path) -> None:
     assert refused.returncode == 2 and "VERIBUS_SIMULATOR_URL" in refused.stderr
 
 
+def test_simulator_options_a_running_deployment_does_not_take_are_said(live, tmp_path: Path) -> None:
+    """--sim-error-rate / --sim-latency-ms only set up a temporary stack's simulator: against the
+    running stack the run said nothing and came back clean, as if 0.9 of the calls had not
+    been asked to fail."""
+    settings, _ = live
+    out = veribus(local_env(settings), "run", str(write_bench(tmp_path / "b.yaml", 1, prefix="Simopt")), "--simulate",
+                  "--sim-error-rate", "0.9", "--sim-latency-ms", "5", "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("note: --sim-latency-ms 5.0 and --sim-error-rate 0.9 not applied: the --sim-* options set up a temporary "
+            "stack's simulator, and this run goes to a running deployment") in out.stderr, out.stderr
+
+
 def test_ctrl_c_says_what_keeps_running(live, tmp_path: Path) -> None:
     settings, _ = live
     dead = f"http://127.0.0.1:{free_port()}/v1"  # every call retried with backoff: the run takes a while
