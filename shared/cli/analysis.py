@@ -281,7 +281,9 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     if args.quiet:
         print(verdict.headline)
     else:
-        report.print_results(summary, rep.lines, simulated=bool(data.simulated), run_id=data.run_id)
+        # a results file's rows are in no store: no `veribus query` line for them
+        report.print_results(summary, rep.lines, simulated=bool(data.simulated),
+                             run_id=None if _is_file(args.run) else data.run_id)
     return verdict.code
 
 
