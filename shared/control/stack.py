@@ -339,10 +339,17 @@ def status(settings: Settings) -> dict[str, Any]:
     known = _accounted_pids(state)
     orphans = [q.pid for q in marked_processes(home) if q.pid not in known]
     nats_up = any(p["alive"] for p in procs if is_nats(p["name"]))
-    all_up = all(p["alive"] for p in procs)
-    return {"running": nats_up, "state": "running" if all_up else ("degraded" if nats_up else "down"),
+    dead = [p["name"] for p in procs if not p["alive"]]
+    # the words every other command uses (`deployment.select`): a stack whose NATS is gone while
+    # some of it still runs is "degraded" (commands refuse it, exit 3); one whose NATS runs is
+    # usable, with what is dead named ("running, 1 DEAD": `veribus up` restarts it)
+    if nats_up:
+        state_word = f"running, {len(dead)} DEAD" if dead else "running"
+    else:
+        state_word = "degraded" if len(dead) < len(procs) or orphans else "down"
+    return {"running": nats_up, "state": state_word,
             "nats_url": state.nats_url, "simulator_url": state.simulator_url, "home": state.home,
-            "nats_cluster": state.nats_cluster, "procs": procs, "dead": [p["name"] for p in procs if not p["alive"]],
+            "nats_cluster": state.nats_cluster, "procs": procs, "dead": dead,
             "orphans": orphans}
 
 
