@@ -404,7 +404,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
     s.add_argument("run", help="run id, run name, or a results file")
     s.add_argument("--by", default="answering_model", type=_grouping,
                    help="answering_model (default), parsing_model, question_id, replicate, run_name, template_id")
-    s.add_argument("--format", choices=["table", "json"], default="table")
+    s.add_argument("--format", choices=["table", "json"], default="table", help="table (default) or json")
     s.set_defaults(fn=cmd_results)
 
     c = sub.add_parser("compare", help="paired comparison of two answering models (exact McNemar, 95%% CI)")
@@ -412,7 +412,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
     c.add_argument("run_b", nargs="?", help="a second run for model B")
     c.add_argument("--model-a", required=True, help="answering model A (display string or model name)")
     c.add_argument("--model-b", required=True, help="answering model B")
-    c.add_argument("--format", choices=["table", "json"], default="table")
+    c.add_argument("--format", choices=["table", "json"], default="table", help="table (default) or json")
     c.set_defaults(fn=cmd_compare)
 
 

@@ -83,18 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--judge", action="append", help="parsing/judge model; repeatable")
     run.add_argument("--api-base", help="OpenAI-compatible base URL for every model (vLLM, Ollama, ...)")
     run.add_argument("--replicates", type=number_arg(int, low=1), help="replicates per question x model")
-    run.add_argument("--mode", choices=["template_only", "template_and_rubric", "rubric_only"])
+    run.add_argument("--mode", choices=["template_only", "template_and_rubric", "rubric_only"],
+                     help="what is verified: the answer templates (default), templates and rubric traits, or "
+                          "rubric traits only")
     run.add_argument("--strategy", choices=["batch", "sequential"], help="rubric evaluation strategy")
-    run.add_argument("--run-name")
+    run.add_argument("--run-name", help="a name for the run; RUN arguments take it (its most recent run)")
     run.add_argument("--config", help="YAML run config (VerificationConfig fields)")
     run.add_argument("--output", help="write header.json, summary.json, results.jsonl here")
     run.add_argument("--simulate", action="store_true", help="use the offline LLM simulator")
     run.add_argument("--sim-latency-ms", type=LATENCY_MS, help="simulator latency (temporary stack only)")
     run.add_argument("--sim-error-rate", type=RATE, help="simulator error rate, 0 to 1 (temporary stack only)")
-    run.add_argument("--abstention", dest="abstention_enabled", action="store_true")
-    run.add_argument("--sufficiency", dest="sufficiency_enabled", action="store_true")
-    run.add_argument("--embedding-check", dest="embedding_check_enabled", action="store_true")
-    run.add_argument("--deep-judgment", dest="deep_judgment_enabled", action="store_true")
+    run.add_argument("--abstention", dest="abstention_enabled", action="store_true",
+                     help="judge whether the answer refuses or hedges (an abstention fails it)")
+    run.add_argument("--sufficiency", dest="sufficiency_enabled", action="store_true",
+                     help="judge whether the answer holds enough to fill the template (template modes)")
+    run.add_argument("--embedding-check", dest="embedding_check_enabled", action="store_true",
+                     help="a failed verify() may pass when the answer is semantically equivalent")
+    run.add_argument("--deep-judgment", dest="deep_judgment_enabled", action="store_true",
+                     help="the judge quotes excerpts and reasoning for each template field")
     run.add_argument("--include-unfinished", action="store_true",
                      help="also verify questions not marked finished (skipped and counted by default)")
     run.add_argument("--max-tokens-budget", type=number_arg(int, low=1), metavar="N",
@@ -110,18 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     rs = sub.add_parser("runs", help="list runs: id, name, started, jobs, done, passed, errors, state")
     rs.add_argument("--limit", type=number_arg(int, low=0), default=50, metavar="N",
                     help="the N most recent runs (default 50; 0: every run)")
-    rs.add_argument("--format", choices=["table", "json"], default="table")
+    rs.add_argument("--format", choices=["table", "json"], default="table", help="table (default) or json")
     rs.set_defaults(fn=cmd_runs)
 
     q = sub.add_parser("query", help="read-only SQL over the results in ClickHouse")
-    q.add_argument("sql")
-    q.add_argument("--format", choices=["table", "json"], default="table")
+    q.add_argument("sql", help="one read-only statement, e.g. 'SELECT count() FROM verification_results FINAL'")
+    q.add_argument("--format", choices=["table", "json"], default="table", help="table (default) or json")
     q.set_defaults(fn=cmd_query)
 
     cli_analysis.register(sub)  # results, export, report, compare
     v = sub.add_parser("view", help="browse runs, results and comparisons in a local web app")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    v.add_argument("--port", type=number_arg(int, low=0, high=65535), default=8765, help="port (0: any free port)")
+    v.add_argument("--port", type=number_arg(int, low=0, high=65535), default=8765, help="port (default 8765; 0: any free port)")
     v.add_argument("--open", action="store_true", help="open the page in a web browser")
     v.set_defaults(fn=cmd_view)
 

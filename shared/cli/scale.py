@@ -50,7 +50,7 @@ def register(sub: Any) -> None:
                        help="also the run-scoped cache (redeliveries of running runs may then pay again)")
     clear.set_defaults(fn=cmd_cache_clear)
     info = csub.add_parser("info", help="entries and bytes per cache bucket")
-    info.add_argument("--format", choices=["table", "json"], default="table")
+    info.add_argument("--format", choices=["table", "json"], default="table", help="table (default) or json")
     info.set_defaults(fn=cmd_cache_info)
 
 

@@ -159,3 +159,25 @@ def test_any_validation_error_reaching_the_entry_point_is_one_line(monkeypatch: 
     err = capsys.readouterr().err
     assert err == ("veribus: error: max_concurrency: must be >= 1, got 0; limit_scope: must be 'model' or "
                    "'endpoint', got 'nowhere'\n")
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """`veribus <command> --help` gives each option a line of help (run's --mode, --abstention,
+    --sufficiency, --embedding-check, --deep-judgment and --run-name, query's SQL, the lifecycle
+    commands' --timeout had none); `bench` passes its arguments on to `python -m bench`."""
+    import argparse
+
+    silent: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    if name != "bench":
+                        walk(sub, [*path, name])
+            elif action.help is None and not isinstance(action, argparse._HelpAction):
+                silent.append(" ".join([*path, *(action.option_strings[:1] or [action.dest])]))
+
+    walk(build_parser(), ["veribus"])
+    assert silent == []
+    assert "default 8765" in build_parser()._subparsers._group_actions[0].choices["view"].format_help()
