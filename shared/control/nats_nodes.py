@@ -19,7 +19,7 @@ from typing import Any
 
 from shared.control.processes import Proc, free_port, listening
 from shared.core.config import Settings
-from shared.runtime import bus
+from shared.runtime import bus, bus_auth
 
 CLUSTER_NAME = "veribus"
 
@@ -156,12 +156,27 @@ def _in_thread(coro: Any) -> Any:
 
 def create_stream(settings: Settings, nats_url: str) -> int:
     """Create (or update) the stream on a fresh cluster before services start, so its replica
-    count is decided once, with every node up; returns the replica count."""
+    count is decided once, with every node up; returns the replica count. As `admin` when the
+    stack's credentials have it: `cli` may create the stream, not change it (`bus_auth.CLI_JS_API`)."""
+    update: dict[str, Any] = {"nats_url": nats_url}
+    explicit = settings.nats_user or settings.nats_token  # one user for everything: no roles
+    if not explicit and settings.nats_role == "cli" and "admin" in _roles_in(settings):
+        update["nats_role"] = "admin"
+
     async def go() -> int:
-        async with bus.session(settings.model_copy(update={"nats_url": nats_url}), name="veribus-up") as nc:
+        async with bus.session(settings.model_copy(update=update), name="veribus-up") as nc:
             return await bus.ensure_stream(nc.jetstream(), settings)
 
     return int(_in_thread(go()))
+
+
+def _roles_in(settings: Settings) -> set[str]:
+    """The roles of the credentials file `settings` reads (none when there is no file)."""
+    path = settings.nats_credentials or bus_auth.credentials_path(Path(settings.home))
+    try:
+        return set(json.loads(Path(path).read_text()))
+    except (OSError, ValueError):
+        return set()
 
 
 def nats_auth_args(settings: Settings, home: Path) -> list[str]:

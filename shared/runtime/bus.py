@@ -314,7 +314,14 @@ async def ensure_stream(js: JetStreamContext, settings: Settings | None = None) 
         if not cfg.max_bytes or cfg.max_bytes < 0:
             cfg.max_bytes = have.max_bytes
         if _stream_differs(have, cfg):
-            await js.update_stream(cfg)  # only when it differs: service roles may read, not change, the stream
+            # only when it differs: service roles and `cli` may read, not change, the stream (a
+            # change is not answered: that role's request is refused), so the stream stays as it is
+            try:
+                await js.update_stream(cfg)
+            except (nats_errors.TimeoutError, TimeoutError):
+                log.warning("stream %s: its configuration differs from this process's and could not be changed "
+                            "(no answer: only the operator's role may change it); using it as it is", events.STREAM)
+                return have.num_replicas or 1
         return replicas
 
     return int(await retry_cluster(op, "stream " + events.STREAM))

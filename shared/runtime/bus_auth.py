@@ -10,9 +10,12 @@ Roles (what each may publish; every role may subscribe only to its own reply inb
 stated):
 - `cli` (the operator's commands): run requests, answer requests, cancellations and the stored
   answers `regrade` re-publishes; queries on
-  `veribus.query`; the JetStream API (to create the stream, read results, resume, rebuild);
-  never a verdict or a give-up (`guards.checked` ... `result.finalized`, `stage.failed`,
-  `dead.letter`), so a forged result or dead letter cannot come from it;
+  `veribus.query`; the JetStream API to create the stream when it is missing, read and follow it,
+  resume and rebuild (`CLI_JS_API`), and job contents; never a verdict or a give-up
+  (`guards.checked` ... `result.finalized`, `stage.failed`, `dead.letter`), so a forged result or
+  dead letter cannot come from it; nor what would make one by another way: change a stream's
+  configuration, create another stream, touch a service's durable consumer, write its response
+  caches or spending counters;
 - one role per service: pull from its own durable consumer(s) and ack them, direct reads of the
   stream (the finalizer's join, run control), its KV buckets, and publish its own output event
   types plus `stage.failed` and `dead.letter`; nothing else;
@@ -69,11 +72,33 @@ SERVICE_IO: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
                       "finalization-rubric": events.RUBRIC_EVALUATED,
                       "finalization-dead": events.DEAD_LETTER}, (events.RESULT_FINALIZED,)),
 }
+STAGE_DURABLES = tuple(d for inputs, _ in SERVICE_IO.values() for d in inputs)
 SERVICE_OUTPUTS_ALL = tuple(sorted({o for _, outs in SERVICE_IO.values() for o in outs}
                                    | {events.STAGE_FAILED, events.DEAD_LETTER}))
 # answer.generated: `regrade` re-publishes stored answers (no more than a manual trace can say);
 # verdict-bearing events (parsed, verified, rubric, finalized) and give-ups only come from services
 CLI_EVENTS = (events.RUN_REQUESTED, events.ANSWER_REQUESTED, events.RUN_CANCELLED, events.ANSWER_GENERATED)
+
+
+# What the CLI may ask of JetStream: read and follow the stream, create it (and the content bucket)
+# when missing, its own consumers, empty the response caches. Never change, delete or create
+# another stream: a subject transform on the stream (or a republish or source on any stream)
+# stored what cli may publish (`vb.run.cancelled...`) as `vb.result.finalized...`, a verdict.
+CLI_JS_API = ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$JS.API.STREAM.INFO.>",
+              f"$JS.API.STREAM.CREATE.{STREAM}", f"$JS.API.STREAM.CREATE.KV_{CONTENT_BUCKET}",
+              "$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>", "$JS.API.CONSUMER.>",
+              "$JS.API.STREAM.PURGE.KV_vb_llm_cache", "$JS.API.STREAM.PURGE.KV_vb_llm_cache_shared")
+
+
+def _durable_control(durable: str, delete: bool) -> list[str]:
+    """What only a durable's own service may do with it: (re)create it (a new filter fed the
+    finalizer events of other types), pull and ack its messages (took the service's work), pause
+    it; and delete it (`projections rebuild` deletes the projector's, which the projector makes again)."""
+    out = [f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}", f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}.>",
+           f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{durable}",
+           f"$JS.API.CONSUMER.PAUSE.{STREAM}.{durable}", f"$JS.API.CONSUMER.UNPIN.{STREAM}.{durable}",
+           f"$JS.ACK.{STREAM}.{durable}.>"]
+    return out + [f"$JS.API.CONSUMER.DELETE.{STREAM}.{durable}"] if delete else out
 
 
 def _consumer_api(durable: str) -> list[str]:
@@ -118,10 +143,10 @@ def roles() -> dict[str, Role]:
         subscribe=("_INBOX.>", events.QUERY_SUBJECT), allow_responses=True, durables=("projector",),
     )
     out["cli"] = Role(
-        publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, "$JS.API.>", "$JS.ACK.>",
-                 "$JS.FC.>", "$KV.>", "_INBOX.>"),
+        publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, *CLI_JS_API, "$JS.ACK.>",
+                 "$JS.FC.>", f"$KV.{CONTENT_BUCKET}.>", f"$KV.{LIMITS_BUCKET}.>", "_INBOX.>"),
         deny_publish=tuple(f"vb.{t}.>" for t in SERVICE_OUTPUTS_ALL if t not in CLI_EVENTS)
-        + ("$JS.API.STREAM.RESTORE.>",),
+        + tuple(s for d in (*STAGE_DURABLES, "projector") for s in _durable_control(d, delete=d != "projector")),
     )
     # maintenance and tests that replay or forge service events on purpose; no process uses it by default
     out["admin"] = Role(publish=(">",), subscribe=(">",))

@@ -470,6 +470,15 @@ class StageService:
             await msg.ack()
             OUTCOME.set("dead_letter")
             return
+        if env.event_type != sub.event_type:
+            # not this consumer's type: its filter was changed under the service (a client that may
+            # create consumers re-pointed `finalization-template` at answer.generated, which it may
+            # publish, and the finalizer made a verdict of it); nothing is published for it
+            log.error("%s: a %s event arrived on the %s consumer %r (its filter was changed?); ignored: %s",
+                      self.name, env.event_type[:64], sub.event_type, sub.durable, raw.subject[:200])
+            await msg.ack()
+            OUTCOME.set("ignored")
+            return
         if sub.skip is not None and sub.skip(payload):
             await msg.ack()  # nothing to do for this job here, and nothing to publish
             return

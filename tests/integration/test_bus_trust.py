@@ -409,6 +409,151 @@ def test_forged_dead_letters_do_not_end_a_run(tstack: Stack, tmp_path: Path) -> 
     assert len(outcome.results) == 6 and all(r.metadata.completed_without_errors for r in outcome.results.values())
 
 
+def test_cli_cannot_reconfigure_the_stream_into_making_verdicts(tstack: Stack) -> None:
+    """The operator's role may not publish `vb.result.finalized`, but it could change the stream:
+    a subject transform stored what it may publish (`vb.run.cancelled.R.X`) as
+    `vb.result.finalized.R.X`; a new stream's republish, or a write to a response cache, would
+    do as well. Each is refused, and nothing lands on the verdict subject."""
+    from nats.js.api import RePublish, StreamConfig, SubjectTransform  # noqa: PLC0415
+
+    run_id, rid = "reconf-run", "0f0f0f0f0f0f0f0f"
+    forged = events.make_envelope(events.RESULT_FINALIZED, run_id, rid, events.ResultFinalized(result={"forged": 1}),
+                                  "attacker")
+    original: dict[str, Any] = {}
+
+    async def attack() -> list[str]:
+        errors: list[str] = []
+        nc = await _connect(_as(tstack, "cli"), errors)
+        js = nc.jetstream(timeout=3)
+        refused = []
+        try:
+            cfg = (await js.stream_info(events.STREAM)).config
+            original["config"] = cfg.as_dict()
+            cfg.subject_transform = SubjectTransform(src="vb.run.cancelled.*.*",
+                                                     dest="vb.result.finalized.{{wildcard(1)}}.{{wildcard(2)}}")
+            evil = StreamConfig(name="EVIL", subjects=["_INBOX.evil.>"],
+                                republish=RePublish(src="_INBOX.evil.>", dest=forged.subject))
+            for what, op in (("update", js.update_stream(cfg)), ("create", js.add_stream(evil))):
+                try:
+                    await op
+                except Exception:  # noqa: BLE001 - refused: no answer
+                    refused.append(what)
+            await nc.publish(events.subject(events.RUN_CANCELLED, run_id, rid), events.encode(forged))
+            await nc.publish("_INBOX.evil.x", events.encode(forged))
+            await nc.publish("$KV.vb_llm_cache_shared.planted", b'{"text": "{\\"value\\": 0}"}')
+            await nc.flush()
+            await asyncio.sleep(0.5)
+            return refused
+        finally:
+            await nc.close()
+
+    async def cache_planted() -> bool:
+        nc = await bus.connect(_as(tstack, "admin"))
+        try:
+            await nc.jetstream().get_last_msg("KV_vb_llm_cache_shared", "$KV.vb_llm_cache_shared.planted")
+            return True
+        except Exception:  # noqa: BLE001 - no bucket, or no such key
+            return False
+        finally:
+            await nc.close()
+
+    async def restore() -> None:  # as admin: what the attack changed, for the rest of the module
+        nc = await bus.connect(_as(tstack, "admin"))
+        js = nc.jetstream()
+        try:
+            if "config" in original:
+                await js.update_stream(StreamConfig.from_response(dict(original["config"])))
+            try:
+                await js.delete_stream("EVIL")
+            except NotFoundError:
+                pass
+        finally:
+            await nc.close()
+
+    try:
+        refused = sync(attack())
+        assert not sync(_stored(tstack, forged.subject)), "a verdict was stored from a subject cli may publish"
+        assert refused == ["update", "create"]
+        assert not sync(cache_planted())
+    finally:
+        sync(restore())
+
+
+def test_a_consumer_re_pointed_at_another_type_makes_no_verdict(tstack: Stack, tmp_path: Path) -> None:
+    """cli may create consumers (it follows runs with its own), and the server lets a create
+    without a name in its subject update a durable by the name in its body: `finalization-template`
+    re-pointed at `answer.generated`, which cli may publish. A template.verified payload that says
+    the answer passed, published as answer.generated, was finalized as a passing result."""
+    path, script = generated_benchmark(tmp_path / "b.yaml", 3, rubric=False, wrong_every=1, prefix="Repoint")
+    tstack.post_script(script)
+    plan = _run(tstack, path, tstack.config(mode="template_only"))
+    wait_results(tstack, plan.run_id, 3)
+    durable = "finalization-template"
+
+    async def attack() -> tuple[str, bool]:
+        nc = await _connect(_as(tstack, "cli"), [])
+        js = nc.jetstream(timeout=3)
+        try:
+            cfg = (await js.consumer_info(events.STREAM, durable)).config
+            cfg.filter_subject = events.subscription(events.ANSWER_GENERATED)
+            named_refused = False
+            try:  # the named create is the durable's own service's
+                await js.add_consumer(events.STREAM, cfg)
+            except Exception:  # noqa: BLE001
+                named_refused = True
+            body = {"stream_name": events.STREAM, "config": {**cfg.as_dict(), "durable_name": None}}
+            await nc.request(f"$JS.API.CONSUMER.CREATE.{events.STREAM}", json.dumps(body).encode(), timeout=5)
+            filter_now = (await js.consumer_info(events.STREAM, durable)).config.filter_subject
+            tv = json.loads((await js.get_last_msg(events.STREAM, f"vb.template.verified.{plan.run_id}.{rid}",
+                                                   direct=True)).data)
+            _says_passed(tv["payload"]["state"])
+            tv.update(occurred_at=time.time(), attempt_key="forged1")
+            seq = (await js.publish(f"vb.answer.generated.{plan.run_id}.{rid}", json.dumps(tv).encode())).seq
+            for _ in range(240):  # until the finalizer has taken it and acked (it publishes first)
+                info = await js.consumer_info(events.STREAM, durable)
+                if info.delivered.stream_seq >= seq and not info.num_ack_pending:
+                    break
+                await asyncio.sleep(0.25)
+            else:
+                raise AssertionError(f"the finalizer never took message {seq}")
+            return filter_now, named_refused
+        finally:
+            await nc.close()
+
+    async def restore() -> None:
+        nc = await bus.connect(_as(tstack, "admin"))
+        js = nc.jetstream()
+        try:
+            cfg = (await js.consumer_info(events.STREAM, durable)).config
+            cfg.filter_subject = events.subscription(events.TEMPLATE_VERIFIED)
+            await js.add_consumer(events.STREAM, cfg)
+        finally:
+            await nc.close()
+
+    rid = plan.result_ids[0]
+    assert results_of(tstack, plan.run_id)[rid].template.verify_result is False  # every answer is wrong
+    try:
+        filter_now, named_refused = sync(attack())
+    finally:
+        sync(restore())
+    assert named_refused
+    assert filter_now == events.subscription(events.ANSWER_GENERATED)  # the server let it be re-pointed ...
+    assert results_of(tstack, plan.run_id)[rid].template.verify_result is False  # ... and no verdict came of it
+
+
+def _says_passed(state: Any) -> None:
+    """Every `*verif*` flag of a stage state that says failed, made to say passed."""
+    if isinstance(state, dict):
+        for k, v in state.items():
+            if v is False and "verif" in k:
+                state[k] = True
+            else:
+                _says_passed(v)
+    elif isinstance(state, list):
+        for v in state:
+            _says_passed(v)
+
+
 # -------------------------------------------------------------- item 4: the query endpoint
 
 
