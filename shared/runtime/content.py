@@ -71,6 +71,14 @@ def content_key(data: bytes) -> str:
     return "c_" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()[:12]).decode()
 
 
+def key_matches(key: str, data: bytes) -> bool:
+    """Whether `data` is what `key` names: its hash, in this key form or an earlier one (`c_` +
+    40 hex digits; `c_` + 22 base64url characters of the whole digest)."""
+    digest = hashlib.sha256(data).digest()
+    return key in ("c_" + base64.urlsafe_b64encode(digest[:12]).decode(), "c_" + digest.hex()[:40],
+                   "c_" + base64.urlsafe_b64encode(digest).decode()[:22])
+
+
 def blobs_of(job: events.Job) -> dict[str, tuple[str, bytes]]:
     """kind -> (key, encoded content) of one (full) job."""
     out = {}
@@ -160,7 +168,7 @@ class ContentStore:
         value = await self._read(key)
         if value is None:
             raise ContentMissing(f"job content {key} is not in the content store (bucket {BUCKET}): it was "
-                                 "deleted, or the run was published without it")
+                                 "deleted or changed there, or the run was published without it")
         content = msgspec.json.decode(value)
         self._remember(key, content)
         return content
@@ -190,15 +198,24 @@ class ContentStore:
         return None if value is None else bytes(value)
 
     async def _read(self, key: str) -> bytes | None:
-        """A content's value from the bucket (asking the leader on a direct-get miss), or None."""
+        """A content's value from the bucket (asking the leader on a direct-get miss), or None;
+        None too for a value that is not what its key names (the key is its hash): anyone who
+        may write the bucket (the `cli` role submits contents) could otherwise put another
+        template or question under a key another run's jobs refer to."""
         kv = await self._bucket()
         self.reads += 1
         if getattr(kv, "_direct", False):
-            return await self._direct_get(kv, key)
-        try:
-            return (await kv.get(key)).value
-        except KeyNotFoundError:
+            value = await self._direct_get(kv, key)
+        else:
+            try:
+                value = (await kv.get(key)).value
+            except KeyNotFoundError:
+                return None
+        if value is not None and not key_matches(key, bytes(value)):
+            log.error("job content %s in bucket %s is not the content its key names (changed in the bucket); "
+                      "treated as missing", key[:80], BUCKET)
             return None
+        return value
 
     async def _direct_get(self, kv: Any, key: str) -> bytes | None:
         """The value by a direct get of the key's subject, read off the reply as it is: nats-py's

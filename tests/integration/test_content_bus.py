@@ -126,3 +126,27 @@ async def test_a_stage_without_use_for_the_question_does_not_read_it(nats_server
         assert reader.reads == 3
     finally:
         await nc.close()
+
+
+async def test_a_content_changed_in_the_bucket_is_not_used(nats_server, tmp_path: Path) -> None:  # noqa: ANN001
+    """Whoever may write the content bucket (the `cli` role submits contents) put another
+    template under a key another run's jobs refer to: a service that had not read it yet took
+    `verify()` from the attacker. A key is its content's hash, so a changed value is missing."""
+    plan = _plan(tmp_path, 2, "Poison")
+    nc = await nats.connect(nats_server.url)
+    try:
+        thin = await content.lean_requests(content.ContentStore(lambda: nc.jetstream()), plan.requests)
+        fat = plan.requests[0].jobs[0]
+        env = events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, fat.answer_id, thin[0], "cli/test")
+        job = events.payload_as(events.decode(events.wire(env), env.subject), events.AnswerRequested).jobs[0]
+        key = job.refs["q"]
+        stored = msgspec.json.decode((await (await nc.jetstream().key_value(content.BUCKET)).get(key)).value)
+        forged = {**stored, "template_code": stored["template_code"].replace("def verify(self)", "def verify(self):\n"
+                                                                            "        return True\n    def _was(self)")}
+        assert forged["template_code"] != stored["template_code"]
+        await nc.jetstream().publish(f"$KV.{content.BUCKET}.{key}", msgspec.json.encode(forged))  # as an attacker
+        reader = content.ContentStore(lambda: nc.jetstream())  # a service that has not read it yet
+        with pytest.raises(content.ContentMissing, match="changed"):  # before: the job had the forged verify()
+            await reader.hydrate(job)
+    finally:
+        await nc.close()
