@@ -190,6 +190,12 @@ def credentials_path(home: Path) -> Path:
     return auth_dir(home) / "credentials.json"
 
 
+def cli_credentials_path(home: Path) -> Path:
+    """The `cli` entry alone: what to hand a CLI user (credentials.json holds `admin` and every
+    service's password too, and with those no role's limits hold)."""
+    return auth_dir(home) / "cli-credentials.json"
+
+
 def generate(home: Path, keep: bool = False) -> Path:
     """Random credentials for every role and the server config that enforces them; returns the
     config path (for `nats-server -c`). Existing credentials are replaced (a new stack), or with
@@ -203,6 +209,7 @@ def generate(home: Path, keep: bool = False) -> Path:
         old = json.loads(credentials_path(home).read_text())
     creds = {role: old.get(role) or {"user": f"vb-{role}", "password": secrets.token_urlsafe(24)} for role in roles()}
     _write_private(credentials_path(home), json.dumps(creds, indent=2))
+    _write_private(cli_credentials_path(home), json.dumps({"cli": creds["cli"]}, indent=2))
     conf = d / "nats-auth.conf"
     _write_private(conf, auth_block(creds))
     return conf

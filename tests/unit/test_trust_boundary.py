@@ -340,3 +340,26 @@ def test_role_permissions_are_least_privilege(tmp_path: Path) -> None:
     text = conf.read_text()
     assert all(c["password"] in text for c in creds.values())
     assert bus_auth.role_env("parsing-2") == {"VERIBUS_NATS_ROLE": "parsing"} and bus_auth.role_env("nats") == {}
+
+
+def test_the_file_for_a_cli_user_holds_the_cli_role_only(tmp_path: Path) -> None:
+    """What a deployment hands the CLI's users: with credentials.json itself (as the compose
+    instructions said to copy) a CLI user connected as `admin`, and no role's limit held."""
+    from shared.runtime import bus_auth
+
+    home = tmp_path / "home"
+    bus_auth.generate(home)
+    handed = bus_auth.cli_credentials_path(home)
+    assert stat_mode(handed) == 0o600
+    assert bus_auth.load_credentials(handed, "cli") == bus_auth.load_credentials(bus_auth.credentials_path(home), "cli")
+    for role in ("admin", "finalization", "projector"):
+        with pytest.raises(KeyError):
+            bus_auth.load_credentials(handed, role)
+    bus_auth.generate(home, keep=True)  # docker-compose's every `up`: the same cli entry
+    assert json.loads(handed.read_text()) == {"cli": json.loads(bus_auth.credentials_path(home).read_text())["cli"]}
+
+
+def stat_mode(path: Path) -> int:
+    import stat
+
+    return stat.S_IMODE(path.stat().st_mode)
