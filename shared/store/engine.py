@@ -378,6 +378,18 @@ def open_store(settings: Settings, migrate: bool = True) -> Store:
             client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
         client.database = db
         store = Store(client, db, "server")
+        url = settings.clickhouse_url
+
+        def make_server_reader() -> Any:
+            # untrusted SQL (the projector's query subject, the viewer) on its own client: every
+            # request carries readonly = 2 (reads, and settings changes, which the guard refuses
+            # in the SQL itself; no writes, no DDL) and the query limits. An account the server
+            # already holds read-only keeps its own profile: clickhouse-connect drops a setting
+            # the account may not change (with a warning) instead of failing the query.
+            return clickhouse_connect.get_client(dsn=url, autogenerate_session_id=False, database=db,
+                                                 settings={"readonly": 2, **reader_settings()})
+
+        store._reader_factory = make_server_reader
     else:
         preload_chdb()
         path = Path(settings.chdb_path).expanduser().resolve()

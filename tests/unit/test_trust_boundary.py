@@ -363,3 +363,44 @@ def stat_mode(path: Path) -> int:
     import stat
 
     return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_untrusted_sql_on_a_clickhouse_server_goes_through_a_read_only_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a server deployment the projector's query subject and the viewer run other people's SQL.
+    They used the writer client (no readonly, no limits: the SQL guard alone stood between a cli
+    user and the tables). Untrusted queries now get a client of their own whose every request
+    carries readonly = 2 and the query limits; the writer keeps none of them. (No ClickHouse
+    server runs here: this checks the clients the store makes, not a server's answer.)"""
+    import clickhouse_connect
+
+    from shared.core.config import Settings
+    from shared.store.engine import open_store
+
+    made: list[dict] = []
+
+    class Client:
+        def __init__(self, **kw: object) -> None:
+            self.kw, self.database, self.closed = kw, None, False
+            made.append(kw)
+
+        def command(self, sql: str) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(clickhouse_connect, "get_client", lambda **kw: Client(**kw))
+    monkeypatch.setenv("VERIBUS_QUERY_TIMEOUT_S", "7")
+    store = open_store(Settings(clickhouse_url="http://analyst:pw@ch.example:8123", home=Path("/nonexistent")),
+                       migrate=False)
+    writer = made[0]
+    assert "settings" not in writer or not (writer.get("settings") or {}).get("readonly")
+    reader = store._acquire_reader()
+    assert reader is not store.client, "untrusted SQL must not run on the writer client"
+    settings = reader.kw["settings"]
+    assert settings["readonly"] == 2 and settings["max_execution_time"] == 7.0
+    assert settings["max_result_rows"] > 0 and settings["max_memory_usage"] > 0
+    assert reader.kw["dsn"] == "http://analyst:pw@ch.example:8123" and reader.kw["database"] == "veribus"
+    store._release_reader(reader)
+    store.close()
+    assert reader.closed
