@@ -2,6 +2,8 @@
 -- double count. Views are CREATE OR REPLACE: migrate() re-applies them, so a changed definition
 -- lands. pass_rate = passed / results with a verdict (verify_result not NULL); results without a
 -- verdict (errors, rubric_only) are counted in `no_verdict` and `errors`, not in the rate.
+-- v_pass_rates, v_replicate_outcomes and v_pass_rate_by_replicate are replaced by
+-- 009_verdicts.sql: an errored result has no verdict there even when its verify_result is true.
 -- Every pass rate of the analysis views comes with its Wilson 95% score interval:
 -- z = 1.959964, z^2 = 3.8414588, z^2/2 = 1.9207294, z^2/4 = 0.9603647.
 -- The first generation's names (v_pass_rate_by_model, v_pass_rate_by_question, v_run_summary,

@@ -52,7 +52,7 @@ def _objects(kind: str) -> tuple[str, ...]:
             m = _CREATE.match(stmt)
             if m and m.group(1).upper() == kind:
                 names.append(m.group(2))
-    return tuple(names)
+    return tuple(dict.fromkeys(names))  # a view a later file replaces (009 over 004) once, where it was first made
 
 
 TABLES = _objects("TABLE")

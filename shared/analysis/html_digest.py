@@ -21,6 +21,7 @@ from shared.analysis.stored import StoredResults
 from shared.core.models import VerificationResult
 from shared.core.outcome import error_kind
 from shared.core.usage import COST_KEY
+from shared.core.verdict import verdict_of
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:
@@ -132,7 +133,7 @@ class RunDigest:
         self.q_results[q] += 1
         cell = self.cells.setdefault((model, q), [0, 0])
         per_q = self.per_q.setdefault(q, [0, 0])
-        v = t.verify_result if t else None
+        v = verdict_of(r)  # an error is never a pass
         if v is not None:
             c[1] += 1
             c[0] += 1 if v else 0

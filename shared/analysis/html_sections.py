@@ -25,6 +25,7 @@ from shared.analysis.html_svg import (
 from shared.analysis.stats import Proportion, pass_at_k_from_outcomes
 from shared.analysis.stored import for_questions
 from shared.core.models import VerificationResult
+from shared.core.verdict import verdict_of
 
 MAX_HEAT_COLUMNS = 120
 MAX_APPENDIX_RESPONSES = 2000
@@ -101,7 +102,7 @@ def _json(v: Any) -> str:
 
 def _response(r: VerificationResult) -> str:
     m, t = r.metadata, r.template
-    v = t.verify_result if t else None
+    v = verdict_of(r)
     verdict = "error" if not m.completed_without_errors else ("no verdict" if v is None else "pass" if v else "fail")
     body = f"<pre>{_esc((t.raw_llm_response if t else '') or '(no response)')}</pre>"
     if m.error:

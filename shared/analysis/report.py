@@ -35,6 +35,7 @@ from shared.analysis.stored import iter_sorted
 from shared.core.models import VerificationResult
 from shared.core.outcome import VERIFY_RAISED, error_kind, error_lines
 from shared.core.usage import run_usage, usage_lines
+from shared.core.verdict import verdict_of
 
 ACCURACY = "accuracy"
 DEFAULT_SCORE_RANGE = (1.0, 5.0)
@@ -118,9 +119,9 @@ def trait_score(value: Any, rng: tuple[float, float] | None = None) -> float | N
 def metric_scores(r: VerificationResult, trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> dict[str, float]:
     """{metric: 0..1 score} of one result: accuracy and every scoring rubric trait."""
     out: dict[str, float] = {}
-    t = r.template
-    if t is not None and t.verify_result is not None:
-        out[ACCURACY] = 1.0 if t.verify_result else 0.0
+    v = verdict_of(r)
+    if v is not None:
+        out[ACCURACY] = 1.0 if v else 0.0
     rub = r.rubric
     if rub is not None:
         labels = rub.llm_trait_labels or {}

@@ -35,6 +35,7 @@ from shared.analysis.stored import StoredResults
 from shared.analysis.template_results import TemplateResults
 from shared.analysis.view import _View
 from shared.core.models import VerificationResult
+from shared.core.verdict import verdict_of
 from shared.store.reads import ResultFilter, iter_result_json, open_source
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class VerificationResultSet(_View):
     def get_summary(self) -> dict[str, Any]:
         """Counts across the set: results, completed, per section, distinct questions/models."""
         rs = self.results
-        verdicts = [r.template.verify_result for r in rs if r.template and r.template.verify_result is not None]
+        verdicts = [v for v in map(verdict_of, rs) if v is not None]  # an error is never a pass
         passed = sum(1 for v in verdicts if v)
         p = Proportion.of(passed, len(verdicts))
         return {

@@ -22,6 +22,8 @@ from decimal import ROUND_HALF_UP, Decimal
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
+from shared.core.verdict import verdict_of
+
 if TYPE_CHECKING:
     from shared.core.models import VerificationResult
 
@@ -233,10 +235,10 @@ class PassAtK:
 def replicate_outcomes(results: Iterable[VerificationResult]) -> dict[tuple[str, str, str], tuple[int, int]]:
     """(answering model, judge, question) -> (n verdicts, n passes) over replicates.
 
-    Results without a template verdict (errors, rubric_only) are not samples."""
+    Results without a template verdict (errors, rubric_only) are not samples (`verdict_of`)."""
     out: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for r in results:
-        v = r.template.verify_result if r.template is not None else None
+        v = verdict_of(r)
         if v is None:
             continue
         key = (r.metadata.answering_model, r.metadata.parsing_model, r.metadata.question_id)
@@ -386,7 +388,7 @@ def _verdicts(results: Iterable[VerificationResult], model: str) -> dict[tuple[A
         m = r.metadata
         if not model_matches(m.answering_model, m.answering.model_name, model):
             continue
-        v = r.template.verify_result if r.template is not None else None
+        v = verdict_of(r)
         if v is None:
             continue
         out[(m.question_id, m.replicate, m.parsing_model)] = bool(v)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.analysis.stats import Proportion
 from shared.core.models import VerificationResult
+from shared.core.verdict import verdict_of
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -165,8 +166,9 @@ class TemplateResults(_View):
         """Counts over results where template verification ran (`spec/002` §7.1 shape)."""
         rs = self.with_template()
         n = len(rs)
-        passed = sum(1 for r in rs if r.template and r.template.verify_result is True)
-        failed = sum(1 for r in rs if r.template and r.template.verify_result is False)
+        verdicts = [verdict_of(r) for r in rs]  # an error is never a pass (nor a fail)
+        passed = sum(1 for v in verdicts if v is True)
+        failed = sum(1 for v in verdicts if v is False)
         return {
             "num_results": n, "num_passed": passed, "num_failed": failed,
             "pass_rate": passed / n if n else 0.0,
@@ -179,9 +181,15 @@ class TemplateResults(_View):
     def _per_result(self) -> pd.DataFrame:
         return self.to_dataframe().drop_duplicates(subset=["result_index"])
 
+    def _verdicts(self) -> pd.DataFrame:
+        """One row per result with its `verdict` (`shared.core.verdict.verdict_of`: None for an
+        error, whatever its verify_result says), what pass rates count."""
+        df = self._per_result()
+        return df.assign(verdict=[verdict_of(self.results[int(i)]) for i in df["result_index"]])
+
     def aggregate_pass_rate(self, by: str = "question_id", **_: Any) -> dict[Any, float]:
-        """{group: share of verdicts that passed}; results without a verdict are left out."""
-        return _group_dict(self._per_result(), by, "verify_result", lambda s: float(_numeric(s).mean()))
+        """{group: share of verdicts that passed}; results without a verdict (errors too) are left out."""
+        return _group_dict(self._verdicts(), by, "verdict", lambda s: float(_numeric(s).mean()))
 
     def pass_rate_table(self, by: str = "answering_model", confidence: float = 0.95) -> pd.DataFrame:
         """Pass rate per group with its Wilson interval: by, passed, n, pass_rate, ci_low, ci_high."""
@@ -189,7 +197,7 @@ class TemplateResults(_View):
         import pandas as pd
 
         by = _by(by)
-        counts = _group_dict(self._per_result(), by, "verify_result",
+        counts = _group_dict(self._verdicts(), by, "verdict",
                              lambda s: (int((_numeric(s) != 0).sum()), len(s)))
         rows = []
         for key, (passed, n) in counts.items():
@@ -239,7 +247,7 @@ class TemplateResults(_View):
         run_names: Sequence[str] | None = None,
     ) -> TemplateResults:
         def pred(r: VerificationResult) -> bool:
-            v = r.template.verify_result if r.template else None
+            v = verdict_of(r)
             return not ((passed_only and v is not True) or (failed_only and v is not False))
 
         return self._new(self._filtered(question_ids, answering_models, parsing_models, replicates,

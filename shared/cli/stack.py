@@ -14,6 +14,7 @@ from shared.control.runref import format_runs, list_runs
 from shared.control.status import format_run_problems, run_problems
 from shared.core.config import Settings
 from shared.core.outcome import EXIT_BAD_INPUT, EXIT_OK, EXIT_RESULTS_MISSING
+from shared.core.verdict import SQL_PASSED
 from shared.store.reads import QueryError, format_json, format_table, run_query
 
 
@@ -115,7 +116,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         # a run ClickHouse does not know is looked up in the stream: NotStored (exit 3) when only the
         # stream has it, RunNotFound (exit 2: "no run 'X'") when neither does
         run_id = resolve_run_arg(settings, args.run, stream=False)
-        res = run_query(settings, "SELECT count() AS results, countIf(ifNull(verify_result, false)) AS passed, "
+        res = run_query(settings, f"SELECT count() AS results, countIf({SQL_PASSED}) AS passed, "
                                   "countIf(NOT completed_without_errors) AS errors FROM verification_results FINAL "
                                   "WHERE run_id = {run:String}", {"run": run_id})
         row = next((r for r in list_runs(settings, limit=100000) if r["run_id"] == run_id), None)

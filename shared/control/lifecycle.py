@@ -34,6 +34,7 @@ from shared.core.benchmark.model import Benchmark
 from shared.core.config import Settings, VerificationConfig
 from shared.core.ids import answer_id_for, compute_result_id, event_id_for, template_id_for
 from shared.core.models import VerificationResult
+from shared.core.verdict import verdict_of
 from shared.runtime import bus
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import check_cost_budget
@@ -363,17 +364,15 @@ async def run_results(settings: Settings, run_id: str) -> dict[str, Verification
 
 
 def compare_runs(old: Iterable[VerificationResult], new: Iterable[VerificationResult]) -> dict[str, Any]:
-    """verify_result per (question, answering model, judge, replicate) in two runs."""
+    """The verdict (`shared.core.verdict.verdict_of`: None for an error) per (question, answering
+    model, judge, replicate) in two runs."""
 
     def key(r: VerificationResult) -> tuple[Any, ...]:
         m = r.metadata
         return (m.question_id, m.answering.model_name, m.parsing.model_name, m.replicate)
 
-    def verdict(r: VerificationResult) -> bool | None:
-        return r.template.verify_result if r.template is not None else None
-
-    before = {key(r): verdict(r) for r in old}
-    after = {key(r): verdict(r) for r in new}
+    before = {key(r): verdict_of(r) for r in old}
+    after = {key(r): verdict_of(r) for r in new}
     changed = sorted((k[0], before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k])
     return {"compared": len(before.keys() & after.keys()), "changed": changed}
 

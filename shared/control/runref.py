@@ -16,6 +16,7 @@ from typing import Any
 
 from shared.core import events
 from shared.core.config import Settings
+from shared.core.verdict import SQL_PASSED
 from shared.runtime import bus
 from shared.store.reads import run_query
 
@@ -91,16 +92,17 @@ def resolve(settings: Settings, ref: str, *, stream: bool) -> Picked:
     return pick(ref, runs)
 
 
+# `passed` as every output counts it (shared.core.verdict.SQL_PASSED: an error is never a pass)
 RUNS_SQL = """
 SELECT r.run_id, r.run_name, toString(r.requested_at) AS started, r.job_count AS jobs,
        count(v.result_id) AS done,
-       countIf(ifNull(v.verify_result, false) AND v.completed_without_errors) AS passed,
+       countIf(v.result_id != '' AND v.is_pass) AS passed,
        countIf(v.result_id != '' AND NOT v.completed_without_errors) AS errors,
        countIf(positionCaseInsensitive(ifNull(v.error, ''), ': RunCancelled: ') > 0) AS cancelled,
        countIf(positionCaseInsensitive(ifNull(v.error, ''), ': BudgetExhausted: ') > 0) AS budget_stopped,
        any(r.parent_run_id) AS parent
 FROM (SELECT * FROM runs FINAL) AS r
-LEFT JOIN (SELECT run_id, result_id, verify_result, completed_without_errors, error
+LEFT JOIN (SELECT run_id, result_id, """ + SQL_PASSED + """ AS is_pass, completed_without_errors, error
            FROM verification_results FINAL) AS v ON v.run_id = r.run_id
 GROUP BY r.run_id, r.run_name, started, jobs
 ORDER BY started DESC

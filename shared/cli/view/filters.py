@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlencode
 
+from shared.core.verdict import SQL_FAILED, SQL_PASSED
+
 STATUSES = ("passed", "failed", "errored")
 MAX_VALUE = 500  # characters: a longer filter value is refused, not truncated silently
 
@@ -70,10 +72,10 @@ class Filters:
         if self.keyword:
             clauses.append(f"has(keywords, {{{prefix}_k:String}})")
             params[f"{prefix}_k"] = self.keyword
-        if self.status == "passed":
-            clauses.append("verify_result = true")
+        if self.status == "passed":  # an error is never a pass (nor a fail): shared.core.verdict
+            clauses.append(SQL_PASSED)
         elif self.status == "failed":
-            clauses.append("verify_result = false")
+            clauses.append(SQL_FAILED)
         elif self.status == "errored":
             clauses.append("NOT completed_without_errors")
         if self.q:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from shared.analysis.stats import Proportion, mcnemar_exact, newcombe_paired_diff
 from shared.cli.view.filters import Filters
 from shared.core.config import config_uses_simulator
+from shared.core.verdict import SQL_FAILED, SQL_PASSED, SQL_VERDICT, SQL_VERIFIED
 from shared.store.engine import QueryResult
 
 PAGE_SIZE = 50
@@ -68,8 +69,8 @@ SELECT
 FROM (SELECT run_id, run_name, requested_at, job_count, benchmark_name, evaluation_mode, config_json
       FROM runs FINAL) AS u
 FULL OUTER JOIN
-     (SELECT run_id, any(run_name) AS run_name, count() AS done, countIf(verify_result = true) AS passed,
-             countIf(verify_result IS NOT NULL) AS verified, countIf(NOT completed_without_errors) AS errors,
+     (SELECT run_id, any(run_name) AS run_name, count() AS done, countIf({passed}) AS passed,
+             countIf({verified}) AS verified, countIf(NOT completed_without_errors) AS errors,
              groupUniqArray(10)(answering_model) AS models,
              countIf(answering_interface = 'simulator' OR parsing_interface = 'simulator') > 0 AS simulated
       FROM verification_results FINAL GROUP BY run_id) AS r
@@ -88,8 +89,8 @@ async def runs(src: AsyncSource, q: str = "", page: int = 0, page_size: int = PA
                 "positionCaseInsensitiveUTF8(ifNull(run_name, ''), {q:String}) > 0 OR "
                 "positionCaseInsensitiveUTF8(ifNull(benchmark_name, ''), {q:String}) > 0)")
         params["q"] = q
-    res = await src.query(RUNS_SQL.format(cond=cond, limit=int(page_size) + 1, offset=int(page) * int(page_size)),
-                          params)
+    res = await src.query(RUNS_SQL.format(cond=cond, limit=int(page_size) + 1, offset=int(page) * int(page_size),
+                                          passed=SQL_PASSED, verified=SQL_VERIFIED), params)
     rows = res.as_dicts()
     more = len(rows) > page_size
     rows = rows[:page_size]
@@ -153,8 +154,8 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
     info = await src.query("SELECT run_name, benchmark_name, evaluation_mode, requested_at, job_count, config_json "
                            "FROM runs FINAL WHERE run_id = {r:String} LIMIT 1", {"r": run_id})
     tot = await src.query(
-        "SELECT count(), countIf(verify_result = true), countIf(verify_result = false), "
-        "countIf(verify_result IS NULL), countIf(NOT completed_without_errors), sum(input_tokens), "
+        f"SELECT count(), countIf({SQL_PASSED}), countIf({SQL_FAILED}), "
+        f"countIf(NOT {SQL_VERIFIED}), countIf(NOT completed_without_errors), sum(input_tokens), "
         "sum(output_tokens), uniqExact(question_id), any(run_name), "
         "countIf(answering_interface = 'simulator' OR parsing_interface = 'simulator') > 0, "
         "groupUniqArray(50)(answering_model), groupUniqArray(50)(parsing_model), groupUniqArrayArray(200)(keywords) "
@@ -187,8 +188,8 @@ async def rates_by(src: AsyncSource, run_id: str, column: str, f: Filters) -> li
         raise ValueError(f"cannot group by {column!r}")
     cond, params = f.sql()
     res = await src.query(
-        f"SELECT {column}, count(), countIf(NOT completed_without_errors), countIf(verify_result IS NOT NULL), "
-        f"countIf(verify_result = true) FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond} "
+        f"SELECT {column}, count(), countIf(NOT completed_without_errors), countIf({SQL_VERIFIED}), "
+        f"countIf({SQL_PASSED}) FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond} "
         f"GROUP BY {column} ORDER BY {column} LIMIT 200", {"r": run_id, **params})
     return [{"name": r[0], "results": int(r[1]), "errors": int(r[2]), "rate": _rate(r[4], r[3])} for r in res.rows]
 
@@ -199,11 +200,11 @@ async def heatmap(src: AsyncSource, run_id: str, f: Filters, page: int = 0,
     cond, params = f.sql()
     p = {"r": run_id, **params}
     qs = await src.query(
-        "SELECT question_id, any(question_text), countIf(verify_result = true), countIf(verify_result IS NOT NULL), "
+        f"SELECT question_id, any(question_text), countIf({SQL_PASSED}), countIf({SQL_VERIFIED}), "
         "countIf(NOT completed_without_errors) FROM verification_results FINAL "
         f"WHERE run_id = {{r:String}} AND {cond} GROUP BY question_id "
-        "ORDER BY if(countIf(verify_result IS NOT NULL) = 0, 2, countIf(verify_result = true) / "
-        "countIf(verify_result IS NOT NULL)), question_id "
+        f"ORDER BY if(countIf({SQL_VERIFIED}) = 0, 2, countIf({SQL_PASSED}) / "
+        f"countIf({SQL_VERIFIED})), question_id "
         f"LIMIT {int(per_page) + 1} OFFSET {int(page) * int(per_page)}", p)
     rows = qs.rows[:per_page]
     total = (await src.query("SELECT uniqExact(question_id) FROM verification_results FINAL "
@@ -213,7 +214,7 @@ async def heatmap(src: AsyncSource, run_id: str, f: Filters, page: int = 0,
     models: list[str] = []
     if ids:
         res = await src.query(
-            "SELECT question_id, answering_model, countIf(verify_result = true), countIf(verify_result IS NOT NULL), "
+            f"SELECT question_id, answering_model, countIf({SQL_PASSED}), countIf({SQL_VERIFIED}), "
             "count(), countIf(NOT completed_without_errors), any(result_id) FROM verification_results FINAL "
             f"WHERE run_id = {{r:String}} AND {cond} AND question_id IN {{hq:Array(String)}} "
             "GROUP BY question_id, answering_model", {**p, "hq": ids})
@@ -405,7 +406,7 @@ class Side:
     model: str = ""  # answering model; empty: every model of the run, paired by model too
 
     def sql(self, tag: str) -> tuple[str, dict[str, Any]]:
-        cond = f"run_id = {{{tag}_r:String}} AND verify_result IS NOT NULL"
+        cond = f"run_id = {{{tag}_r:String}} AND {SQL_VERIFIED}"
         params: dict[str, Any] = {f"{tag}_r": self.run_id}
         if self.model:
             cond += f" AND (answering_model = {{{tag}_m:String}} OR answering_model_name = {{{tag}_m:String}})"
@@ -431,7 +432,7 @@ async def compare(src: AsyncSource, a: Side, b: Side, f: Filters) -> dict[str, A
     fcond, fparams = f.with_(model="" if not by_model else f.model).sql()
     ca, pa = a.sql("a")
     cb, pb = b.sql("b")
-    sub = ("SELECT {key}, any(question_text) AS qt, toUInt8(any(verify_result)) AS v, any(result_id) AS rid "
+    sub = (f"SELECT {{key}}, any(question_text) AS qt, toUInt8(any({SQL_VERDICT})) AS v, any(result_id) AS rid "
            "FROM verification_results FINAL WHERE {cond} AND {fcond} GROUP BY {using}")
     sa = sub.format(key=key, cond=ca, fcond=fcond, using=using)
     sb = sub.format(key=key, cond=cb, fcond=fcond, using=using)
