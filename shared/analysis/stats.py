@@ -382,6 +382,13 @@ def unknown_model(results: Iterable[VerificationResult], model: str) -> list[str
     return sorted({name for _, name in models})
 
 
+def paired_replicate(replicate: int | None) -> int:
+    """The replicate a result is paired by. Replicates are numbered 1, 2, 3 ... (spec/001); a run
+    of one replicate records none (None), and that one is the first: paired with replicate 1 of a
+    run of several (`ifNull(replicate, 1)` in the viewer's SQL)."""
+    return 1 if replicate is None else int(replicate)
+
+
 def _verdicts(results: Iterable[VerificationResult], model: str) -> dict[tuple[Any, ...], bool]:
     out: dict[tuple[Any, ...], bool] = {}
     for r in results:
@@ -391,7 +398,7 @@ def _verdicts(results: Iterable[VerificationResult], model: str) -> dict[tuple[A
         v = verdict_of(r)
         if v is None:
             continue
-        out[(m.question_id, m.replicate, m.parsing_model)] = bool(v)
+        out[(m.question_id, paired_replicate(m.replicate), m.parsing_model)] = bool(v)
     return out
 
 
@@ -399,7 +406,8 @@ def compare_models(
     results_a: Iterable[VerificationResult], model_a: str, model_b: str,
     results_b: Iterable[VerificationResult] | None = None, confidence: float = 0.95,
 ) -> PairedComparison:
-    """Compare two answering models on the same jobs, paired by (question, replicate, judge).
+    """Compare two answering models on the same jobs, paired by (question, replicate, judge); a
+    result without a replicate (a one-replicate run) pairs with replicate 1 (`paired_replicate`).
 
     With `results_b`, model B is read from that second result set (two runs). A re-iterable input
     (a list, or a run streamed from the store) is read twice rather than copied; only the

@@ -371,7 +371,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps({"run_a": a.run_id, "run_b": b.run_id if b else a.run_id, **cmp.as_dict()}, indent=2))
     else:
         print(f"comparing {args.model_a} (run {a.run_id}) with {args.model_b} (run {b.run_id if b else a.run_id}),"
-              f" paired by question, replicate and judge:")
+              f" paired by question, replicate (none: 1) and judge:")
         for line in cmp.lines():
             print("  " + line)
     return EXIT_OK

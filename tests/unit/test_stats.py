@@ -162,3 +162,28 @@ def test_compare_names_a_model_the_run_does_not_have(tmp_path, monkeypatch: pyte
     assert ("--model-b 'gpt-y' is not an answering model of run " + two) in capsys.readouterr().err
     assert main(["compare", one, two, "--model-a", "nope", "--model-b", "gpt-x"]) == 2
     assert "--model-a 'nope' is not an answering model of run " + one in capsys.readouterr().err
+
+
+def test_a_one_replicate_run_pairs_with_the_first_replicate_of_a_multi_replicate_run(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """Replicates are numbered from 1 (spec/001); a run of one replicate records none. Its results
+    were paired as replicate 0 (the viewer) or None (compare), so "no paired verdicts" against a
+    run of three replicates of the same checkpoint: they pair with replicate 1."""
+    import json
+
+    from shared.analysis import report
+    from shared.cli.commands import main
+    from tests.support.results import make
+
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    single = [make(q, "gpt-x", q != "q2") for q in ("q1", "q2")]
+    multi = [make(q, "gpt-y", rep != 2, replicate=rep) for q in ("q1", "q2") for rep in (1, 2, 3)]
+    cmp = compare_models(single, "gpt-x", "gpt-y", multi)
+    assert (cmp.pairs, cmp.unpaired_a, cmp.unpaired_b) == (2, 0, 4)
+    assert (cmp.both_pass, cmp.a_only, cmp.b_only, cmp.both_fail) == (1, 0, 1, 0)
+    for name, results in (("single", single), ("multi", multi)):
+        report.write_outputs(tmp_path / name, "s", name, results, report.summarize(results), {}, False)
+    assert main(["compare", str(tmp_path / "single" / "results.jsonl"), str(tmp_path / "multi" / "results.jsonl"),
+                 "--model-a", "gpt-x", "--model-b", "gpt-y", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pairs"] == 2

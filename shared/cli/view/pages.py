@@ -368,7 +368,8 @@ def compare_page(form: Mapping[str, str], runs: Sequence[Mapping[str, Any]], mod
                 + run_select("run", "run A") + model_select("a", "model A") + run_select("run_b", "run B")
                 + model_select("b", "model B") + "<button id='c-go'>Compare</button></form>"
                 + "<p class='muted'>Two models of one run: pick run A and models A and B. Two runs: pick runs A and B "
-                  "(and optionally a model on each). Pairs are matched by question, replicate and judge.</p>")
+                  "(and optionally a model on each). Pairs are matched by question, replicate and judge (a run of one "
+                  "replicate is replicate 1).</p>")
     body = ["<h1>Compare</h1>", formhtml]
     if problem:
         body.append(f"<p class='error' id='problem'>{_e(problem)}</p>")

@@ -427,7 +427,9 @@ async def compare(src: AsyncSource, a: Side, b: Side, f: Filters) -> dict[str, A
     """Paired verdicts of two sides, matched by (question, replicate, judge) — and answering
     model when neither side names one. Counts and flips are computed in ClickHouse."""
     by_model = not a.model and not b.model
-    key = "question_id, ifNull(replicate, 0) AS rep, parsing_model" + (", answering_model" if by_model else "")
+    # a result without a replicate (a one-replicate run) is the first: paired with replicate 1
+    # (shared.analysis.stats.paired_replicate)
+    key = "question_id, ifNull(replicate, 1) AS rep, parsing_model" + (", answering_model" if by_model else "")
     using = "question_id, rep, parsing_model" + (", answering_model" if by_model else "")
     fcond, fparams = f.with_(model="" if not by_model else f.model).sql()
     ca, pa = a.sql("a")
