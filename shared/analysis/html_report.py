@@ -61,6 +61,7 @@ from shared.analysis.report import SummaryTally
 from shared.analysis.stored import StoredResults
 from shared.core.config import config_uses_simulator
 from shared.core.models import VerificationResult
+from shared.core.usage import money
 from shared.store.reads import ResultFilter, open_source, resolve_run
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ def iter_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping
             ("avg score", f"{s['avg_score_attempted']:.3f}"),
             ("questions", len(d.per_q)),
             ("model calls", f"{usage['model_calls']} (+{usage['cached_replies']} cached)"),
-            ("cost USD", f"{usage['cost_usd']:.4f}" + ("*" if usage["cost_unknown_models"] else ""))]
+            ("cost", money(usage["cost_usd"]) + ("*" if usage["cost_unknown_models"] else ""))]
     kpi_html = "".join(f"<div class='kpi'><b>{_esc(_fmt(v))}</b><span>{_esc(k)}</span></div>" for k, v in kpis)
     yield (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_esc(title)}</title>"
            f"<style>{CSS}</style></head><body>")

@@ -25,6 +25,7 @@ from shared.analysis.html_svg import (
 from shared.analysis.stats import Proportion, pass_at_k_from_outcomes
 from shared.analysis.stored import for_questions
 from shared.core.models import VerificationResult
+from shared.core.usage import format_usd, money
 from shared.core.verdict import verdict_of
 
 MAX_HEAT_COLUMNS = 120
@@ -283,13 +284,13 @@ def section_cost(data: RunDigest | Iterable[VerificationResult]) -> str:
     per_model: dict[str, float] = {}
     for r in rows:
         per_model[r[0]] = per_model.get(r[0], 0.0) + r[4]
-    head = (f"<p id='cost-total'>Total cost: <b>${total:,.6f}</b>"
+    head = (f"<p id='cost-total'>Total cost: <b>{money(total)}</b>"
             + (f" <span class='muted'>(unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
             + "</p>")
-    by_model = _table(["model", "cost USD"], [(m, f"{c:.6f}") for m, c in sorted(per_model.items())],
+    by_model = _table(["model", "cost USD"], [(m, format_usd(c)) for m, c in sorted(per_model.items())],
                       "Cost per model")
     by_stage = _table(["model", "stage", "model calls", "cached replies", "cost USD", "entries without price",
-                       "tokens"], [(r[0], r[1], int(r[2]), int(r[3]), f"{r[4]:.6f}", int(r[5]), int(r[6]))
+                       "tokens"], [(r[0], r[1], int(r[2]), int(r[3]), format_usd(r[4]), int(r[5]), int(r[6]))
                                    for r in rows], "Cost per model and stage")
     return head + by_model + by_stage
 

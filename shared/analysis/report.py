@@ -34,7 +34,7 @@ from shared.analysis.stats import Proportion, describe, percent
 from shared.analysis.stored import iter_sorted
 from shared.core.models import VerificationResult
 from shared.core.outcome import VERIFY_RAISED, error_kind, error_lines
-from shared.core.usage import run_usage, usage_lines
+from shared.core.usage import UsageTally, usage_lines
 from shared.core.verdict import verdict_of
 
 ACCURACY = "accuracy"
@@ -279,9 +279,7 @@ class SummaryTally:
         self.models: dict[str, _Tally] = defaultdict(_Tally)
         self.metrics: dict[str, _Tally] = defaultdict(_Tally)  # over samples that have the metric
         self.groups: dict[tuple[str, str], dict[str, Any]] = {}
-        self.calls = self.cached = 0
-        self.cost = 0.0
-        self.unknown: set[str] = set()
+        self.usage = UsageTally()  # the exact cost, rounded once in `summary`
 
     def add(self, item: VerificationResult | Sample) -> None:
         """One result, or its `Sample` when the caller scored it already (with these trait ranges)."""
@@ -300,11 +298,7 @@ class SummaryTally:
                                                         "example": message[:300],
                                                         "example_question": r.metadata.question_id})
             g["count"] += 1
-        u = run_usage((r,))
-        self.calls += u["model_calls"]
-        self.cached += u["cached_replies"]
-        self.cost += u["cost_usd"]
-        self.unknown.update(u["cost_unknown_models"])
+        self.usage.add(r)
 
     def summary(self, unfinished_skipped: int = 0) -> dict[str, Any]:
         a = self.all
@@ -356,9 +350,8 @@ class SummaryTally:
             "unfinished_questions_skipped": unfinished_skipped,
             "by_metric": by_metric,
             "per_model": per_model,
-            # model calls, cached replies, cost in USD (shared.core.usage.run_usage, summed per result)
-            "usage": {"model_calls": self.calls, "cached_replies": self.cached, "cost_usd": round(self.cost, 6),
-                      "cost_unknown_models": sorted(self.unknown)},
+            # model calls, cached replies, cost in USD (shared.core.usage: summed exactly, rounded once)
+            "usage": self.usage.as_dict(),
         }
 
 

@@ -12,10 +12,31 @@ and `cached_replies` (replies served from the response cache).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 COUNT_KEYS = ("model_calls", "cached_replies")
 COST_KEY = "cost_usd"
+USD_PLACES = Decimal("0.000001")  # every amount of money shown or written: to the micro-dollar
+
+
+def usd(amount: float) -> float:
+    """An amount of dollars as every output writes it (summary.json, --format json): rounded
+    once, half away from zero, from its exact value. Sum the exact amounts and round the sum:
+    never sum rounded amounts nor round a rounded figure again (100 calls of $0.00030302 are
+    $0.030302, while rounding each first makes $0.030300). Show it with `money` / `format_usd`."""
+    return float(Decimal(amount).quantize(USD_PLACES, rounding=ROUND_HALF_UP))
+
+
+def format_usd(amount: float) -> str:
+    """`0.030302`: an amount of dollars in a table cell (the HTML report, the viewer)."""
+    return f"{usd(amount):,.6f}"
+
+
+def money(amount: float) -> str:
+    """`$0.030302`: an amount of dollars as every output shows it (console summary, `report`,
+    the HTML report, the viewer), from its exact value (`usd`)."""
+    return "$" + format_usd(amount)
 
 
 def usage_extras(*, cost_usd: float | None, attempts: int, cached: bool) -> dict[str, Any]:
@@ -59,25 +80,40 @@ def total_extras(entries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+class UsageTally:
+    """Model calls, cached replies and the exact cost (unrounded) over results added one at a
+    time; `as_dict` rounds the cost once (`usd`)."""
+
+    __slots__ = ("cached", "calls", "cost", "unknown")
+
+    def __init__(self) -> None:
+        self.calls = self.cached = 0
+        self.cost = 0.0
+        self.unknown: set[str] = set()
+
+    def add(self, r: Any) -> None:
+        for stage, e in _usage_of(r).items():
+            if stage == "total" or not isinstance(e, Mapping):
+                continue
+            self.calls += int(e.get("model_calls", 0) or 0)
+            self.cached += int(e.get("cached_replies", 0) or 0)
+            if COST_KEY in e:
+                self.cost += float(e[COST_KEY] or 0.0)
+            elif int(e.get("model_calls", 0) or 0) > 0 or ("model_calls" not in e and e.get("total_tokens")):
+                self.unknown.add(str(e.get("model") or stage))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model_calls": self.calls, "cached_replies": self.cached, "cost_usd": usd(self.cost),
+                "cost_unknown_models": sorted(self.unknown)}
+
+
 def run_usage(results: Iterable[Any]) -> dict[str, Any]:
     """Model calls, cached replies and cost over a run's results (VerificationResult models or
     dicts), with the models whose cost is unknown: what the summary and the report show."""
-    calls = cached = 0
-    cost = 0.0
-    unknown: set[str] = set()
+    tally = UsageTally()
     for r in results:
-        usage = _usage_of(r)
-        for stage, e in usage.items():
-            if stage == "total" or not isinstance(e, Mapping):
-                continue
-            calls += int(e.get("model_calls", 0) or 0)
-            cached += int(e.get("cached_replies", 0) or 0)
-            if COST_KEY in e:
-                cost += float(e[COST_KEY] or 0.0)
-            elif int(e.get("model_calls", 0) or 0) > 0 or ("model_calls" not in e and e.get("total_tokens")):
-                unknown.add(str(e.get("model") or stage))
-    return {"model_calls": calls, "cached_replies": cached, "cost_usd": round(cost, 6),
-            "cost_unknown_models": sorted(unknown)}
+        tally.add(r)
+    return tally.as_dict()
 
 
 def _usage_of(r: Any) -> Mapping[str, Any]:
@@ -97,7 +133,7 @@ def usage_lines(usage: Mapping[str, Any]) -> list[str]:
     if cached:
         line += f" ({cached} repl{'y' if cached == 1 else 'ies'} from the response cache)"
     lines = [line]
-    cost = f"  Cost: ${usage.get('cost_usd', 0.0):.6f}"
+    cost = f"  Cost: {money(usage.get('cost_usd', 0.0))}"
     if usage.get("cost_unknown_models"):
         cost += f" (unknown for {', '.join(usage['cost_unknown_models'])}: no price in litellm's map or the config)"
     lines.append(cost)

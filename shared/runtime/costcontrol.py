@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 
 from shared.core import events
 from shared.core.outcome import COST_BUDGET_MESSAGE
+from shared.core.usage import money
 from shared.runtime.runcontrol import BudgetExhausted, RunControl, positive, usage_growth
 
 log = logging.getLogger("veribus.cost")
@@ -99,8 +100,8 @@ class CostControl(RunControl):
         return _micro_budget(control.budget_cost_usd)
 
     def exhausted(self, run_id: str, used: int, budget: int) -> BudgetExhausted:
-        return BudgetExhausted(f"{COST_BUDGET_MESSAGE}: run {run_id} has spent ${used / MICRO:.6f} of its "
-                               f"${budget / MICRO:.6f} budget; this answer was not generated")
+        return BudgetExhausted(f"{COST_BUDGET_MESSAGE}: run {run_id} has spent {money(used / MICRO)} of its "
+                               f"{money(budget / MICRO)} budget; this answer was not generated")
 
     async def stop_reason(self, run_id: str, published_at: float = 0.0) -> BudgetExhausted | None:
         """The money budget's stop only (a cancel is `RunControl.stop_reason`'s to say)."""

@@ -142,3 +142,41 @@ def test_event_rows_carry_the_stage_cost() -> None:
     ev.state.usage = {"parsing": {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10, "model_calls": 1}}
     row = event_row(events.make_envelope(events.TEMPLATE_PARSED, "r", "x", ev, "p"))
     assert row[EVENT_COLUMNS.index("cost_usd")] is None  # unknown price: NULL, not 0
+
+
+def test_every_output_of_a_run_shows_the_same_cost(tmp_path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """100 calls of $0.00030302 cost $0.030302. The console summary rounded each result's cost
+    to 6 places before adding ($0.030300) and the HTML report's key figure showed 4 places
+    ($0.0303), while the HTML cost section said $0.030302: now every output sums exactly and
+    rounds once (`usage.usd`), shown by one function (`usage.money`)."""
+    import json
+
+    from shared.analysis import report
+    from shared.cli.commands import main
+    from shared.cli.view import pages
+    from tests.support.results import make
+
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    entry = {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": "openai/gpt-x", "model_calls": 1,
+             "cached_replies": 0, "cost_usd": 0.00030302}
+    results = [make(f"q{i}", "gpt-x", True, usage={"answer_generation": entry}) for i in range(100)]
+    summary = report.summarize(results)  # what `veribus run` prints (report.print_results)
+    assert summary["usage"]["cost_usd"] == 0.030302
+    assert "Cost: $0.030302" in report.results_block(summary)
+    report.write_outputs(tmp_path / "run", "s", "r1", results, summary, {}, False)
+    assert main(["report", str(tmp_path / "run" / "results.jsonl"), "--html", str(tmp_path / "r.html"),
+                 "--output", str(tmp_path / "again")]) == 0
+    assert "Cost: $0.030302" in capsys.readouterr().out
+    written = json.loads((tmp_path / "again" / "summary.json").read_text())["metrics"]["usage"]
+    assert written["cost_usd"] == 0.030302
+    html = (tmp_path / "r.html").read_text()
+    assert "<b>$0.030302</b><span>cost</span>" in html and "Total cost: <b>$0.030302</b>" in html
+    assert "0.0303<" not in html
+    viewer = pages._cost_section({"total_usd": 100 * 0.00030302, "calls": 100, "cached": 0, "priced_results": 100,
+                                  "unpriced_results": 0, "unknown_models": [],
+                                  "by_model": [{"model": "openai/gpt-x", "cost_usd": 100 * 0.00030302}],
+                                  "by_stage": []})
+    assert "Total cost: <b>$0.030302</b>" in viewer and "<td>0.030302</td>" in viewer
+    assert cost.money(1234.5) == "$1,234.500000" and cost.format_usd(0.1 + 0.2) == "0.300000"

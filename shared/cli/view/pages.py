@@ -31,6 +31,7 @@ from shared.cli.view.markup import (
     sample_url,
 )
 from shared.cli.view.queries import fmt_p
+from shared.core.usage import format_usd, money
 
 # --------------------------------------------------------------------------------------------
 # Runs
@@ -274,12 +275,12 @@ def _cost_section(cost: Mapping[str, Any] | None) -> str:
                 f"{cost['unpriced_results']:,} results without a full price)</span>"
                 if unknown else (f" <span class='muted'>({cost['unpriced_results']:,} results without a price)</span>"
                                  if cost["unpriced_results"] else ""))
-    head = (f"<p id='cost-total'>Total cost: <b>${cost['total_usd']:,.6f}</b> · {cost['calls']:,} model calls · "
+    head = (f"<p id='cost-total'>Total cost: <b>{money(cost['total_usd'])}</b> · {cost['calls']:,} model calls · "
             f"{cost['cached']:,} cached replies{unpriced}</p>")
-    by_model = _table(["model", "cost USD"], [(m["model"], f"{m['cost_usd']:.6f}") for m in cost["by_model"]],
+    by_model = _table(["model", "cost USD"], [(m["model"], format_usd(m["cost_usd"])) for m in cost["by_model"]],
                       "cost", "cost-by-model")
     by_stage = _table(["model", "stage", "entries", "cost USD", "entries without price", "tokens"],
-                      [(r["model"], r["stage"], r["entries"], f"{r['cost_usd']:.6f}", r["unpriced"], r["tokens"])
+                      [(r["model"], r["stage"], r["entries"], format_usd(r["cost_usd"]), r["unpriced"], r["tokens"])
                        for r in cost["by_stage"]], "cost", "cost-by-stage")
     return "<div class='cols'><section>" + head + by_model + "</section><section>" + by_stage + "</section></div>"
 
