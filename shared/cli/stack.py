@@ -9,7 +9,7 @@ import re
 
 from shared.cli.common import deployment_settings, err, resolve_run_arg, stale_store, unstored
 from shared.control import stack
-from shared.control.deployment import select
+from shared.control.deployment import mask_url, select
 from shared.control.runref import format_runs, list_runs
 from shared.control.status import format_run_problems, run_problems
 from shared.core.config import Settings
@@ -28,7 +28,27 @@ def _parse_replicas(items: list[str] | None) -> dict[str, int]:
     return out
 
 
+def _refuse_nats_url(args: argparse.Namespace) -> None:
+    """`up` and `down` act on the local stack only: a --nats-url given to them would be ignored
+    (`up` started a local stack with its own NATS anyway), so it is refused (exit 2), saying
+    what the command does and what to use for an existing deployment."""
+    url = getattr(args, "nats_url", None)
+    if not url:
+        return
+    shown = mask_url(url)
+    if args.command == "up":
+        raise ValueError(
+            f"`veribus up` takes no --nats-url: it starts a local stack with its own NATS server (nats-server, "
+            f"simulator, every service, in VERIBUS_HOME), never one on {shown}. For an existing deployment start "
+            f"nothing here: run its services where it runs (e.g. docker-compose) and pass --nats-url {shown} (or "
+            "VERIBUS_NATS_URL) to the commands that use it: run, status, runs, query, results, report, view, ...")
+    raise ValueError(
+        f"`veribus down` takes no --nats-url: it stops the local stack of VERIBUS_HOME, never a deployment on "
+        f"{shown}; stop that where it runs (e.g. `docker compose down`)")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    _refuse_nats_url(args)
     settings = deployment_settings()
     sim_args = simulator_args(args)
     replicas = _parse_replicas(args.replicas)
@@ -89,6 +109,7 @@ def simulator_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    _refuse_nats_url(args)
     stopped = stack.down(deployment_settings())
     print("stack down: " + (", ".join(stopped) if stopped else "nothing was running"))
     return EXIT_OK

@@ -66,3 +66,28 @@ def test_options_a_running_stack_does_not_have_are_named(monkeypatch: pytest.Mon
     out = _up(["--replicas", "parsing=2", "--sim-latency-ms", "50"], _running(tmp_path, parsing=2, sim=["--latency-ms", "50"]),
               monkeypatch, tmp_path, capsys)
     assert "note:" not in out
+
+
+@pytest.mark.parametrize("command", ["up", "down"])
+def test_up_and_down_refuse_a_nats_url_they_would_ignore(command: str, monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`veribus up --nats-url X` started a local stack with its own NATS and never used X (and
+    `down --nats-url X` stopped the local one): refused (exit 2), saying what the command does
+    and what to use for a deployment that already runs; nothing is started or stopped."""
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+
+    def touched(*_a: object, **_kw: object) -> object:
+        raise AssertionError(f"the local stack was acted on by `{command} --nats-url`")
+
+    monkeypatch.setattr(cli_stack.stack, "up", touched)
+    monkeypatch.setattr(cli_stack.stack, "down", touched)
+    assert main([command, "--nats-url", "nats://ci:s3cret@nats.internal:4222"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and "s3cret" not in said.err
+    assert f"`veribus {command}` takes no --nats-url" in said.err and "nats://ci:***@nats.internal:4222" in said.err
+    if command == "up":
+        assert "starts a local stack with its own NATS server" in said.err and "docker-compose" in said.err
+    else:
+        assert "stops the local stack" in said.err
+    assert not (tmp_path / "home").exists()
