@@ -61,7 +61,7 @@ from shared.analysis.report import SummaryTally
 from shared.analysis.stored import StoredResults
 from shared.core.config import config_uses_simulator
 from shared.core.models import VerificationResult
-from shared.core.usage import money
+from shared.core.usage import money, recorded
 from shared.store.reads import ResultFilter, open_source, resolve_run
 
 if TYPE_CHECKING:
@@ -178,8 +178,10 @@ def iter_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping
             ("passed", f"{s['passed_attempts']} ({_pct(s['passed_attempts'] / (s['total_attempted'] or 1))})"),
             ("avg score", f"{s['avg_score_attempted']:.3f}"),
             ("questions", len(d.per_q)),
-            ("model calls", f"{usage['model_calls']} (+{usage['cached_replies']} cached)"),
-            ("cost", money(usage["cost_usd"]) + ("*" if usage["cost_unknown_models"] else ""))]
+            ("model calls", f"{usage['model_calls']} (+{usage['cached_replies']} cached)" if recorded(usage)
+             else "not recorded"),
+            ("cost", money(usage["cost_usd"]) + ("*" if usage["cost_unknown_models"] else "") if recorded(usage)
+             else "not recorded")]
     kpi_html = "".join(f"<div class='kpi'><b>{_esc(_fmt(v))}</b><span>{_esc(k)}</span></div>" for k, v in kpis)
     yield (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_esc(title)}</title>"
            f"<style>{CSS}</style></head><body>")
@@ -196,7 +198,7 @@ def iter_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping
         "<h2>2. Questions × models</h2>", section_heatmap(d),
         "<h2>3. Rubric trait scores</h2>", section_traits(d),
         "<h2>4. Token usage and latency per stage</h2>", section_usage_latency(d, data.stage_latency),
-        "<h3 id='cost'>Cost per model and stage</h3>", section_cost(d),
+        "<h3 id='cost'>Cost per model and stage</h3>", section_cost(d, s.get("usage")),
         "<h2>5. Replicates: pass@k and flakiness</h2>", section_replicates(d),
         "<h2>6. Errors by stage and type</h2>", section_errors(d),
         "<h2>7. Appendix: questions and responses</h2>",

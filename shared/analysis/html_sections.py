@@ -25,8 +25,9 @@ from shared.analysis.html_svg import (
 from shared.analysis.stats import Proportion, pass_at_k_from_outcomes
 from shared.analysis.stored import for_questions
 from shared.core.models import VerificationResult
-from shared.core.usage import format_usd, money
+from shared.core.usage import NOT_RECORDED, format_usd, money, recorded
 from shared.core.verdict import verdict_of
+from shared.store.event_usage import EVENTS_SOURCE
 
 MAX_HEAT_COLUMNS = 120
 MAX_APPENDIX_RESPONSES = 2000
@@ -273,10 +274,22 @@ def section_usage_latency(data: RunDigest | Iterable[VerificationResult],
     return "".join(parts)
 
 
-def section_cost(data: RunDigest | Iterable[VerificationResult]) -> str:
-    """Total cost, and cost, calls and tokens per model and stage (from the usage entries)."""
+def section_cost(data: RunDigest | Iterable[VerificationResult], usage: Mapping[str, Any] | None = None) -> str:
+    """Total cost, and cost, calls and tokens per model and stage (from the usage entries). When
+    the results carry no usage section (rubric_only), `usage` (the summary's) says so, or gives
+    the run's totals from its stage events."""
     d = _digest(data)
     rows = [(model, stage, *v) for (model, stage), v in sorted(d.cost.items())]
+    if not rows and usage is not None and recorded(usage) and usage.get("source") == EVENTS_SOURCE:
+        unknown = usage.get("cost_unknown_models") or []
+        return (f"<p id='cost-total'>Total cost: <b>{money(usage['cost_usd'])}</b> · {usage['model_calls']:,} model "
+                f"calls · {usage['cached_replies']:,} cached replies"
+                + (f" <span class='muted'>(unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
+                + f"</p><p class='muted' id='usage-source'>From the run's stage events: "
+                f"{_esc(usage.get('not_recorded') or NOT_RECORDED)}, so there is no breakdown per model and stage.</p>")
+    if not rows and usage is not None and not recorded(usage):
+        return (f"<p class='muted' id='no-usage'>Model calls and cost not recorded: "
+                f"{_esc(usage.get('not_recorded') or NOT_RECORDED)}.</p>")
     if not rows or not any(r[2] or r[3] or r[4] or r[5] for r in rows):
         return "<p class='muted'>No model calls recorded: no cost to show.</p>"
     total = sum(r[4] for r in rows)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 from shared.cli.common import NotStored, deployment_settings, err, number_arg, resolve_run_arg, unstored
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, EXIT_RESULTS_MISSING, MaxErrors, judge
+from shared.store.event_usage import with_event_usage
 from shared.store.reads import ResultFilter, run_query
 
 __all__ = ["EXIT_GATE_FAILED", "EXIT_INPUT", "EXIT_OK", "add_run_options", "apply_gates", "register",
@@ -260,6 +261,9 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
             digest.add(r)
             page_tally.add(r)
     summary = tally.summary(len(data.unfinished_skipped))
+    if not _is_file(args.run):  # results without a usage section (rubric_only): from the run's stage events
+        summary["usage"] = with_event_usage(summary["usage"], data.run_id,
+                                            lambda sql, params: run_query(deployment_settings(), sql, params))
     rep = gate_eval.report()
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
@@ -272,8 +276,10 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
         report.write_outputs(Path(args.output), data.benchmark_name or data.run_name or data.run_id, data.run_id,
                              data.results, summary, data.config or {}, bool(data.simulated), trait_ranges=ranges)
     if args.html:
-        path = write_html(args.html, data, rep.lines, digest=digest,
-                          summary=page_tally.summary() if page_tally is not None else None)
+        page_summary = page_tally.summary() if page_tally is not None else None
+        if page_summary is not None:
+            page_summary["usage"] = summary["usage"]  # the same calls and cost (from the events, if so)
+        path = write_html(args.html, data, rep.lines, digest=digest, summary=page_summary)
         if not args.quiet:
             print(f"wrote {path}")
     if args.junit:

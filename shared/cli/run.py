@@ -31,6 +31,8 @@ from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErro
 from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_NOT_STORED
 from shared.runtime.costcontrol import set_cost_budget
 from shared.runtime.runcontrol import pop_budget, set_budget
+from shared.store.event_usage import with_event_usage
+from shared.store.reads import run_query
 
 
 def _read_config_file(args: argparse.Namespace) -> dict[str, Any]:
@@ -329,6 +331,9 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     if not_stored:  # one outcome, saying which part holds: never an error line beside a PASSED
         _not_stored(verdict, len(results), not_stored)
         summary["outcome"] = verdict.as_dict()
+    else:  # results without a usage section (rubric_only): the calls and cost from the stage events
+        summary["usage"] = with_event_usage(summary["usage"], plan.run_id,
+                                            lambda sql, params: run_query(settings, sql, params))
     if args.quiet:
         print(verdict.headline)
     else:

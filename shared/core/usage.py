@@ -80,19 +80,35 @@ def total_extras(entries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+NOT_RECORDED_RUBRIC_ONLY = "rubric_only results carry no usage section"
+NOT_RECORDED = "these results carry no usage section"
+
+
 class UsageTally:
     """Model calls, cached replies and the exact cost (unrounded) over results added one at a
-    time; `as_dict` rounds the cost once (`usd`)."""
+    time; `as_dict` rounds the cost once (`usd`).
 
-    __slots__ = ("cached", "calls", "cost", "unknown")
+    A result without a usage section says nothing of its calls: in rubric_only mode it has no
+    `template`, where `usage_metadata` lives (spec/001); a reference export may carry none. Such
+    results are counted (`results_without_usage`), and when no result has one the calls and the
+    cost are unknown (None, with `not_recorded` saying why), never zero."""
+
+    __slots__ = ("cached", "calls", "cost", "no_template", "results", "unknown", "without")
 
     def __init__(self) -> None:
         self.calls = self.cached = 0
         self.cost = 0.0
         self.unknown: set[str] = set()
+        self.results = self.without = self.no_template = 0
 
     def add(self, r: Any) -> None:
-        for stage, e in _usage_of(r).items():
+        self.results += 1
+        usage = _usage_section(r)
+        if usage is None:
+            self.without += 1
+            self.no_template += 1 if _template_of(r) is None else 0
+            return
+        for stage, e in usage.items():
             if stage == "total" or not isinstance(e, Mapping):
                 continue
             self.calls += int(e.get("model_calls", 0) or 0)
@@ -103,8 +119,18 @@ class UsageTally:
                 self.unknown.add(str(e.get("model") or stage))
 
     def as_dict(self) -> dict[str, Any]:
+        if self.results and self.without == self.results:
+            why = NOT_RECORDED_RUBRIC_ONLY if self.no_template == self.results else NOT_RECORDED
+            return {"model_calls": None, "cached_replies": None, "cost_usd": None, "cost_unknown_models": [],
+                    "results_without_usage": self.without, "not_recorded": why}
         return {"model_calls": self.calls, "cached_replies": self.cached, "cost_usd": usd(self.cost),
-                "cost_unknown_models": sorted(self.unknown)}
+                "cost_unknown_models": sorted(self.unknown), "results_without_usage": self.without}
+
+
+def recorded(usage: Mapping[str, Any] | None) -> bool:
+    """Whether a usage summary knows the calls and the cost (`UsageTally.as_dict`, or a run's
+    stage events: `shared.store.event_usage`)."""
+    return bool(usage) and usage.get("model_calls") is not None  # type: ignore[union-attr]
 
 
 def run_usage(results: Iterable[Any]) -> dict[str, Any]:
@@ -116,25 +142,38 @@ def run_usage(results: Iterable[Any]) -> dict[str, Any]:
     return tally.as_dict()
 
 
-def _usage_of(r: Any) -> Mapping[str, Any]:
-    if isinstance(r, Mapping):
-        t = r.get("template") or {}
-        u = t.get("usage_metadata") if isinstance(t, Mapping) else None
+def _template_of(r: Any) -> Any:
+    return r.get("template") if isinstance(r, Mapping) else getattr(r, "template", None)
+
+
+def _usage_section(r: Any) -> Mapping[str, Any] | None:
+    """The result's `usage_metadata`; None when it has none (no template: rubric_only)."""
+    t = _template_of(r)
+    if isinstance(t, Mapping):
+        u = t.get("usage_metadata")
     else:
-        t = getattr(r, "template", None)
         u = getattr(t, "usage_metadata", None) if t is not None else None
-    return u if isinstance(u, Mapping) else {}
+    return u if isinstance(u, Mapping) else None
 
 
 def usage_lines(usage: Mapping[str, Any]) -> list[str]:
-    """Console lines for a run's usage (see `run_usage`)."""
+    """Console lines for a run's usage (see `run_usage`; or its stage events', `source: events`)."""
+    if not recorded(usage):
+        why = usage.get("not_recorded") or NOT_RECORDED
+        return [f"  Model calls: not recorded ({why})", f"  Cost: not recorded ({why})"]
     calls, cached = usage.get("model_calls", 0), usage.get("cached_replies", 0)
     line = f"  Model calls: {calls}"
     if cached:
         line += f" ({cached} repl{'y' if cached == 1 else 'ies'} from the response cache)"
+    if usage.get("source") == "events":
+        line += f" (from the run's stage events: {usage.get('not_recorded') or NOT_RECORDED})"
     lines = [line]
     cost = f"  Cost: {money(usage.get('cost_usd', 0.0))}"
     if usage.get("cost_unknown_models"):
         cost += f" (unknown for {', '.join(usage['cost_unknown_models'])}: no price in litellm's map or the config)"
     lines.append(cost)
+    if usage.get("source") != "events" and usage.get("results_without_usage"):
+        n = usage["results_without_usage"]
+        lines.append(f"  ({n} result{'s carry' if n != 1 else ' carries'} no usage section: "
+                     "not counted in the calls and cost above)")
     return lines

@@ -151,12 +151,16 @@ _EVENT_STAGE = {
     RESULT_FINALIZED: "finalization",
     RUN_REQUESTED: "run",
 }
-_EVENT_USAGE_KEYS = {
+# every usage entry a stage adds is its event's (the state carries the earlier stages' too):
+# the events' token and cost columns, and the calls `shared.store.event_usage` reads from them
+EVENT_USAGE_KEYS = {
     ANSWER_GENERATED: ("answer_generation",),
     GUARDS_CHECKED: ("abstention_check", "sufficiency_check"),
-    TEMPLATE_PARSED: ("parsing",),
-    RUBRIC_EVALUATED: ("rubric_evaluation",),
+    TEMPLATE_PARSED: ("parsing", "deep_judgment"),
+    TEMPLATE_VERIFIED: ("embedding_check",),
+    RUBRIC_EVALUATED: ("rubric_evaluation", "deep_judgment_rubric", "rubric_presence_check"),
 }
+_EVENT_USAGE_KEYS = EVENT_USAGE_KEYS
 
 
 def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:

@@ -75,7 +75,8 @@ def test_run_usage_names_models_without_a_price() -> None:
                     "cached_replies": 1, "cost_usd": 0.0},
         "total": {"total_tokens": 10}}}}] * 3
     u = cost.run_usage(results)
-    assert u == {"model_calls": 3, "cached_replies": 3, "cost_usd": 0.0, "cost_unknown_models": ["openai/a"]}
+    assert u == {"model_calls": 3, "cached_replies": 3, "cost_usd": 0.0, "cost_unknown_models": ["openai/a"],
+                 "results_without_usage": 0}
     text = "\n".join(cost.usage_lines(u))
     assert "Model calls: 3 (3 replies from the response cache)" in text and "unknown for openai/a" in text
 
@@ -180,3 +181,45 @@ def test_every_output_of_a_run_shows_the_same_cost(tmp_path, monkeypatch: pytest
                                   "by_stage": []})
     assert "Total cost: <b>$0.030302</b>" in viewer and "<td>0.030302</td>" in viewer
     assert cost.money(1234.5) == "$1,234.500000" and cost.format_usd(0.1 + 0.2) == "0.300000"
+
+
+def test_results_without_a_usage_section_never_claim_zero_calls(tmp_path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """rubric_only results have no `template`, where `usage_metadata` lives (spec/001): a results
+    file of them (no store to ask) said "Model calls: 0", "Cost: $0.000000". It says the usage is
+    not recorded, in the console, summary.json and the HTML report; so does the reference export,
+    whose results carry `usage_metadata: null`."""
+    import json
+
+    from shared.analysis import report
+    from shared.cli.commands import main
+    from tests.conftest import REFERENCE
+    from tests.support.results import make
+
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    results = [make(f"q{i}", "gpt-x", None, with_template=False, rubric={"llm_trait_scores": {"clarity": 4}})
+               for i in range(3)]
+    report.write_outputs(tmp_path / "run", "s", "r1", results, report.summarize(results), {}, False)
+    assert main(["report", str(tmp_path / "run" / "results.jsonl"), "--html", str(tmp_path / "r.html"),
+                 "--output", str(tmp_path / "again")]) == 0
+    out = capsys.readouterr().out
+    assert "Model calls: not recorded (rubric_only results carry no usage section)" in out, out
+    assert "Cost: not recorded (rubric_only results carry no usage section)" in out
+    assert "Model calls: 0" not in out and "$0.000000" not in out
+    usage = json.loads((tmp_path / "again" / "summary.json").read_text())["metrics"]["usage"]
+    assert (usage["model_calls"], usage["cost_usd"], usage["not_recorded"]) == (
+        None, None, "rubric_only results carry no usage section")
+    html = (tmp_path / "r.html").read_text()
+    assert "<b>not recorded</b><span>cost</span>" in html and "<b>not recorded</b><span>model calls</span>" in html
+    assert "Model calls and cost not recorded: rubric_only results carry no usage section." in html
+    assert main(["report", str(REFERENCE / "export_format" / "results_export_full.json")]) == 4
+    out = capsys.readouterr().out
+    assert "Model calls: not recorded (these results carry no usage section)" in out and "$0.000000" not in out
+    # some results without one: the figure is that of the others, and says how many it leaves out
+    paid = make("q9", "gpt-x", True, usage={"answer_generation": {"total_tokens": 5, "model": "gpt-x",
+                                                                  "model_calls": 1, "cached_replies": 0,
+                                                                  "cost_usd": 0.25}})
+    text = "\n".join(cost.usage_lines(cost.run_usage([*results, paid])))
+    assert "Model calls: 1" in text and "Cost: $0.250000" in text
+    assert "(3 results carry no usage section: not counted in the calls and cost above)" in text

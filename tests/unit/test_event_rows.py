@@ -80,3 +80,19 @@ def test_result_values_are_written_in_result_columns_order() -> None:
     named = [name.strip() for line in body.splitlines() for name in
              (re.search(r"#\s*(.+)$", line).group(1).split(",") if re.search(r"#\s*(.+)$", line) else [])]
     assert named == list(rows.RESULT_COLUMNS)
+
+
+def test_a_stage_events_tokens_and_cost_are_every_entry_its_stage_added() -> None:
+    """The rubric stage's deep-judgment and presence-check calls are its event's too (they were
+    left out of the event's tokens and cost, so a rubric_only run's figure from its events,
+    `shared.store.event_usage`, missed them); the earlier stages' entries its state carries
+    on are not."""
+    def entry(tokens: int, cost: float) -> dict[str, object]:
+        return {"input_tokens": tokens, "output_tokens": 1, "model_calls": 1, "cost_usd": cost}
+
+    state = {"usage": {"answer_generation": entry(1000, 1.0), "rubric_evaluation": entry(10, 0.25),
+                       "deep_judgment_rubric": entry(20, 0.125), "rubric_presence_check": entry(30, 0.0625)}}
+    row = event_row(events.make_envelope(events.RUBRIC_EVALUATED, "20250101T000000-r", "00000000000000aa",
+                                         {"job": {}, "state": state}, "t/1"))
+    assert row[EVENT_COLUMNS.index("input_tokens")] == 60 and row[EVENT_COLUMNS.index("output_tokens")] == 3
+    assert row[EVENT_COLUMNS.index("cost_usd")] == 0.4375

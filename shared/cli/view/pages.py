@@ -32,6 +32,7 @@ from shared.cli.view.markup import (
 )
 from shared.cli.view.queries import fmt_p
 from shared.core.usage import format_usd, money
+from shared.store.event_usage import EVENTS_SOURCE
 
 # --------------------------------------------------------------------------------------------
 # Runs
@@ -116,7 +117,8 @@ def _kpis(h: Mapping[str, Any]) -> str:
     items = [("results", f"{h['results']:,}" + (f" / {h['jobs']:,}" if h["jobs"] else "")),
              ("pass rate", _ci(h["rate"])), ("passed", h["passed"]), ("failed", h["failed"]),
              ("errors", h["errors"]), ("questions", h["questions"]),
-             ("tokens", f"{h['input_tokens'] + h['output_tokens']:,}")]
+             ("tokens", f"{h['input_tokens'] + h['output_tokens']:,}" if h.get("tokens_recorded", True)
+              else "not recorded")]
     return "<div class='kpis'>" + "".join(f"<div class='kpi'><b>{_e(_n(v))}</b><span>{_e(k)}</span></div>"
                                           for k, v in items) + "</div>"
 
@@ -267,7 +269,18 @@ def _latency_section(lat: Sequence[Mapping[str, Any]], tokens: Sequence[Mapping[
 
 
 def _cost_section(cost: Mapping[str, Any] | None) -> str:
-    """Total cost, then per model and per model and stage (when any result carries a price)."""
+    """Total cost, then per model and per model and stage (when any result carries a price); for
+    results without a usage section (rubric_only), the run's stage events' totals, or that they
+    are not recorded."""
+    if cost and cost.get("source") == EVENTS_SOURCE:
+        unknown = cost.get("unknown_models") or []
+        return (f"<p id='cost-total'>Total cost: <b>{money(cost['total_usd'])}</b> · {cost['calls']:,} model calls · "
+                f"{cost['cached']:,} cached replies"
+                + (f" <span class='muted'>(unknown for {_e(', '.join(unknown))}: no price)</span>" if unknown else "")
+                + f"</p><p class='muted' id='usage-source'>From the run's stage events: {_e(cost['not_recorded'])}, "
+                "so there is no breakdown per model and stage.</p>")
+    if cost and cost.get("source") == "none":
+        return f"<p class='muted' id='no-usage'>Model calls and cost not recorded: {_e(cost['not_recorded'])}.</p>"
     if not cost or not (cost["priced_results"] or cost["calls"]):
         return "<p class='muted' id='no-cost'>No cost recorded for these results (no model calls, or no prices).</p>"
     unknown = cost.get("unknown_models") or []

@@ -14,8 +14,10 @@ from typing import Any, Protocol
 from shared.analysis.stats import Proportion, mcnemar_exact, newcombe_paired_diff
 from shared.cli.view.filters import Filters
 from shared.core.config import config_uses_simulator
+from shared.core.usage import NOT_RECORDED, NOT_RECORDED_RUBRIC_ONLY
 from shared.core.verdict import SQL_FAILED, SQL_PASSED, SQL_VERDICT, SQL_VERIFIED
 from shared.store.engine import QueryResult
+from shared.store.event_usage import EVENTS_SOURCE, event_usage_sql, usage_from_row
 
 PAGE_SIZE = 50
 HEAT_QUESTIONS = 40
@@ -158,9 +160,15 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
         f"countIf(NOT {SQL_VERIFIED}), countIf(NOT completed_without_errors), sum(input_tokens), "
         "sum(output_tokens), uniqExact(question_id), any(run_name), "
         "countIf(answering_interface = 'simulator' OR parsing_interface = 'simulator') > 0, "
-        "groupUniqArray(50)(answering_model), groupUniqArray(50)(parsing_model), groupUniqArrayArray(200)(keywords) "
-        "FROM verification_results FINAL WHERE run_id = {r:String}", {"r": run_id})
-    n, passed, failed, no_verdict, errors, tin, tout, questions, rname, sim, models, judges, kws = tot.rows[0]
+        "groupUniqArray(50)(answering_model), groupUniqArray(50)(parsing_model), groupUniqArrayArray(200)(keywords), "
+        "countIf(length(usage_stage) = 0) FROM verification_results FINAL WHERE run_id = {r:String}", {"r": run_id})
+    n, passed, failed, no_verdict, errors, tin, tout, questions, rname, sim, models, judges, kws, without = tot.rows[0]
+    tokens_recorded = True
+    if n and without == n:  # no result carries a usage section (rubric_only): the run's stage events
+        ev = await src.query(event_usage_sql(), {"r": run_id})
+        found = usage_from_row(ev.rows[0] if ev.rows else None)
+        tin, tout = (found["input_tokens"], found["output_tokens"]) if found else (0, 0)
+        tokens_recorded = found is not None
     h: dict[str, Any] = {"run_id": run_id, "run_name": rname, "benchmark": "", "mode": "", "requested_at": None,
                          "jobs": 0, "config": None}
     if info.rows:
@@ -176,6 +184,7 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
     age, cancelled = ev.rows[0] if ev.rows else (None, 0)
     h.update(results=int(n), passed=int(passed), failed=int(failed), no_verdict=int(no_verdict),
              errors=int(errors), input_tokens=int(tin or 0), output_tokens=int(tout or 0), questions=int(questions),
+             tokens_recorded=tokens_recorded,
              simulated=bool(sim), models=sorted(models), judges=sorted(judges),
              keywords=sorted(k for k in kws if k), rate=_rate(passed, int(passed) + int(failed)),
              state=run_state(h["jobs"], int(n), age if n or h["jobs"] else None, bool(cancelled)))
@@ -298,9 +307,22 @@ async def cost(src: AsyncSource, run_id: str, f: Filters) -> dict[str, Any]:
     p = {"r": run_id, **params}
     tot = await src.query(
         "SELECT sum(ifNull(cost_usd, 0)), sum(model_calls), sum(cached_replies), "
-        "countIf(cost_usd IS NULL AND model_calls > 0), countIf(cost_usd IS NOT NULL) "
+        "countIf(cost_usd IS NULL AND model_calls > 0), countIf(cost_usd IS NOT NULL), count(), "
+        "countIf(length(usage_stage) = 0), countIf(length(usage_stage) = 0 AND NOT has_template) "
         f"FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond}", p)
-    usd, calls, cached, unpriced, priced = tot.rows[0] if tot.rows else (0.0, 0, 0, 0, 0)
+    usd, calls, cached, unpriced, priced, n, without, no_template = \
+        tot.rows[0] if tot.rows else (0.0, 0, 0, 0, 0, 0, 0, 0)
+    if n and without == n:  # no result carries a usage section (rubric_only): the run's stage events
+        why = NOT_RECORDED_RUBRIC_ONLY if no_template == n else NOT_RECORDED
+        ev = await src.query(event_usage_sql(cond), p)
+        found = usage_from_row(ev.rows[0] if ev.rows else None)
+        out: dict[str, Any] = {"source": EVENTS_SOURCE if found else "none", "not_recorded": why, "by_stage": [],
+                               "by_model": [], "priced_results": 0, "unpriced_results": 0}
+        if found:
+            out.update(total_usd=found["cost_usd"], calls=found["model_calls"], cached=found["cached_replies"],
+                       unknown_models=found["cost_unknown_models"],
+                       tokens=found["input_tokens"] + found["output_tokens"])
+        return out
     res = await src.query(
         "SELECT usage_model[i] AS model, usage_stage[i] AS stage, count(), sum(ifNull(usage_cost_usd[i], 0)), "
         "countIf(usage_cost_usd[i] IS NULL), sum(usage_input_tokens[i] + usage_output_tokens[i]) "
