@@ -11,6 +11,7 @@ import pytest
 
 from shared.cli import stack as cli_stack
 from shared.cli.commands import main
+from shared.control.deployment import FLAG_ENV
 from shared.control.processes import Proc
 from shared.control.stack import SERVICES, StackState
 
@@ -75,7 +76,9 @@ def test_up_and_down_refuse_a_nats_url_they_would_ignore(command: str, monkeypat
     `down --nats-url X` stopped the local one): refused (exit 2), saying what the command does
     and what to use for a deployment that already runs; nothing is started or stopped."""
     monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    for var in ("VERIBUS_NATS_URL", FLAG_ENV):  # main() puts --nats-url in the environment: restored after
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
 
     def touched(*_a: object, **_kw: object) -> object:
         raise AssertionError(f"the local stack was acted on by `{command} --nats-url`")
