@@ -160,7 +160,6 @@ EVENT_USAGE_KEYS = {
     TEMPLATE_VERIFIED: ("embedding_check",),
     RUBRIC_EVALUATED: ("rubric_evaluation", "deep_judgment_rubric", "rubric_presence_check"),
 }
-_EVENT_USAGE_KEYS = EVENT_USAGE_KEYS
 
 
 def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:
@@ -200,7 +199,7 @@ def _fill_stage(row: list[Any], event_type: str, payload: bytes) -> _StageProbe:
             row[_SSTART] = [s.started_at for s in stages]
             row[_SEND] = [s.ended_at for s in stages]
     usage = state.usage
-    entries = [usage[k] for k in _EVENT_USAGE_KEYS.get(event_type, ()) if isinstance(usage.get(k), dict)]
+    entries = [usage[k] for k in EVENT_USAGE_KEYS.get(event_type, ()) if isinstance(usage.get(k), dict)]
     if len(entries) == 1:  # the common case, without the generators (the same sums)
         e = entries[0]
         row[_IN], row[_OUT] = _tokens(e, "input_tokens"), _tokens(e, "output_tokens")
