@@ -1,9 +1,10 @@
 -- Analyst views, one set. Every read goes through FINAL so redelivered or replayed rows never
 -- double count. Views are CREATE OR REPLACE: migrate() re-applies them, so a changed definition
--- lands. pass_rate = passed / results with a verdict (verify_result not NULL); results without a
--- verdict (errors, rubric_only) are counted in `no_verdict` and `errors`, not in the rate.
--- v_pass_rates, v_replicate_outcomes and v_pass_rate_by_replicate are replaced by
--- 009_verdicts.sql: an errored result has no verdict there even when its verify_result is true.
+-- lands. A result's verdict is `if(completed_without_errors, verify_result, NULL)` (the SQL of
+-- shared.core.verdict, SQL_VERDICT): a failure is never reported as success, so an errored result
+-- has no verdict even when its verify_result is true (a reference export can record both).
+-- pass_rate = passed / results with a verdict; results without one (errors, rubric_only) are
+-- counted in `no_verdict` and `errors`, not in the rate.
 -- Every pass rate of the analysis views comes with its Wilson 95% score interval:
 -- z = 1.959964, z^2 = 3.8414588, z^2/2 = 1.9207294, z^2/4 = 0.9603647.
 -- The first generation's names (v_pass_rate_by_model, v_pass_rate_by_question, v_run_summary,
@@ -25,10 +26,10 @@ SELECT
     count()                                       AS results,
     countIf(completed_without_errors)             AS attempted,
     countIf(NOT completed_without_errors)         AS errors,
-    countIf(verify_result IS NOT NULL)            AS verified,
-    countIf(verify_result = true)                 AS passed,
-    countIf(verify_result = false)                AS failed,
-    countIf(verify_result IS NULL)                AS no_verdict,
+    countIf(if(completed_without_errors, verify_result, NULL) IS NOT NULL) AS verified,
+    countIf(if(completed_without_errors, verify_result, NULL) = true)      AS passed,
+    countIf(if(completed_without_errors, verify_result, NULL) = false)     AS failed,
+    countIf(if(completed_without_errors, verify_result, NULL) IS NULL)     AS no_verdict,
     passed / nullIf(verified, 0)                  AS pass_rate,
     (pass_rate + 1.9207294 / verified
         - 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
@@ -89,8 +90,8 @@ SELECT
     answering_model,
     parsing_model,
     question_id,
-    countIf(verify_result IS NOT NULL)            AS n,
-    countIf(verify_result = true)                 AS passed,
+    countIf(if(completed_without_errors, verify_result, NULL) IS NOT NULL) AS n,
+    countIf(if(completed_without_errors, verify_result, NULL) = true)      AS passed,
     passed / nullIf(n, 0)                         AS pass_rate,
     passed > 0 AND passed < n                     AS flaky,
     1 - abs(2 * pass_rate - 1)                    AS flakiness
@@ -103,9 +104,9 @@ SELECT
     answering_model,
     replicate,
     count()                                       AS results,
-    countIf(verify_result IS NOT NULL)            AS verified,
-    countIf(verify_result = true)                 AS passed,
-    countIf(verify_result = false)                AS failed,
+    countIf(if(completed_without_errors, verify_result, NULL) IS NOT NULL) AS verified,
+    countIf(if(completed_without_errors, verify_result, NULL) = true)      AS passed,
+    countIf(if(completed_without_errors, verify_result, NULL) = false)     AS failed,
     passed / nullIf(verified, 0)                  AS pass_rate
 FROM {db}.verification_results FINAL
 GROUP BY run_id, answering_model, replicate;

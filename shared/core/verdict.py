@@ -1,7 +1,7 @@
 """What "passed" means, in one place: for Python (`verdict_of`, `passed`) and for SQL over the
 `verification_results` columns (`SQL_VERDICT`, `SQL_PASSED`, ...), so every output counts the
 same results as passes: the console summary, `results`, `report`, the HTML report, `veribus
-view`, `compare`, gates, `status`, `runs`, and the analyst views (infra/clickhouse/009_verdicts.sql
+view`, `compare`, gates, `status`, `runs`, and the analyst views (infra/clickhouse/004_views.sql
 writes the same expression; a view file cannot import it).
 
 A failure is never reported as success: a result that did not complete without errors is an
