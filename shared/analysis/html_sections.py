@@ -284,7 +284,7 @@ def section_cost(data: RunDigest | Iterable[VerificationResult], usage: Mapping[
         unknown = usage.get("cost_unknown_models") or []
         return (f"<p id='cost-total'>Total cost: <b>{money(usage['cost_usd'])}</b> · {usage['model_calls']:,} model "
                 f"calls · {usage['cached_replies']:,} cached replies"
-                + (f" <span class='muted'>(unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
+                + (f" <span class='muted'>(priced calls only; unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
                 + f"</p><p class='muted' id='usage-source'>From the run's stage events: "
                 f"{_esc(usage.get('not_recorded') or NOT_RECORDED)}, so there is no breakdown per model and stage.</p>")
     if not rows and usage is not None and not recorded(usage):
@@ -298,7 +298,7 @@ def section_cost(data: RunDigest | Iterable[VerificationResult], usage: Mapping[
     for r in rows:
         per_model[r[0]] = per_model.get(r[0], 0.0) + r[4]
     head = (f"<p id='cost-total'>Total cost: <b>{money(total)}</b>"
-            + (f" <span class='muted'>(unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
+            + (f" <span class='muted'>(priced calls only; unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
             + "</p>")
     by_model = _table(["model", "cost USD"], [(m, format_usd(c)) for m, c in sorted(per_model.items())],
                       "Cost per model")

@@ -169,8 +169,9 @@ def usage_lines(usage: Mapping[str, Any]) -> list[str]:
         line += f" (from the run's stage events: {usage.get('not_recorded') or NOT_RECORDED})"
     lines = [line]
     cost = f"  Cost: {money(usage.get('cost_usd', 0.0))}"
-    if usage.get("cost_unknown_models"):
-        cost += f" (unknown for {', '.join(usage['cost_unknown_models'])}: no price in litellm's map or the config)"
+    if usage.get("cost_unknown_models"):  # the sum is the priced calls' only: never a total it is not
+        cost += (f" for the priced calls; unknown for {', '.join(usage['cost_unknown_models'])} (no price in "
+                 "litellm's map or the config)")
     lines.append(cost)
     if usage.get("source") != "events" and usage.get("results_without_usage"):
         n = usage["results_without_usage"]

@@ -79,6 +79,8 @@ def test_run_usage_names_models_without_a_price() -> None:
                  "results_without_usage": 0}
     text = "\n".join(cost.usage_lines(u))
     assert "Model calls: 3 (3 replies from the response cache)" in text and "unknown for openai/a" in text
+    # $0 is the priced calls' sum, never said as if it were the run's cost
+    assert "Cost: $0.000000 for the priced calls; unknown for openai/a" in text
 
 
 def test_money_spent_by_an_event_counts_fan_out_once() -> None:

@@ -86,7 +86,7 @@ def test_cost_is_shown_in_total_per_model_and_per_stage() -> None:
 def test_cost_without_a_price_is_named_and_no_usage_says_so() -> None:
     page = render_html(RunData(run_id="r", results=grid_results()))  # token usage, no price recorded
     cost = page.split("id='cost'", 1)[1].split("<h2>", 1)[0]
-    assert "Total cost: <b>$0.000000</b>" in cost and "unknown for m, parsing: no price" in cost
+    assert "Total cost: <b>$0.000000</b>" in cost and "(priced calls only; unknown for m, parsing: no price" in cost
     rs = grid_results()
     for r in rs:
         assert r.template is not None

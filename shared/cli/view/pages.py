@@ -276,7 +276,7 @@ def _cost_section(cost: Mapping[str, Any] | None) -> str:
         unknown = cost.get("unknown_models") or []
         return (f"<p id='cost-total'>Total cost: <b>{money(cost['total_usd'])}</b> · {cost['calls']:,} model calls · "
                 f"{cost['cached']:,} cached replies"
-                + (f" <span class='muted'>(unknown for {_e(', '.join(unknown))}: no price)</span>" if unknown else "")
+                + (f" <span class='muted'>(priced calls only; unknown for {_e(', '.join(unknown))}: no price)</span>" if unknown else "")
                 + f"</p><p class='muted' id='usage-source'>From the run's stage events: {_e(cost['not_recorded'])}, "
                 "so there is no breakdown per model and stage.</p>")
     if cost and cost.get("source") == "none":
@@ -284,7 +284,7 @@ def _cost_section(cost: Mapping[str, Any] | None) -> str:
     if not cost or not (cost["priced_results"] or cost["calls"]):
         return "<p class='muted' id='no-cost'>No cost recorded for these results (no model calls, or no prices).</p>"
     unknown = cost.get("unknown_models") or []
-    unpriced = (f" <span class='muted'>(unknown for {_e(', '.join(unknown))}: no price; "
+    unpriced = (f" <span class='muted'>(priced calls only; unknown for {_e(', '.join(unknown))}: no price; "
                 f"{cost['unpriced_results']:,} results without a full price)</span>"
                 if unknown else (f" <span class='muted'>({cost['unpriced_results']:,} results without a price)</span>"
                                  if cost["unpriced_results"] else ""))
