@@ -106,8 +106,11 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
     answers_before = dstack.sim_stats()["by_model"].get("sim-answerer", 0)
     again = plan.requests[:10]
 
+    # changing the stream's duplicate window is the admin role's (cli may not reconfigure the stream)
+    admin = dstack.settings.model_copy(update={"nats_role": "admin"})
+
     async def republish(window: float | None, new_ids: bool) -> None:
-        nc = await bus.connect(dstack.settings)
+        nc = await bus.connect(admin)
         try:
             js = nc.jetstream()
             if window is not None:
@@ -153,7 +156,7 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
         # the re-runs were answered from the run-scoped response cache: no new answering calls
         assert dstack.sim_stats()["by_model"].get("sim-answerer", 0) == answers_before
     finally:
-        sync(_restore_window(dstack.settings))
+        sync(_restore_window(admin))
 
 
 async def _restore_window(settings: Settings) -> None:

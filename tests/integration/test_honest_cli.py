@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -389,10 +390,16 @@ def test_simulator_options_a_running_deployment_does_not_take_are_said(live, tmp
 
 def test_ctrl_c_says_what_keeps_running(live, tmp_path: Path) -> None:
     settings, _ = live
-    dead = f"http://127.0.0.1:{free_port()}/v1"  # every call retried with backoff: the run takes a while
+    # a server that takes connections and never answers: every call waits (its 120 s timeout), so
+    # the run is still going when it is interrupted and cancelled (a refused port made each call
+    # fail at once, and on some runs all four jobs had ended in errors before the cancel)
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(64)
+    silent = f"http://127.0.0.1:{hang.getsockname()[1]}/v1"
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "openai/m", "api_base": dead, "max_retries": 6}],
-                                   "parsing_models": [{"model_name": "openai/j", "api_base": dead}]}))
+    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "openai/m", "api_base": silent}],
+                                   "parsing_models": [{"model_name": "openai/j", "api_base": silent}]}))
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "run", str(write_bench(tmp_path / "b.yaml", 4)),
                              "--config", str(cfg), "--run-name", "interrupted"], cwd=REPO,
                             env=local_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -407,15 +414,16 @@ def test_ctrl_c_says_what_keeps_running(live, tmp_path: Path) -> None:
         run_id = line.split()[2].rstrip(";")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert f"interrupted: run {run_id} keeps running" in err and f"veribus cancel {run_id}" in err
+        assert f"veribus status {run_id}" in err and "Traceback" not in err
+        cancel = veribus(local_env(settings), "cancel", "interrupted")
+        assert cancel.returncode == 0 and f"run {run_id}: cancelled" in cancel.stdout
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-    assert proc.returncode == 130, err
-    assert f"interrupted: run {run_id} keeps running" in err and f"veribus cancel {run_id}" in err
-    assert f"veribus status {run_id}" in err and "Traceback" not in err
-    cancel = veribus(local_env(settings), "cancel", "interrupted")
-    assert cancel.returncode == 0 and f"run {run_id}: cancelled" in cancel.stdout
+        hang.close()  # the calls still waiting on it end now
 
 
 def test_a_temporary_stack_is_its_own_step(tmp_path: Path) -> None:
