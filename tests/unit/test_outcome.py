@@ -535,6 +535,9 @@ def test_a_cancelled_main_task_is_an_interrupt_not_a_traceback() -> None:
 _CTRL_C_AS_ASYNCIO_STARTS = """
 import asyncio, gc, os, selectors, signal, sys
 from shared.cli.aio import run_main
+# as started from a terminal: a process started in the background (`cmd &` without job control)
+# inherits SIGINT ignored, Python then keeps it ignored, and the interrupt below would do nothing
+signal.signal(signal.SIGINT, signal.default_int_handler)
 runner, moment = sys.argv[1], sys.argv[2]
 runners = {"run_main": run_main, "asyncio.run": asyncio.run}
 real_selector, real_getsignal = selectors.DefaultSelector, signal.getsignal
