@@ -274,6 +274,25 @@ def section_usage_latency(data: RunDigest | Iterable[VerificationResult],
     return "".join(parts)
 
 
+def _unpriced(models: Sequence[str]) -> str:
+    """What a total leaves out: the models without a price (the sum is the priced calls' only)."""
+    return (f" <span class='muted'>(priced calls only; unknown for {_esc(', '.join(models))}: no price)</span>"
+            if models else "")
+
+
+def cost_from_events_html(cost_usd: float, calls: int, cached: int, unknown: Sequence[str], why: str) -> str:
+    """A run's total cost and calls from its stage events (its results carry no usage section:
+    `why`), with no breakdown: the HTML report's and the viewer's cost section then."""
+    return (f"<p id='cost-total'>Total cost: <b>{money(cost_usd)}</b> · {calls:,} model calls · {cached:,} cached "
+            f"replies{_unpriced(unknown)}</p><p class='muted' id='usage-source'>From the run's stage events: "
+            f"{_esc(why)}, so there is no breakdown per model and stage.</p>")
+
+
+def usage_not_recorded_html(why: str) -> str:
+    """Neither the results nor the store know the calls and the cost (`why`)."""
+    return f"<p class='muted' id='no-usage'>Model calls and cost not recorded: {_esc(why)}.</p>"
+
+
 def section_cost(data: RunDigest | Iterable[VerificationResult], usage: Mapping[str, Any] | None = None) -> str:
     """Total cost, and cost, calls and tokens per model and stage (from the usage entries). When
     the results carry no usage section (rubric_only), `usage` (the summary's) says so, or gives
@@ -281,15 +300,10 @@ def section_cost(data: RunDigest | Iterable[VerificationResult], usage: Mapping[
     d = _digest(data)
     rows = [(model, stage, *v) for (model, stage), v in sorted(d.cost.items())]
     if not rows and usage is not None and recorded(usage) and usage.get("source") == EVENTS_SOURCE:
-        unknown = usage.get("cost_unknown_models") or []
-        return (f"<p id='cost-total'>Total cost: <b>{money(usage['cost_usd'])}</b> · {usage['model_calls']:,} model "
-                f"calls · {usage['cached_replies']:,} cached replies"
-                + (f" <span class='muted'>(priced calls only; unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
-                + f"</p><p class='muted' id='usage-source'>From the run's stage events: "
-                f"{_esc(usage.get('not_recorded') or NOT_RECORDED)}, so there is no breakdown per model and stage.</p>")
+        return cost_from_events_html(usage["cost_usd"], usage["model_calls"], usage["cached_replies"],
+                                     usage.get("cost_unknown_models") or [], usage.get("not_recorded") or NOT_RECORDED)
     if not rows and usage is not None and not recorded(usage):
-        return (f"<p class='muted' id='no-usage'>Model calls and cost not recorded: "
-                f"{_esc(usage.get('not_recorded') or NOT_RECORDED)}.</p>")
+        return usage_not_recorded_html(usage.get("not_recorded") or NOT_RECORDED)
     if not rows or not any(r[2] or r[3] or r[4] or r[5] for r in rows):
         return "<p class='muted'>No model calls recorded: no cost to show.</p>"
     total = sum(r[4] for r in rows)
@@ -297,9 +311,7 @@ def section_cost(data: RunDigest | Iterable[VerificationResult], usage: Mapping[
     per_model: dict[str, float] = {}
     for r in rows:
         per_model[r[0]] = per_model.get(r[0], 0.0) + r[4]
-    head = (f"<p id='cost-total'>Total cost: <b>{money(total)}</b>"
-            + (f" <span class='muted'>(priced calls only; unknown for {_esc(', '.join(unknown))}: no price)</span>" if unknown else "")
-            + "</p>")
+    head = f"<p id='cost-total'>Total cost: <b>{money(total)}</b>{_unpriced(unknown)}</p>"
     by_model = _table(["model", "cost USD"], [(m, format_usd(c)) for m, c in sorted(per_model.items())],
                       "Cost per model")
     by_stage = _table(["model", "stage", "model calls", "cached replies", "cost USD", "entries without price",

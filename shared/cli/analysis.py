@@ -335,7 +335,7 @@ def _store_complete(run: str, run_id: str) -> int:
         return EXIT_OK
     behind = unstored(run_id)
     if behind:
-        print(f"veribus: error: {behind}", file=sys.stderr)
+        err(behind)
         return EXIT_RESULTS_MISSING
     return EXIT_OK
 

@@ -60,7 +60,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     if len(restarted) < len(state.procs):  # a stack that ran already: what was asked and is not so
         for line in _not_applied(args, replicas, sim_args, state):
             print(f"  note: {line}; `veribus down` first to change that")
-    if len(restarted) < len(state.procs):
         print("  already running; " + (f"restarted: {', '.join(state.restarted)}" if restarted else "nothing to restart"))
     for p in state.procs:
         print(f"  {p.name:<16} pid {p.pid}" + ("  (started)" if p.name in restarted else ""))

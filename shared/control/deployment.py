@@ -103,7 +103,7 @@ def select(settings: Settings | None = None) -> Deployment:
     if state is not None:
         settings.nats_url = state.nats_url
         settings.simulator_url = settings.simulator_url or state.simulator_url
-        dead = stack.dead_procs(state)
+        dead = [p.name for p in state.dead()]
         projector = [p.name for p in state.replicas_of("projector")]
         return Deployment("local", settings, str(state.home), settings.simulator_url, dead=dead,
                           projector_dead=bool(projector) and set(projector) <= set(dead))
@@ -112,7 +112,7 @@ def select(settings: Settings | None = None) -> Deployment:
         state, problem = degraded
         settings.nats_url = state.nats_url
         return Deployment("degraded", settings, str(state.home), settings.simulator_url,
-                          dead=stack.dead_procs(state), problem=problem)
+                          dead=[p.name for p in state.dead()], problem=problem)
     return Deployment("none", settings, "", settings.simulator_url)
 
 

@@ -270,10 +270,7 @@ def regrade_jobs(
             continue
         if q is not None and mode != "rubric_only":
             if q.id not in checked:
-                checked[q.id] = (f"question {q.id!r}: no answer template (mode {mode} needs one)"
-                                 if not q.template_code else
-                                 (f"question {q.id!r}: template does not compile: {err}"
-                                  if (err := compile_check(q.template_code)) else None))
+                checked[q.id] = _template_problem(q, mode)
             if checked[q.id]:
                 continue
         if q is not None:
@@ -361,6 +358,14 @@ async def run_results(settings: Settings, run_id: str) -> dict[str, Verification
     for env in envs:
         out[env.result_id] = VerificationResult.model_validate(events.payload_as(env, events.ResultFinalized).result)
     return out
+
+
+def _template_problem(q: Any, mode: str) -> str | None:
+    """Why a question's template cannot grade its stored answer in `mode` (a template mode), or None."""
+    if not q.template_code:
+        return f"question {q.id!r}: no answer template (mode {mode} needs one)"
+    err = compile_check(q.template_code)
+    return f"question {q.id!r}: template does not compile: {err}" if err else None
 
 
 def compare_runs(old: Iterable[VerificationResult], new: Iterable[VerificationResult]) -> dict[str, Any]:

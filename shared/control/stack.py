@@ -132,11 +132,6 @@ def degraded_stack(settings: Settings) -> tuple[StackState, str] | None:
     return state, f"{dead}; still running: {running}"
 
 
-def dead_procs(state: StackState) -> list[str]:
-    """Names of the stack's processes that are not running (by identity)."""
-    return [p.name for p in state.procs if not p.alive()]
-
-
 def stack_settings() -> Settings:
     """Settings from the environment, pointed at the local stack when one runs from this home
     (an explicit VERIBUS_NATS_URL wins). Every CLI command starts from these."""

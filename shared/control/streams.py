@@ -12,14 +12,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from shared.core import events
-from shared.runtime import bus
+from shared.runtime import bus, bus_auth
 
 log = logging.getLogger("veribus.lifecycle")
 
 
-# durable consumers whose queued messages still lead to results (the projector's do not)
-STAGE_DURABLES = ("generation", "guards", "parsing", "verification", "rubric", "finalization-template",
-                  "finalization-rubric")
+# durable consumers whose queued messages still lead to results: the stage services' (their
+# contract, `bus_auth.SERVICE_IO`) but the finalizer's dead letters; the projector's do not
+STAGE_DURABLES = tuple(d for d in bus_auth.SERVICE_DURABLES if d != "finalization-dead")
 PROJECTOR_DURABLE = "projector"
 
 

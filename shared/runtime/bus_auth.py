@@ -72,7 +72,7 @@ SERVICE_IO: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
                       "finalization-rubric": events.RUBRIC_EVALUATED,
                       "finalization-dead": events.DEAD_LETTER}, (events.RESULT_FINALIZED,)),
 }
-STAGE_DURABLES = tuple(d for inputs, _ in SERVICE_IO.values() for d in inputs)
+SERVICE_DURABLES = tuple(d for inputs, _ in SERVICE_IO.values() for d in inputs)  # every stage service's
 SERVICE_OUTPUTS_ALL = tuple(sorted({o for _, outs in SERVICE_IO.values() for o in outs}
                                    | {events.STAGE_FAILED, events.DEAD_LETTER}))
 # answer.generated: `regrade` re-publishes stored answers (no more than a manual trace can say);
@@ -146,7 +146,7 @@ def roles() -> dict[str, Role]:
         publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, *CLI_JS_API, "$JS.ACK.>",
                  "$JS.FC.>", f"$KV.{CONTENT_BUCKET}.>", f"$KV.{LIMITS_BUCKET}.>", "_INBOX.>"),
         deny_publish=tuple(f"vb.{t}.>" for t in SERVICE_OUTPUTS_ALL if t not in CLI_EVENTS)
-        + tuple(s for d in (*STAGE_DURABLES, "projector") for s in _durable_control(d, delete=d != "projector")),
+        + tuple(s for d in (*SERVICE_DURABLES, "projector") for s in _durable_control(d, delete=d != "projector")),
     )
     # maintenance and tests that replay or forge service events on purpose; no process uses it by default
     out["admin"] = Role(publish=(">",), subscribe=(">",))

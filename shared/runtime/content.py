@@ -68,15 +68,18 @@ def _blob(job: events.Job, kind: str) -> dict[str, Any]:
 def content_key(data: bytes) -> str:
     """`c_` + 96 bits of the content's SHA-256, base64url (a KV key; keys of older runs, 40 hex
     digits, are read the same way)."""
-    return "c_" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()[:12]).decode()
+    return _key_of(hashlib.sha256(data).digest())
+
+
+def _key_of(digest: bytes) -> str:
+    return "c_" + base64.urlsafe_b64encode(digest[:12]).decode()
 
 
 def key_matches(key: str, data: bytes) -> bool:
     """Whether `data` is what `key` names: its hash, in this key form or an earlier one (`c_` +
     40 hex digits; `c_` + 22 base64url characters of the whole digest)."""
     digest = hashlib.sha256(data).digest()
-    return key in ("c_" + base64.urlsafe_b64encode(digest[:12]).decode(), "c_" + digest.hex()[:40],
-                   "c_" + base64.urlsafe_b64encode(digest).decode()[:22])
+    return key in (_key_of(digest), "c_" + digest.hex()[:40], "c_" + base64.urlsafe_b64encode(digest).decode()[:22])
 
 
 def blobs_of(job: events.Job) -> dict[str, tuple[str, bytes]]:

@@ -9,7 +9,7 @@ event's tokens and cost (columns filled from the stage's own usage entries,
 so an answer shared by several judges counts once per judge.
 
 `event_usage_sql(cond)` is one aggregate query (`cond` narrows the run's results, for the
-viewer's filters); `usage_from_row` turns its row into the shape of
+viewer's filters); `usage_from_rows` turns its row into the shape of
 `shared.core.usage.run_usage`, with `source: "events"`.
 """
 
@@ -60,9 +60,10 @@ def event_usage_sql(cond: str = "1") -> str:
         f"FROM events FINAL WHERE run_id = {{r:String}} AND event_type IN ({types}){results})")
 
 
-def usage_from_row(row: Sequence[Any] | None) -> dict[str, Any] | None:
-    """The usage (calls, cached replies, cost rounded once, models without a price, tokens) of an
-    `event_usage_sql` row; None when the run has no stage events with usage (nothing recorded)."""
+def usage_from_rows(rows: Sequence[Sequence[Any]] | None) -> dict[str, Any] | None:
+    """The usage (calls, cached replies, cost rounded once, models without a price, tokens) of
+    `event_usage_sql`'s rows; None when the run has no stage events with usage (nothing recorded)."""
+    row = rows[0] if rows else None
     if not row or not int(row[0] or 0):
         return None
     events, calls, cached, cost, _unpriced, unknown, tin, tout = row
@@ -71,12 +72,6 @@ def usage_from_row(row: Sequence[Any] | None) -> dict[str, Any] | None:
     return {"model_calls": int(calls or 0), "cached_replies": int(cached or 0), "cost_usd": usd(float(cost or 0.0)),
             "cost_unknown_models": sorted(str(m) for m in unknown or []), "input_tokens": int(tin or 0),
             "output_tokens": int(tout or 0), "source": EVENTS_SOURCE}
-
-
-def stored_event_usage(source: Any, run_id: str) -> dict[str, Any] | None:
-    """`usage_from_row` of a run, read from a `RowSource` (sync `query(sql, params)`)."""
-    res = source.query(event_usage_sql(), {"r": run_id})
-    return usage_from_row(res.rows[0] if res.rows else None)
 
 
 def with_event_usage(usage: dict[str, Any], run_id: str, query: Callable[[str, dict[str, Any]], Any]) -> dict[str, Any]:
@@ -90,7 +85,7 @@ def with_event_usage(usage: dict[str, Any], run_id: str, query: Callable[[str, d
         res = query(event_usage_sql(), {"r": run_id})
     except Exception:  # noqa: BLE001 - the figure stays "not recorded"; the report itself goes on
         return usage
-    found = usage_from_row(res.rows[0] if res.rows else None)
+    found = usage_from_rows(res.rows)
     if found is None:
         return usage
     found["not_recorded"] = usage.get("not_recorded") or NOT_RECORDED

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
+from shared.analysis.html_sections import cost_from_events_html, usage_not_recorded_html
 from shared.analysis.html_svg import PALETTE, _color, svg_grouped_bars, svg_rate_bars
 from shared.analysis.stats import percent
 from shared.cli.view.filters import STATUSES, Filters
@@ -273,14 +274,10 @@ def _cost_section(cost: Mapping[str, Any] | None) -> str:
     results without a usage section (rubric_only), the run's stage events' totals, or that they
     are not recorded."""
     if cost and cost.get("source") == EVENTS_SOURCE:
-        unknown = cost.get("unknown_models") or []
-        return (f"<p id='cost-total'>Total cost: <b>{money(cost['total_usd'])}</b> · {cost['calls']:,} model calls · "
-                f"{cost['cached']:,} cached replies"
-                + (f" <span class='muted'>(priced calls only; unknown for {_e(', '.join(unknown))}: no price)</span>" if unknown else "")
-                + f"</p><p class='muted' id='usage-source'>From the run's stage events: {_e(cost['not_recorded'])}, "
-                "so there is no breakdown per model and stage.</p>")
+        return cost_from_events_html(cost["total_usd"], cost["calls"], cost["cached"], cost.get("unknown_models") or [],
+                                     cost["not_recorded"])
     if cost and cost.get("source") == "none":
-        return f"<p class='muted' id='no-usage'>Model calls and cost not recorded: {_e(cost['not_recorded'])}.</p>"
+        return usage_not_recorded_html(cost["not_recorded"])
     if not cost or not (cost["priced_results"] or cost["calls"]):
         return "<p class='muted' id='no-cost'>No cost recorded for these results (no model calls, or no prices).</p>"
     unknown = cost.get("unknown_models") or []

@@ -17,7 +17,7 @@ from shared.core.config import config_uses_simulator
 from shared.core.usage import NOT_RECORDED, NOT_RECORDED_RUBRIC_ONLY
 from shared.core.verdict import SQL_FAILED, SQL_PASSED, SQL_VERDICT, SQL_VERIFIED
 from shared.store.engine import QueryResult
-from shared.store.event_usage import EVENTS_SOURCE, event_usage_sql, usage_from_row
+from shared.store.event_usage import EVENTS_SOURCE, event_usage_sql, usage_from_rows
 
 PAGE_SIZE = 50
 HEAT_QUESTIONS = 40
@@ -166,7 +166,7 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
     tokens_recorded = True
     if n and without == n:  # no result carries a usage section (rubric_only): the run's stage events
         ev = await src.query(event_usage_sql(), {"r": run_id})
-        found = usage_from_row(ev.rows[0] if ev.rows else None)
+        found = usage_from_rows(ev.rows)
         tin, tout = (found["input_tokens"], found["output_tokens"]) if found else (0, 0)
         tokens_recorded = found is not None
     h: dict[str, Any] = {"run_id": run_id, "run_name": rname, "benchmark": "", "mode": "", "requested_at": None,
@@ -315,7 +315,7 @@ async def cost(src: AsyncSource, run_id: str, f: Filters) -> dict[str, Any]:
     if n and without == n:  # no result carries a usage section (rubric_only): the run's stage events
         why = NOT_RECORDED_RUBRIC_ONLY if no_template == n else NOT_RECORDED
         ev = await src.query(event_usage_sql(cond), p)
-        found = usage_from_row(ev.rows[0] if ev.rows else None)
+        found = usage_from_rows(ev.rows)
         out: dict[str, Any] = {"source": EVENTS_SOURCE if found else "none", "not_recorded": why, "by_stage": [],
                                "by_model": [], "priced_results": 0, "unpriced_results": 0}
         if found:
