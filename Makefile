@@ -11,11 +11,16 @@ install: $(VENV)/.installed os-deps
 os-deps:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || { echo "veribus needs bubblewrap (apt-get install bubblewrap)"; exit 1; }
 
+# A registry download can stall mid-file (seen in CI: chdb-core's 181 MB wheel stopped at 103 MB
+# through pip's five resumes), so each install is tried three times, 30 s apart, before make fails.
+EXTRAS = test,embedding,otel
+RETRY = for i in 1 2 3; do $(1) && break; [ $$i = 3 ] && exit 1; echo "install failed (attempt $$i of 3); retrying in 30 s" >&2; sleep 30; done
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,embedding,otel]'
+	$(call RETRY,$(BIN)/pip install -q --upgrade pip)
+	$(call RETRY,$(BIN)/pip install -q --resume-retries 20 torch==2.13.0)
+	$(call RETRY,$(BIN)/pip install -q --resume-retries 20 -e '.[$(EXTRAS)]')
 	touch $@
 
 demo: install
