@@ -267,6 +267,7 @@ class Settings(BaseModel):
     query_memory_mb: int = Field(default=512, ge=1)
     query_concurrency: int = Field(default=4, ge=1)
     query_threads: int = Field(default=1, ge=1)
+    query_result_mb: int = Field(default=64, ge=1)  # a result's JSON size where a query stops (the projector's reply: 1 MB)
     rebuild_workers: int | None = Field(default=None, ge=0)  # `projections rebuild` worker processes (None: one per core)
     # the operator's allow-list of URL=KEY_VARIABLE pairs (shared.runtime.endpoints parses them)
     endpoints: str | None = None

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from infra.clickhouse import TABLES, VIEWS, check_identifier, statements
 from shared.core.config import Settings
 from shared.core.events import (
@@ -40,6 +42,7 @@ from shared.store.rows import (
 )
 from shared.store.sql_guard import (
     ReadOnlyError,
+    ResultTooLarge,
     engine_check,
     read_only_refusal,
     reader_settings,
@@ -72,6 +75,7 @@ class QueryResult:
 
 
 _chdb_lock = threading.Lock()
+_result_json = msgspec.json.Encoder(enc_hook=str)  # as the projector's reply encodes a result
 
 
 _result_values = operator.itemgetter(*RESULT_COLUMNS)  # a result row dict -> its values in column order (in C)
@@ -112,7 +116,9 @@ class Store:
         self.backend = backend
         self._reader = reader
         self._reader_factory: Any = None
-        self.reader_pool_size = Settings.from_env("query_concurrency").query_concurrency
+        conf = Settings.from_env("query_concurrency", "query_result_mb")
+        self.reader_pool_size = conf.query_concurrency
+        self.max_result_bytes = conf.query_result_mb * 2**20
         self._pool_lock = threading.Lock()
         self._idle: queue.Queue[Any] = queue.Queue()
         self._made = 0
@@ -222,10 +228,14 @@ class Store:
         """Run any query on the writer client (trusted callers: the services and tests)."""
         return self._query(self.client, sql, params)
 
-    def query_read_only(self, sql: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+    def query_read_only(self, sql: str, params: Mapping[str, Any] | None = None,
+                        max_bytes: int | None = None) -> QueryResult:
         """Run an untrusted query: the engine parses it and `shared.sql_guard` refuses file,
         network and program access; on chdb it runs on one of a pool of read-only handles
-        (`readonly = 1`, time/memory/thread limits), so a heavy query holds only its own handle."""
+        (`readonly = 1`, time/memory/thread limits), so a heavy query holds only its own handle.
+        The result is read a block at a time and stops with `ResultTooLarge` once its JSON passes
+        `max_bytes` (default `Settings.query_result_mb`): chdb does not enforce
+        `max_result_bytes`, and a whole result turned into Python rows weighs several times its bytes."""
         reason = read_only_refusal(sql)
         if reason:
             raise ReadOnlyError(f"refused: {reason}")
@@ -240,7 +250,10 @@ class Store:
             reason, canonical = engine_check(run, sql, params, self._table_functions)
             if reason:
                 raise ReadOnlyError(f"refused: {reason}")
-            return self._query(reader, canonical, params)
+            return self._query_bounded(reader, canonical, params, max_bytes or self.max_result_bytes)
+        except ResultTooLarge:
+            in_step = self._in_step(reader)  # the stream was closed early: check, as after a failure
+            raise
         except ReadOnlyError:
             raise
         except BaseException:
@@ -314,6 +327,31 @@ class Store:
             rows=[tuple(r) for r in res.result_rows],
             types=[t.name for t in res.column_types],
         )
+
+    def _query_bounded(self, client: Any, sql: str, params: Mapping[str, Any] | None,
+                       max_bytes: int) -> QueryResult:
+        """`_query`, streamed: each block's JSON is counted before its rows are kept. chdb
+        streams SELECTs only; SHOW, DESCRIBE, EXPLAIN and EXISTS (metadata, a few rows) are read
+        whole and measured after."""
+        if sql.lstrip("( \n").split(None, 1)[0].upper() not in ("SELECT", "WITH"):
+            res = self._query(client, sql, params)
+            if len(_result_json.encode(res.rows)) > max_bytes:
+                raise ResultTooLarge(f"the result passed {max_bytes:,} bytes of JSON and was stopped: "
+                                     "add a LIMIT or aggregate")
+            return res
+        rows: list[tuple[Any, ...]] = []
+        size = 0
+        with client.query_row_block_stream(sql, parameters=dict(params) if params else None) as stream:
+            columns = list(stream.source.column_names)
+            types = [t.name for t in stream.source.column_types]
+            for block in stream:
+                size += len(_result_json.encode(block))
+                if size > max_bytes:
+                    raise ResultTooLarge(
+                        f"the result passed {max_bytes:,} bytes of JSON within its first "
+                        f"{len(rows) + len(block):,} rows and was stopped: add a LIMIT or aggregate")
+                rows.extend(tuple(r) for r in block)
+        return QueryResult(columns=columns, rows=rows, types=types)
 
     def reader(self) -> Any:
         if self._reader is None:

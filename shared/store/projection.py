@@ -227,7 +227,7 @@ class Projector:
             return _json.encode({"error": f"bad request: {exc}"})
         try:
             assert self.store is not None
-            res = self.store.query_read_only(req.sql, req.params)
+            res = self.store.query_read_only(req.sql, req.params, max_bytes=self.max_reply_bytes)
         except ReadOnlyError as exc:
             return _json.encode({"error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - database errors go back to the caller

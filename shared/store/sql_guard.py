@@ -140,6 +140,10 @@ _PLACEHOLDER = re.compile(r"\{(\w+):[^}]+\}")
 _NODE = re.compile(r"^\s*(\w+)(?: (.*?))?(?: \(alias [^)]*\))?(?: \(children \d+\))?$")
 
 
+class ResultTooLarge(ReadOnlyError):
+    """A read-only query's result outgrew its byte budget; it was stopped, not truncated."""
+
+
 def reader_settings() -> dict[str, Any]:
     """Session settings of a read-only query handle (set before `readonly = 1`), from
     `Settings.query_*` (`VERIBUS_QUERY_TIMEOUT_S`, `_MEMORY_MB`, `_THREADS`)."""
@@ -151,6 +155,7 @@ def reader_settings() -> dict[str, Any]:
         "max_threads": conf.query_threads,
         "max_result_rows": 1_000_000,
         "max_result_bytes": 256 * 2**20,
+        "max_block_size": 8192,  # the unit a result is read and measured in (`Store.query_read_only`)
         "max_bytes_before_external_group_by": 0,
     }
 

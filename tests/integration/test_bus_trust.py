@@ -628,6 +628,36 @@ def test_heavy_query_blocks_neither_queries_nor_a_run(tstack: Stack, tmp_path: P
     assert "err" in box and "TIMEOUT" in str(box["err"]).upper()
 
 
+def test_huge_results_are_stopped_before_they_fill_the_projector(tstack: Stack) -> None:
+    """Four analysts at once ask for ~300 MB of rows each (chdb does not enforce
+    `max_result_bytes`): before, each result became Python rows and JSON before the 1 MB reply
+    limit refused it, and four took the projector from 0.4 to 4 GB. Each now stops within its
+    first block, and the projector's memory hardly moves."""
+    import psutil
+
+    projector = psutil.Process(tstack.proc("projector").pid)
+    before = projector.memory_info().rss
+    peak = [before]
+    errors: list[str] = []
+
+    def huge() -> None:
+        try:
+            run_query(tstack.settings, "SELECT repeat('x', 1000) AS s FROM numbers(300000)", timeout=120)
+        except QueryError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=huge) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak.append(projector.memory_info().rss)
+        time.sleep(0.02)
+    assert len(errors) == 4, errors
+    assert all("was stopped" in e and "first 8,192 rows" in e for e in errors), errors
+    assert max(peak) - before < 512 * 2**20, f"the projector grew by {(max(peak) - before) >> 20} MB"
+    assert run_query(tstack.settings, "SELECT 'after' AS a").rows == [("after",)]
+
+
 # ---------------------------------------------------- item 1: the planted key goes nowhere
 
 

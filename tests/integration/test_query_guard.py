@@ -17,7 +17,7 @@ import pytest
 
 from shared.core.config import Settings
 from shared.store.engine import Store, open_store
-from shared.store.sql_guard import ReadOnlyError, engine_check, read_only_refusal
+from shared.store.sql_guard import ReadOnlyError, ResultTooLarge, engine_check, read_only_refusal
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,20 @@ def test_heavy_query_is_bounded_and_does_not_block_others(store: Store) -> None:
     assert light == [(0,)]
     assert still_running, "the light query waited for the heavy one"
     assert not t.is_alive() and outcome["err"] is not None and "TIMEOUT" in str(outcome["err"]).upper()
+
+
+def test_a_huge_result_stops_at_its_byte_budget_and_every_handle_stays_in_step(store: Store) -> None:
+    """~300 MB of rows (chdb ignores `max_result_bytes`): the read stops within its first block
+    of 8,192 rows instead of turning the whole result into Python rows, and the handle it was
+    streamed on answers the next queries with their own rows, not the stopped one's leftovers."""
+    with pytest.raises(ResultTooLarge, match=r"passed 1,048,576 bytes of JSON within its first 8,192 rows"):
+        store.query_read_only("SELECT repeat('x', 1000) AS s FROM numbers(300000)", max_bytes=2**20)
+    for i in range(store.reader_pool_size + 1):
+        assert store.query_read_only("SELECT {i:UInt32} AS i", {"i": i}).rows == [(i,)]
+    # under the budget the whole result comes back, with its columns and types
+    res = store.query_read_only("SELECT number AS n, toString(number) AS s FROM numbers(20000)", max_bytes=2**20)
+    assert len(res.rows) == 20000 and res.rows[-1] == (19999, "19999") and res.types == ["UInt64", "String"]
+    # the default budget is the store's (`VERIBUS_QUERY_RESULT_MB`, 64 MB)
+    assert store.max_result_bytes == 64 * 2**20
+    with pytest.raises(ResultTooLarge, match="67,108,864 bytes"):
+        store.query_read_only("SELECT repeat('x', 1000) AS s FROM numbers(300000)")

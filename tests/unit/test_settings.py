@@ -70,3 +70,13 @@ def test_values_reach_their_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setenv("VERIBUS_PARSING_WORKERS", "7")
     s = Settings.from_env()
     assert (s.litellm_lean, s.search_corpus, s.parsing_workers, s.generation_workers) == (False, tmp_path, 7, 64)
+
+
+def test_the_query_result_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.store.engine import Store
+
+    monkeypatch.setenv("VERIBUS_QUERY_RESULT_MB", "3")
+    assert Store(client=None, database="veribus", backend="chdb").max_result_bytes == 3 * 2**20
+    monkeypatch.setenv("VERIBUS_QUERY_RESULT_MB", "0")
+    with pytest.raises(ValueError, match="VERIBUS_QUERY_RESULT_MB"):
+        Store(client=None, database="veribus", backend="chdb")
