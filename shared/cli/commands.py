@@ -20,15 +20,11 @@ from shared.cli.common import SECONDS, NotStored, err, error_text, number_arg, s
 from shared.cli.run import cmd_run
 from shared.cli.stack import cmd_down, cmd_query, cmd_runs, cmd_status, cmd_up, cmd_view
 from shared.control import deployment
-from shared.control.credentials import PROVIDER_KEYS
 from shared.control.deployment import FLAG_ENV, Unreachable, mask_url
 from shared.control.runref import RunNotFound
 from shared.core.config import Settings
 from shared.core.outcome import EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERRUPTED, EXIT_RESULTS_MISSING
 
-EXIT_INPUT = EXIT_BAD_INPUT  # the names older callers import
-PROVIDER_KEY_VARS = tuple(v for names in PROVIDER_KEYS.values() for v in names)
-EXIT_RUN_ERROR = EXIT_RESULTS_MISSING
 DESCRIPTION = "`veribus` command line: the local stack, runs, and queries over ClickHouse."
 LATENCY_MS = number_arg(float, low=0, what=" ms")
 RATE = number_arg(float, low=0, high=1)
@@ -237,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         text = error_text(exc)
         quoted = len(text) > 1 and text[0] == text[-1] and text[0] in "'\""  # a KeyError's str() is its repr
         err(text[1:-1] if quoted else text)
-        return EXIT_INPUT
+        return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback (unless asked)
         if _debug():
             raise

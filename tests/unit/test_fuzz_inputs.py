@@ -21,6 +21,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from shared.cli import commands as cli
 from shared.control import runner, stack
+from shared.control.credentials import PROVIDER_KEYS
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
 from tests.conftest import CHECKPOINTS, EXAMPLE
@@ -202,7 +203,7 @@ def no_publish(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
         return fn
 
     monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
-    for var in cli.PROVIDER_KEY_VARS:
+    for var in (v for names in PROVIDER_KEYS.values() for v in names):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(stack, "up", refuse("stack.up"))
     monkeypatch.setattr(runner, "submit", refuse("runner.submit"))
