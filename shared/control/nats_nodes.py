@@ -178,18 +178,3 @@ def _roles_in(settings: Settings) -> set[str]:
     except (OSError, ValueError):
         return set()
 
-
-def nats_auth_args(settings: Settings, home: Path) -> list[str]:
-    """nats-server arguments that make the local server require the credentials the services
-    use (`VERIBUS_NATS_USER`/`_PASSWORD` or `VERIBUS_NATS_TOKEN`); [] when none are set. The
-    secret goes into `<home>/nats-auth.conf` (mode 0600), not onto the command line, where `ps`
-    would show it. (`up` itself puts the same block into each node's config: `nats_config`.)"""
-    block = nats_auth_block(settings)
-    if not block:
-        return []
-    path = Path(home) / "nats-auth.conf"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(block)
-    return ["-c", str(path)]

@@ -339,19 +339,21 @@ def test_token_auth(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["user", "token"])
-def test_nats_auth_args_make_the_local_server_require_the_credentials(tmp_path: Path, kind: str) -> None:
-    """`nats_nodes.nats_auth_args`: what `up` needs so that a configured user/password or token is
-    actually enforced by the local server (without it the server accepts anyone)."""
+def test_the_node_config_makes_the_local_server_require_the_credentials(tmp_path: Path, kind: str) -> None:
+    """`nats_nodes.write_nats_configs` (what `up` writes, with `nats_auth_block`): a configured
+    user/password or token is actually enforced by the local server (without it the server
+    accepts anyone), and the secret is in a 0600 file, never on the command line."""
     secret = "s-" + os.urandom(8).hex()
     settings = (Settings(nats_user="veribus", nats_password=secret) if kind == "user"
                 else Settings(nats_token=secret))
-    args = nats_nodes.nats_auth_args(settings, tmp_path)
-    conf = tmp_path / "nats-auth.conf"
-    assert args == ["-c", str(conf)] and oct(conf.stat().st_mode & 0o777) == "0o600"
-    assert secret not in " ".join(args)
     port = processes.free_port()
+    node = nats_nodes.NatsNode("nats", port, processes.free_port(), tmp_path / "nats")
+    conf = nats_nodes.write_nats_configs(settings, tmp_path, [node])["nats"]
+    cmd = [str(nats_nodes.nats_server_binary()), "-c", str(conf)]  # the config names the port and store
+    assert oct(conf.stat().st_mode & 0o777) == "0o600"
+    assert secret not in " ".join(cmd)
     (tmp_path / "logs").mkdir()
-    proc = _spawn_nats(port, tmp_path / "nats", tmp_path / "logs", *args)
+    proc = processes.spawn("nats", cmd, dict(os.environ), tmp_path / "logs")
     try:
         bus.wait_for_port("127.0.0.1", port)
         url = f"nats://127.0.0.1:{port}"
@@ -367,4 +369,4 @@ def test_nats_auth_args_make_the_local_server_require_the_credentials(tmp_path: 
     finally:
         os.kill(proc.pid, 9)
         psutil.Process(proc.pid).wait(10)
-    assert nats_nodes.nats_auth_args(Settings(), tmp_path / "none") == []
+    assert nats_nodes.nats_auth_block(Settings()) == ""
