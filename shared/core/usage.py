@@ -133,15 +133,6 @@ def recorded(usage: Mapping[str, Any] | None) -> bool:
     return bool(usage) and usage.get("model_calls") is not None  # type: ignore[union-attr]
 
 
-def run_usage(results: Iterable[Any]) -> dict[str, Any]:
-    """Model calls, cached replies and cost over a run's results (VerificationResult models or
-    dicts), with the models whose cost is unknown: what the summary and the report show."""
-    tally = UsageTally()
-    for r in results:
-        tally.add(r)
-    return tally.as_dict()
-
-
 def _template_of(r: Any) -> Any:
     return r.get("template") if isinstance(r, Mapping) else getattr(r, "template", None)
 
@@ -157,7 +148,7 @@ def _usage_section(r: Any) -> Mapping[str, Any] | None:
 
 
 def usage_lines(usage: Mapping[str, Any]) -> list[str]:
-    """Console lines for a run's usage (see `run_usage`; or its stage events', `source: events`)."""
+    """Console lines for a run's usage (`UsageTally.as_dict`; or its stage events', `source: events`)."""
     if not recorded(usage):
         why = usage.get("not_recorded") or NOT_RECORDED
         return [f"  Model calls: not recorded ({why})", f"  Cost: not recorded ({why})"]

@@ -68,13 +68,16 @@ def test_unknown_cost_stays_unknown_in_sums_and_totals() -> None:
     assert merge_usage(state)["total"]["cost_usd"] == 0.75  # type: ignore[index]
 
 
-def test_run_usage_names_models_without_a_price() -> None:
+def test_usage_tally_names_models_without_a_price() -> None:
     results = [{"template": {"usage_metadata": {
         "answer_generation": {"total_tokens": 5, "model": "openai/a", "model_calls": 1, "cached_replies": 0},
         "parsing": {"total_tokens": 5, "model": "anthropic/claude-haiku-4-5", "model_calls": 0,
                     "cached_replies": 1, "cost_usd": 0.0},
         "total": {"total_tokens": 10}}}}] * 3
-    u = cost.run_usage(results)
+    tally = cost.UsageTally()
+    for r in results:
+        tally.add(r)
+    u = tally.as_dict()
     assert u == {"model_calls": 3, "cached_replies": 3, "cost_usd": 0.0, "cost_unknown_models": ["openai/a"],
                  "results_without_usage": 0}
     text = "\n".join(cost.usage_lines(u))
@@ -222,6 +225,6 @@ def test_results_without_a_usage_section_never_claim_zero_calls(tmp_path, monkey
     paid = make("q9", "gpt-x", True, usage={"answer_generation": {"total_tokens": 5, "model": "gpt-x",
                                                                   "model_calls": 1, "cached_replies": 0,
                                                                   "cost_usd": 0.25}})
-    text = "\n".join(cost.usage_lines(cost.run_usage([*results, paid])))
+    text = "\n".join(cost.usage_lines(report.summarize([*results, paid])["usage"]))
     assert "Model calls: 1" in text and "Cost: $0.250000" in text
     assert "(3 results carry no usage section: not counted in the calls and cost above)" in text
