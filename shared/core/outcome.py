@@ -3,14 +3,15 @@ defined: every command (`run`, `report`, `resume`, `regrade`, `cancel`, ...) tak
 so a CI job reads the same number for the same outcome whichever command it ran.
 
 Pure: no I/O. `judge` turns what a run produced (results, what was expected, whether it timed out,
-gates) into a `Verdict`; `error_groups` groups errored jobs by stage and type with one example
-message each, for the console, summary.json and the HTML report.
+gates) into a `Verdict`; `error_kind` names an errored job's stage and type, by which the summary
+(`shared.analysis.report`) and the HTML report group errors with one example message each, and
+`error_lines` prints those groups on the console.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,21 +105,6 @@ def error_kind(result: VerificationResult) -> tuple[str, str, str] | None:
         found = re.search(r"Field verification failed: (\w+):", text)
         return "verify_template", f"{VERIFY_RAISED}: {found.group(1) if found else 'Exception'}", text
     return None
-
-
-def error_groups(results: Iterable[VerificationResult]) -> list[dict[str, Any]]:
-    """[{stage, type, count, example}] of errored jobs, most frequent first; a verify() that
-    raised is its own group (type starts with "verify() raised"), never mixed with plain fails."""
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in results:
-        kind = error_kind(r)
-        if kind is None:
-            continue
-        stage, etype, message = kind
-        g = groups.setdefault((stage, etype), {"stage": stage, "type": etype, "count": 0,
-                                               "example": message[:300], "example_question": r.metadata.question_id})
-        g["count"] += 1
-    return sorted(groups.values(), key=lambda g: (-g["count"], g["stage"], g["type"]))
 
 
 def error_lines(groups: Sequence[dict[str, Any]], indent: str = "    ") -> list[str]:

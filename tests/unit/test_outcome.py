@@ -23,7 +23,7 @@ from shared.core.models import (
     VerificationResultMetadata,
     VerificationResultTemplate,
 )
-from shared.core.outcome import EXIT_CODES, MaxErrors, error_groups, judge
+from shared.core.outcome import EXIT_CODES, MaxErrors, judge
 
 _N = iter(range(10_000))
 
@@ -136,14 +136,14 @@ def test_errors_group_by_stage_and_type_with_one_example() -> None:
     results = ([result(None, stage_error=CONN) for _ in range(3)] + [result(None, stage_error=parse)]
                + [result(False, verify_raised="Field verification failed: ZeroDivisionError: division by zero")]
                + [result(False), result(True)])
-    groups = error_groups(results)
+    summary = report.summarize(results)
+    groups = summary["error_groups"]
     assert [(g["stage"], g["type"], g["count"]) for g in groups] == [
         ("generate_answer", "LLMError(connection)", 3),
         ("parse_template", "LLMError(rate_limit)", 1),
         ("verify_template", "verify() raised: ZeroDivisionError", 1),
     ]
     assert "Connection refused" in groups[0]["example"]
-    summary = report.summarize(results)
     assert summary["errors"] == 4 and summary["verify_raised"] == 1
     assert summary["failed_plain"] == 1  # the plain fail only; verify() raising is counted apart
     block = report.results_block(summary)
