@@ -148,8 +148,7 @@ class Verdict:
 
 def judge(
     results: Sequence[VerificationResult], *, expected: int | None = None, timed_out: bool = False,
-    failed_gates: Sequence[str] = (), max_errors: MaxErrors | None = None, cancelled: bool = False,
-    run_ref: str = "RUN", dead_lettered: int = 0,
+    failed_gates: Sequence[str] = (), max_errors: MaxErrors | None = None, run_ref: str = "RUN",
 ) -> Verdict:
     """The run's exit code and the reasons, worst first: results missing (3), jobs in error
     beyond the tolerance or a cancelled / budget-stopped run (4), a failed gate (1), else 0."""
@@ -169,8 +168,7 @@ def judge(
             if why == "budget" and kind[2].startswith(COST_BUDGET_MESSAGE):
                 why = "cost_budget"  # the money budget (--max-cost-usd), not the token budget
             stopped[why] = stopped.get(why, 0) + 1
-    errors += dead_lettered  # jobs whose message could not be handled at all
-    missing = max(0, total - len(results) - dead_lettered)
+    missing = max(0, total - len(results))
     allowed = max_errors.allowed(total)
     v = Verdict(EXIT_OK, "passed", errors=errors, verify_raised=raised, stopped=sum(stopped.values()),
                 missing=missing, allowed_errors=allowed, failed_gates=list(failed_gates))
@@ -178,7 +176,7 @@ def judge(
         v.code, v.status = EXIT_RESULTS_MISSING, "incomplete"
         v.reasons.append(f"{missing} of {total} job(s) have no result"
                          + (" at --timeout" if timed_out else ""))
-    if cancelled or stopped.get("cancelled"):
+    if stopped.get("cancelled"):
         v.reasons.append(f"the run was cancelled ({stopped.get('cancelled', 0)} job(s) not run); "
                          f"`veribus resume {run_ref}` runs them")
         if v.code == EXIT_OK:

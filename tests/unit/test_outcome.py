@@ -120,11 +120,6 @@ def test_a_money_budget_stop_is_named_as_such_not_as_the_token_budget() -> None:
     assert "token budget" not in v.headline and "--max-tokens-budget" not in v.headline
 
 
-def test_dead_lettered_jobs_count_as_errors_not_missing() -> None:
-    v = judge([result(True)], expected=2, dead_lettered=1)
-    assert v.code == 4 and v.missing == 0 and v.errors == 1
-
-
 # --------------------------------------------------------------------------------------------
 # error groups
 # --------------------------------------------------------------------------------------------
