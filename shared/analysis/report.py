@@ -245,10 +245,11 @@ def result_line(r: VerificationResult, trait_ranges: Mapping[str, tuple[float, f
 # --------------------------------------------------------------------------------------------
 
 
-def _rate(num: float, den: int, pct: bool = False, nd: int = 4) -> float:
+def _rate(num: float, den: int) -> float:
+    """`num / den` as a percentage to two places; 0.0 when `den` is 0."""
     if not den:
         return 0.0
-    return round((100.0 if pct else 1.0) * num / den, 2 if pct else nd)
+    return round(100.0 * num / den, 2)
 
 
 class _Tally:
@@ -316,7 +317,7 @@ class SummaryTally:
                 "passed_samples": t.passed,
                 "failed_samples": t.attempted - t.passed,
                 "errors": t.total - t.attempted,
-                "pass_rate": _rate(t.passed, t.attempted, pct=True) if t.attempted else None,
+                "pass_rate": _rate(t.passed, t.attempted) if t.attempted else None,
                 "pass_rate_ci95": list(pp.ci_percent),
             })
         by_metric: dict[str, Any] = {}
@@ -327,7 +328,7 @@ class SummaryTally:
                 "samples": t.attempted,
                 "avg_score_attempted": round(t.score_sum / t.attempted, 4) if t.attempted else 0.0,
                 "avg_score_total": round(t.score_sum / total, 4) if total else 0.0,
-                "pass_rate": _rate(t.passed, t.attempted, pct=True),
+                "pass_rate": _rate(t.passed, t.attempted),
                 "pass_rate_ci95": list(mp.ci_percent),
                 "passed_attempts": t.passed,
                 "failed_attempts": t.attempted - t.passed,
@@ -341,7 +342,7 @@ class SummaryTally:
             "avg_score_total": round(a.score_sum / total, 4) if total else 0.0,
             "passed_attempts": passed,
             "failed_attempts": att - passed,
-            "pass_rate": _rate(passed, att, pct=True),
+            "pass_rate": _rate(passed, att),
             "pass_rate_ci95": list(p.ci_percent),
             "errors": total - att,
             "verify_raised": raised,
