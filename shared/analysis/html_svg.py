@@ -19,7 +19,7 @@ def _esc(v: Any) -> str:
     return html.escape("" if v is None else str(v))
 
 
-def _fmt(v: Any, digits: int = 3) -> str:
+def _fmt(v: Any) -> str:
     if v is None:
         return "–"
     if isinstance(v, bool):
@@ -27,7 +27,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
         if math.isnan(v):
             return "–"
-        return f"{v:.{digits}g}" if abs(v) < 100 else f"{v:,.0f}"
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
     if isinstance(v, int):
         return f"{v:,}"
     return str(v)
