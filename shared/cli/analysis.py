@@ -74,7 +74,7 @@ def _config_gates(config_path: str | None) -> list[Gate]:
 
 def validate_run_gates(args: argparse.Namespace) -> list[Gate]:
     """Every gate of this run (--gate and the config's `gates:`), parsed; raises
-    shared.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
+    shared.analysis.gates.GateError (a ValueError) on a malformed gate, before anything runs."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import parse_gates
 
@@ -88,7 +88,7 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
     """Evaluate the run's gates on its results and fold the outcome into `summary` (in place:
     passed/failed attempts by the gate's per-sample criterion, `gates_passed`, `gates`,
     `gate_lines`); write --junit. Returns 0 when every gate passes (or there are none), else 1.
-    Print the block afterwards with `shared.report.print_results(summary, summary["gate_lines"])`."""
+    Print the block afterwards with `shared.analysis.report.print_results(summary, summary["gate_lines"])`."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
     from shared.analysis.gates import evaluate_gates, resolve_gates, summary_criterion
@@ -423,7 +423,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the analysis commands on their own (`python -m shared.cli_analysis ...`)."""
+    """Run the analysis commands on their own (`python -m shared.cli.analysis ...`)."""
     parser = argparse.ArgumentParser(prog="veribus")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

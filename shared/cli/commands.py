@@ -210,7 +210,7 @@ EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command killed by SIGP
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: every failure becomes one line on stderr and an exit code from
-    `shared.outcome` (VERIBUS_DEBUG=1 re-raises unexpected errors with their traceback)."""
+    `shared.core.outcome` (VERIBUS_DEBUG=1 re-raises unexpected errors with their traceback)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every option, --help included, belongs to `python -m bench`
         return run_bench(argv[1:])

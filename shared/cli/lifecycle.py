@@ -1,6 +1,6 @@
 """`veribus resume | regrade | cancel | projections rebuild`: run lifecycle commands.
 
-Wired into `shared.cli` by `register(sub)`; the work is in `shared.lifecycle`.
+Wired into `shared.cli` by `register(sub)`; the work is in `shared.control.lifecycle`.
 """
 
 from __future__ import annotations

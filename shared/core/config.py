@@ -211,7 +211,7 @@ class Settings(BaseModel):
     nats_password: str | None = None
     nats_token: str | None = None
     nats_tls_ca: str | None = None
-    nats_role: str = "cli"  # which role's credentials to use (shared.bus_auth)
+    nats_role: str = "cli"  # which role's credentials to use (shared.runtime.bus_auth)
     nats_credentials: str | None = None  # the role credentials file (default <home>/auth/credentials.json)
     home: Path = Path(".veribus")
     clickhouse_url: str | None = None  # e.g. http://user:pass@host:8123/db ; unset -> embedded chdb

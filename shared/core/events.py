@@ -108,7 +108,7 @@ class Job(msgspec.Struct, omit_defaults=True, kw_only=True):
     keywords: list[str] | None = None
     template_code: str | None = None
     template_id: str = "no_template"
-    rubric: dict[str, Any] | None = None  # {"traits": [trait dicts]} (shared.benchmark.Rubric dump)
+    rubric: dict[str, Any] | None = None  # {"traits": [trait dicts]} (shared.core.rubric.Rubric dump)
     replicate: int | None = None
     options: dict[str, Any] = {}  # VerificationConfig stage options (shared.config.StageOptions dump)
     few_shot_examples: list[dict[str, str]] = []
