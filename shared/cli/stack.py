@@ -16,6 +16,7 @@ from shared.core.config import Settings
 from shared.core.outcome import EXIT_BAD_INPUT, EXIT_OK, EXIT_RESULTS_MISSING
 from shared.core.verdict import SQL_PASSED
 from shared.store.reads import QueryError, format_json, format_table, run_query
+from shared.store.sql_guard import RESULT_TOO_LARGE
 
 
 def _parse_replicas(items: list[str] | None) -> dict[str, int]:
@@ -201,7 +202,7 @@ def query_error_code(message: str) -> int:
     (refused as not read-only, not parsed, a name, type or argument the engine rejects, a result
     too large to send back), 3 when the store is (unreachable, no answer in time, a limit on time
     or memory, a folder it cannot open)."""
-    if message.startswith("refused:") or "too large for a NATS reply" in message:
+    if message.startswith(("refused:", RESULT_TOO_LARGE)):
         return EXIT_BAD_INPUT
     if "Unable to open the chdb engine" in message or "Cannot lock file" in message:
         return EXIT_RESULTS_MISSING  # the folder (held by another process): whatever code it names

@@ -41,6 +41,7 @@ from shared.store.rows import (
     run_row,
 )
 from shared.store.sql_guard import (
+    RESULT_TOO_LARGE,
     ReadOnlyError,
     ResultTooLarge,
     engine_check,
@@ -336,8 +337,8 @@ class Store:
         if sql.lstrip("( \n").split(None, 1)[0].upper() not in ("SELECT", "WITH"):
             res = self._query(client, sql, params)
             if len(_result_json.encode(res.rows)) > max_bytes:
-                raise ResultTooLarge(f"the result passed {max_bytes:,} bytes of JSON and was stopped: "
-                                     "add a LIMIT or aggregate")
+                raise ResultTooLarge(f"{RESULT_TOO_LARGE}: it passed {max_bytes:,} bytes of JSON and was "
+                                     "stopped: add a LIMIT or aggregate")
             return res
         rows: list[tuple[Any, ...]] = []
         size = 0
@@ -348,7 +349,7 @@ class Store:
                 size += len(_result_json.encode(block))
                 if size > max_bytes:
                     raise ResultTooLarge(
-                        f"the result passed {max_bytes:,} bytes of JSON within its first "
+                        f"{RESULT_TOO_LARGE}: it passed {max_bytes:,} bytes of JSON within its first "
                         f"{len(rows) + len(block):,} rows and was stopped: add a LIMIT or aggregate")
                 rows.extend(tuple(r) for r in block)
         return QueryResult(columns=columns, rows=rows, types=types)

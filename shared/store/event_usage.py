@@ -10,7 +10,7 @@ so an answer shared by several judges counts once per judge.
 
 `event_usage_sql(cond)` is one aggregate query (`cond` narrows the run's results, for the
 viewer's filters); `usage_from_rows` turns its row into the shape of
-`shared.core.usage.run_usage`, with `source: "events"`.
+`shared.core.usage.UsageTally.as_dict`, with `source: "events"`.
 """
 
 from __future__ import annotations

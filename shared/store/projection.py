@@ -22,7 +22,7 @@ from shared.core.config import Settings
 from shared.core.events import decode
 from shared.store.engine import Store, open_store
 from shared.store.rows import PROJECTION_FAILED, Projection, project_envelope, undecodable_row
-from shared.store.sql_guard import ReadOnlyError
+from shared.store.sql_guard import RESULT_TOO_LARGE, ReadOnlyError
 
 log = logging.getLogger("veribus.projector")
 
@@ -235,7 +235,7 @@ class Projector:
         body = _json.encode({"columns": res.columns, "types": res.types, "rows": res.rows})
         if len(body) > self.max_reply_bytes:
             return _json.encode({
-                "error": f"result too large for a NATS reply ({len(body)} bytes, {len(res.rows)} rows, "
+                "error": f"{RESULT_TOO_LARGE} for a NATS reply ({len(body)} bytes, {len(res.rows)} rows, "
                 f"limit {self.max_reply_bytes}): add a LIMIT or aggregate"
             })
         return body

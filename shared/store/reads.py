@@ -30,7 +30,7 @@ from shared.core.events import QUERY_SUBJECT
 from shared.runtime import bus
 from shared.runtime.bus import server_reachable
 from shared.store.engine import QueryResult, Store, open_store
-from shared.store.sql_guard import ReadOnlyError, read_only_refusal, reader_settings
+from shared.store.sql_guard import RESULT_TOO_LARGE, ReadOnlyError, read_only_refusal, reader_settings
 
 
 class QueryError(RuntimeError):
@@ -405,7 +405,7 @@ def iter_pages(
         try:
             page = source.query(sql, p)
         except QueryError as exc:
-            if "too large" in str(exc) and n > 1:
+            if RESULT_TOO_LARGE in str(exc) and n > 1:
                 size = max(1, n // 4)
                 continue
             raise

@@ -140,6 +140,9 @@ _PLACEHOLDER = re.compile(r"\{(\w+):[^}]+\}")
 _NODE = re.compile(r"^\s*(\w+)(?: (.*?))?(?: \(alias [^)]*\))?(?: \(children \d+\))?$")
 
 
+RESULT_TOO_LARGE = "result too large"  # how every such error starts, also across NATS (paging, exit codes)
+
+
 class ResultTooLarge(ReadOnlyError):
     """A read-only query's result outgrew its byte budget; it was stopped, not truncated."""
 

@@ -158,7 +158,7 @@ def test_a_huge_result_stops_at_its_byte_budget_and_every_handle_stays_in_step(s
     """~300 MB of rows (chdb ignores `max_result_bytes`): the read stops within its first block
     of 8,192 rows instead of turning the whole result into Python rows, and the handle it was
     streamed on answers the next queries with their own rows, not the stopped one's leftovers."""
-    with pytest.raises(ResultTooLarge, match=r"passed 1,048,576 bytes of JSON within its first 8,192 rows"):
+    with pytest.raises(ResultTooLarge, match=r"^result too large: it passed 1,048,576 bytes of JSON within its first 8,192 rows"):
         store.query_read_only("SELECT repeat('x', 1000) AS s FROM numbers(300000)", max_bytes=2**20)
     for i in range(store.reader_pool_size + 1):
         assert store.query_read_only("SELECT {i:UInt32} AS i", {"i": i}).rows == [(i,)]

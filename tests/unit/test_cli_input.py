@@ -83,6 +83,8 @@ def test_refusals_come_before_any_deployment_is_asked(tmp_path, monkeypatch: pyt
     "DatabaseError: Code: 62. DB::Exception: Syntax error: failed at position 1. (SYNTAX_ERROR)",
     "DatabaseError: Code: 46. DB::Exception: Function with name `nosuch` does not exist. (UNKNOWN_FUNCTION)",
     "result too large for a NATS reply (9000000 bytes, 100000 rows, limit 1047552): add a LIMIT or aggregate",
+    "result too large: it passed 1,047,552 bytes of JSON within its first 8,192 rows and was stopped: add a LIMIT "
+    "or aggregate",  # the byte budget of a streamed result (the projector's reply, VERIBUS_QUERY_RESULT_MB)
 ])
 def test_a_query_at_fault_is_bad_input(message: str) -> None:
     assert query_error_code(message) == 2
