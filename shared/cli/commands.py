@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="what is verified: the answer templates (default), templates and rubric traits, or "
                           "rubric traits only")
     run.add_argument("--strategy", choices=["batch", "sequential"], help="rubric evaluation strategy")
+    run.add_argument("--rubric", metavar="FILE",
+                     help="add these traits to the benchmark's global rubric (YAML/JSON: a benchmark's `rubric:` "
+                          "block), e.g. to run a Question,Answer CSV in rubric_only mode")
     run.add_argument("--run-name", help="a name for the run; RUN arguments take it (its most recent run)")
     run.add_argument("--config", help="YAML run config (VerificationConfig fields)")
     run.add_argument("--output", help="write header.json, summary.json, results.jsonl here")

@@ -84,12 +84,17 @@ def plan_run(
             if err:
                 problems.append(f"question {q.id!r} ({q.text[:50]!r}): template does not compile: {err}")
     if problems:
-        raise RunInputError("refused before publishing:\n  " + "\n  ".join(problems))
+        hint = []
+        if mode != "rubric_only" and selected and not any(q.template_code for q in selected):
+            hint = ["(no question has a template, as in a Question,Answer CSV: run it with `--mode rubric_only`, "
+                    "adding traits with `--rubric FILE` when it has none)"]
+        raise RunInputError("refused before publishing:\n  " + "\n  ".join(problems + hint))
     if mode != "template_only":
         has_rubric = (benchmark.global_rubric and not benchmark.global_rubric.is_empty()) or any(
             q.rubric and not q.rubric.is_empty() for q in selected)
         if not has_rubric:
-            raise RunInputError(f"evaluation_mode {mode!r} needs rubric traits, and the benchmark has none")
+            raise RunInputError(f"evaluation_mode {mode!r} needs rubric traits, and the benchmark has none "
+                                "(`veribus run --rubric FILE` adds a global rubric)")
 
     run_id = run_id or new_run_id()
     timestamp = timestamp or datetime.now(UTC).isoformat()

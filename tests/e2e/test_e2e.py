@@ -104,3 +104,26 @@ def test_bad_input_is_refused_before_publishing(running_stack, tmp_path: Path) -
     missing = veribus(settings, "run", str(tmp_path / "nope.jsonld"), "--simulate")
     assert missing.returncode == 2 and "nope.jsonld" in missing.stderr
     assert rows(settings, "SELECT count() FROM events FINAL")[0][0] == before
+
+
+def test_the_reference_csv_runs_in_rubric_only_mode_with_a_rubric_file(running_stack, tmp_path: Path) -> None:
+    """The reference's `sample_questions.csv` (Question,Answer: no templates, no rubric) could run
+    in no mode: template modes need templates, rubric_only needs traits. `--rubric FILE` adds a
+    global rubric; without it, the refusal says how to run such a file."""
+    from tests.conftest import REFERENCE
+
+    settings, _ = running_stack
+    csv_path = REFERENCE / "sample_questions.csv"
+    refused = veribus(settings, "run", str(csv_path), "--simulate")
+    assert refused.returncode == 2 and "--mode rubric_only" in refused.stderr and "--rubric FILE" in refused.stderr
+    rubric = tmp_path / "rubric.yaml"
+    rubric.write_text("rubric:\n  llm_traits:\n    - name: Correct\n      description: Gives the reference answer.\n"
+                      "      kind: boolean\n  regex_traits:\n    - name: NoApology\n      description: No apology.\n"
+                      "      pattern: '\\bsorry\\b'\n      invert_result: true\n")
+    proc = veribus(settings, "run", str(csv_path), "--simulate", "--mode", "rubric_only", "--rubric", str(rubric))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_id = run_id_of(proc.stdout)
+    got = rows(settings, "SELECT question_text, rubric_json FROM verification_results FINAL WHERE run_id = {r:String} "
+                         "ORDER BY question_text", r=run_id)
+    assert [g[0] for g in got][:2] == ["What is 2 + 2?", "What is the capital of France?"] and len(got) == 5
+    assert all('"Correct"' in g[1] and '"NoApology"' in g[1] for g in got), got

@@ -594,3 +594,49 @@ def test_dynamic_traits_load_and_reach_the_job(tmp_path: Path) -> None:
                    "questions:\n  - {id: q1, question: 'Q?', answer: 'a'}\n")
     with pytest.raises(BenchmarkError, match="dynamic_traits"):
         Benchmark.load(bad)
+
+
+def test_a_rubric_file_adds_global_traits_and_refuses_what_it_cannot_add(tmp_path: Path) -> None:
+    """`veribus run --rubric FILE`: the `rubric:` block of a plain benchmark, alone or under a
+    `rubric` key, in YAML or JSON; an empty file, a bad trait and a name already in use are
+    refused naming the file and the trait."""
+    from shared.core.benchmark.plain import read_rubric_file
+    from shared.core.rubric import RubricError
+
+    block = {"llm_traits": [{"name": "Correct", "description": "Gives the reference answer.", "kind": "boolean"}],
+             "regex_traits": [{"name": "Cites", "description": "Has a citation.", "pattern": r"\[\d+\]"}]}
+    (tmp_path / "alone.yaml").write_text(yaml.safe_dump(block))
+    (tmp_path / "keyed.json").write_text(json.dumps({"rubric": block}))
+    alone, keyed = read_rubric_file(tmp_path / "alone.yaml"), read_rubric_file(tmp_path / "keyed.json")
+    assert alone == keyed and alone.trait_names() == ["Correct", "Cites"]
+
+    b = Benchmark.load(EXAMPLE)
+    before = b.global_rubric.trait_names()
+    added = b.with_global_rubric(alone, "r.yaml")
+    assert sorted(added.global_rubric.trait_names()) == sorted([*before, "Correct", "Cites"])
+    assert b.global_rubric.trait_names() == before  # the loaded benchmark is left as it was
+    assert all("Correct" in added.rubric_for(q).trait_names() for q in added.questions)
+
+    (tmp_path / "empty.yaml").write_text("rubric: {}\n")
+    with pytest.raises(BenchmarkError, match="empty.yaml: the rubric file has no traits"):
+        read_rubric_file(tmp_path / "empty.yaml")
+    (tmp_path / "bad.yaml").write_text("llm_traits:\n  - name: Broken\n    kind: score\n    min_score: 5\n    max_score: 1\n")
+    with pytest.raises(BenchmarkError, match=r"bad.yaml: rubric file: rubric.llm_traits\[0\] \(Broken\)"):
+        read_rubric_file(tmp_path / "bad.yaml")
+    with pytest.raises(BenchmarkError, match="cannot read the rubric file"):
+        read_rubric_file(tmp_path / "missing.yaml")
+    clash = read_rubric_file(_write(tmp_path / "clash.yaml", {"llm_traits": [
+        {"name": before[0], "description": "again", "kind": "boolean"}]}))
+    with pytest.raises(RubricError, match=f"clash.yaml: trait\\(s\\) '{before[0]}' already in the benchmark's global rubric"):
+        b.with_global_rubric(clash, "clash.yaml")
+    own = next(q for q in b.questions if q.rubric and not q.rubric.is_empty())
+    name = own.rubric.trait_names()[0]
+    theirs = read_rubric_file(_write(tmp_path / "q.yaml", {"regex_traits": [
+        {"name": name, "description": "again", "pattern": "x"}]}))
+    with pytest.raises(RubricError, match=f"already in the rubric of question '{own.id}'"):
+        b.with_global_rubric(theirs, "q.yaml")
+
+
+def _write(path: Path, doc: Any) -> Path:
+    path.write_text(yaml.safe_dump(doc))
+    return path

@@ -213,6 +213,19 @@ class Benchmark(BaseModel):
     def question_ids(self) -> list[str]:
         return [q.id for q in self.questions]
 
+    def with_global_rubric(self, extra: Rubric, source: str) -> Benchmark:
+        """This benchmark with `extra`'s traits added to its global rubric (`veribus run --rubric`).
+        A trait name the global rubric or a question's own rubric already has is refused, naming it."""
+        names = set(extra.trait_names())
+        for where, rubric in [("the benchmark's global rubric", self.global_rubric),
+                              *((f"the rubric of question {q.id!r}", q.rubric) for q in self.questions)]:
+            clash = sorted(names & set((rubric or Rubric()).trait_names()))
+            if clash:
+                raise RubricError(f"{source}: trait(s) {', '.join(map(repr, clash))} already in {where}")
+        out = self.model_copy(update={"global_rubric": (self.global_rubric or Rubric()).merge(extra)})
+        out.source = self.source
+        return out
+
     def rubric_for(self, question: Question) -> Rubric | None:
         """The question's effective rubric (global + its own), None when it has no traits at all."""
         base = self.global_rubric or Rubric()

@@ -145,6 +145,22 @@ def _rubric_from_plain(raw: Any, path: Path, where: str) -> Rubric | None:
         raise _trait_error(path, where, "rubric", None, e) from e
 
 
+def read_rubric_file(path: Path) -> Rubric:
+    """A global rubric from its own YAML or JSON file (`veribus run --rubric`): the `rubric:`
+    block of a plain benchmark, either alone or under a top-level `rubric` key."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except OSError as e:
+        raise BenchmarkError(f"{path}: cannot read the rubric file: {e.strerror or e}", path=str(path)) from e
+    data, _ = yaml_load(text, path)  # YAML reads JSON too
+    if isinstance(data, dict) and set(data) == {"rubric"}:
+        data = data["rubric"]
+    rubric = _rubric_from_plain(data, path, "rubric file")
+    if rubric is None:
+        raise BenchmarkError(f"{path}: the rubric file has no traits", path=str(path), field="rubric")
+    return rubric
+
+
 def rubric_to_plain(rubric: Rubric) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for group in _RUBRIC_GROUPS:
