@@ -227,6 +227,9 @@ class TemplateResults(_View):
 
     # ---- accessors ----
     def get_verification_results(self, question_id: str | None = None) -> dict[str, bool | None]:
+        """result_id -> `template.verify_result` as stored, as the reference returns it: a result
+        in error may still hold True here. The verdict (an error is never a pass) is
+        `shared.core.verdict.verdict_of`, which `filter(passed_only=True)` and the summaries use."""
         return {r.metadata.result_id: r.template.verify_result for r in self.with_template()
                 if r.template and (question_id is None or r.metadata.question_id == question_id)}
 
