@@ -398,6 +398,30 @@ def folder_held_elsewhere(path: Path) -> bool:
         os.close(fd)
 
 
+def flock_holders(path: Path) -> set[int]:
+    """The PIDs `/proc/locks` names as holding a lock on `path` (Linux; empty when it cannot
+    tell: no such file, no /proc, or a filesystem whose device numbers it shows differently)."""
+    try:
+        st = os.stat(path)
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return set()
+    # "1: FLOCK  ADVISORY  WRITE 7564 fe:00:2146433 0 EOF"; a waiting lock's line has "->" after its number
+    node = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holders = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] != "->" and parts[5] == node and parts[4].isdigit():
+            holders.add(int(parts[4]))
+    return holders
+
+
+def _held_message(path: Path) -> str:
+    return (f"the chdb folder {path} is open in another process (one process per folder: the stack's projector, "
+            "a `veribus view` reading it (it lets go after a few idle seconds), or another command); query "
+            "through the running stack, or try again when it is free")
+
+
 def _chdb_client(path: Path, database: str | None = None) -> Any:
     import clickhouse_connect  # local import: ~0.2 s, only a store connection needs it
 
@@ -433,17 +457,16 @@ def open_store(settings: Settings, migrate: bool = True) -> Store:
         preload_chdb()
         path = Path(settings.chdb_path).expanduser().resolve()
         path.mkdir(parents=True, exist_ok=True)
+        holders = flock_holders(path / "status")
+        if holders and os.getpid() not in holders:  # asked first: chdb would print its own line on stderr
+            raise RuntimeError(_held_message(path))
         try:
             client = _chdb_client(path)
         except Exception as exc:
             # chdb prints "Cannot lock file .../status" on stderr and raises "Error initializing
             # EmbeddedServer: . (BAD_ARGUMENTS)": the lock itself says whether another process has it
             if "lock" in str(exc).lower() or folder_held_elsewhere(path):
-                raise RuntimeError(
-                    f"the chdb folder {path} is open in another process (one process per folder: the "
-                    "stack's projector, a `veribus view` reading it (it lets go after a few idle seconds), "
-                    "or another command); query through the running stack, or try again when it is free"
-                ) from exc
+                raise RuntimeError(_held_message(path)) from exc
             raise
         client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
         client.database = db

@@ -1,7 +1,7 @@
 """An embedded ClickHouse folder another process holds (one process per folder: a projector, a
 `veribus view` that has not let it go yet, another command) is named as such by every read
 command, in one line with exit 3, never chdb's "Error initializing EmbeddedServer: .
-(BAD_ARGUMENTS)". Both sides are processes of their own (chdb keeps one folder per process);
+(BAD_ARGUMENTS)" nor its "Cannot lock file" line on stderr. Both sides are processes of their own (chdb keeps one folder per process);
 the holder is stopped at the end."""
 
 from __future__ import annotations
@@ -53,18 +53,28 @@ def test_a_folder_another_process_holds_is_named(held: Path) -> None:
                          "seconds), or another command); query through the running stack, or try again when it "
                          "is free"], (argv, out.stderr)
         assert "BAD_ARGUMENTS" not in out.stderr and "ProgrammingError" not in out.stderr, (argv, out.stderr)
+        # the lock is read before chdb is asked, so chdb's own "Code: 76 ... Cannot lock file" line is gone
+        assert "Cannot lock file" not in out.stderr and "Code: 76" not in out.stderr, (argv, out.stderr)
 
 
 def test_the_folder_lock_is_read_from_the_lock_itself(held: Path, tmp_path: Path) -> None:
-    from shared.store.engine import folder_held_elsewhere
+    from shared.store.engine import flock_holders, folder_held_elsewhere
 
-    assert folder_held_elsewhere(Path(Settings(home=held).chdb_path).resolve())
+    path = Path(Settings(home=held).chdb_path).resolve()
+    assert folder_held_elsewhere(path)
+    holders = flock_holders(path / "status")
+    assert len(holders) == 1 and os.getpid() not in holders
 
 
 def test_a_free_folder_is_not_held(tmp_path: Path) -> None:
     from shared.store.engine import folder_held_elsewhere
 
     settings = Settings(home=tmp_path / "home")
+    from shared.store.engine import flock_holders
+
     store = open_store(settings)
+    status = Path(settings.chdb_path).resolve() / "status"
+    assert flock_holders(status) == {os.getpid()}  # this process's own open is not "another process"
     store.close()
     assert not folder_held_elsewhere(Path(settings.chdb_path).resolve())
+    assert flock_holders(status) == set()
