@@ -27,10 +27,13 @@ from shared.store.reads import run_query
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    if args.rubric and not args.benchmark:
+        err("--rubric adds traits to the benchmark given with --benchmark; pass both")
+        return EXIT_INPUT
     settings = deployment_settings()
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
-        bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
+        bench = lifecycle.load_benchmark(args.benchmark, args.rubric) if args.benchmark else None
         if args.max_cost_usd is not None:
             check_cost_budget(args.max_cost_usd)  # refused with --dry-run too
         if args.dry_run:
@@ -109,10 +112,13 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
 
 
 def cmd_regrade(args: argparse.Namespace) -> int:
+    if args.rubric and not args.benchmark:
+        err("--rubric adds traits to the benchmark given with --benchmark; pass both")
+        return EXIT_INPUT
     settings = deployment_settings()
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
-        bench = lifecycle.load_benchmark(args.benchmark) if args.benchmark else None
+        bench = lifecycle.load_benchmark(args.benchmark, args.rubric) if args.benchmark else None
         plan = run_main(lifecycle.plan_regrade(settings, args.run, benchmark=bench, mode=args.mode,
                                                run_name=args.run_name))
     except (streams.LifecycleError, BenchmarkError, RunInputError, ValueError) as exc:
@@ -219,6 +225,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("resume", help="publish again only the jobs of a run that have no result")
     r.add_argument("run", help="run id or name")
     r.add_argument("--benchmark", help="the run's benchmark file, to plan answers that were never published")
+    r.add_argument("--rubric", metavar="FILE", help="with --benchmark: the rubric file the run was started with")
     r.add_argument("--no-stopped", action="store_true", help="do not re-run cancelled / over-budget jobs")
     r.add_argument("--max-tokens-budget", type=number_arg(int, low=1), help="a new token budget for the run")
     r.add_argument("--max-cost-usd", type=float, metavar="USD",
@@ -232,6 +239,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("regrade", help="parse, verify and score a run's stored answers again, as a new run")
     g.add_argument("run", help="run id or name of the run whose answers are regraded")
     g.add_argument("--benchmark", help="checkpoint/benchmark with the changed templates and rubrics")
+    g.add_argument("--rubric", metavar="FILE", help="with --benchmark: traits added to its global rubric (as `run --rubric`)")
     g.add_argument("--mode", choices=["template_only", "template_and_rubric", "rubric_only"],
                    help="default: the regraded run's mode")
     g.add_argument("--run-name", help="default: <parent name>-regrade-N")

@@ -23,14 +23,12 @@ from shared.cli.stack import simulator_args
 from shared.control import deployment, runner, stack, wait
 from shared.control.credentials import config_problems
 from shared.core.benchmark.model import Benchmark
-from shared.core.benchmark.plain import read_rubric_file
 from shared.core.benchmark.question import BenchmarkError
 from shared.core.config import Settings, VerificationConfig, config_uses_simulator
 from shared.core.limits import check_config_size
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErrors, judge
 from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_NOT_STORED
-from shared.core.rubric import RubricError
 from shared.runtime.costcontrol import set_cost_budget
 from shared.runtime.runcontrol import pop_budget, set_budget
 from shared.store.event_usage import with_event_usage
@@ -191,10 +189,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = dep.settings
     bench_path = Path(args.benchmark)
     try:
-        benchmark = Benchmark.load(bench_path)
-        if args.rubric:
-            benchmark = benchmark.with_global_rubric(read_rubric_file(Path(args.rubric)), args.rubric)
-    except (BenchmarkError, RubricError) as exc:
+        benchmark = Benchmark.load(bench_path, rubric=args.rubric)
+    except BenchmarkError as exc:
         err(str(exc))
         return EXIT_INPUT
     simulated = _is_simulated(args)

@@ -382,5 +382,5 @@ def compare_runs(old: Iterable[VerificationResult], new: Iterable[VerificationRe
     return {"compared": len(before.keys() & after.keys()), "changed": changed}
 
 
-def load_benchmark(path: str | Path) -> Benchmark:
-    return Benchmark.load(path)
+def load_benchmark(path: str | Path, rubric: str | Path | None = None) -> Benchmark:
+    return Benchmark.load(path, rubric=rubric)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -819,3 +820,32 @@ def test_regrade_with_a_benchmark_of_other_questions_says_so(monkeypatch: pytest
     assert line.startswith(f"veribus: error: none of the 18 stored answer(s) of run old is to a question of {other} "
                            "(the run's questions: ex-arith-multiply, "), line
     assert "no stored answers" not in line
+
+
+def test_regrade_and_resume_take_the_rubric_file_with_their_benchmark(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    """A run started with `run --rubric FILE` is regraded (or resumed from its benchmark) with the
+    same traits: `--rubric` joins `--benchmark`; alone it is refused, naming what is missing."""
+    from shared.cli import lifecycle as cli_lifecycle
+    from shared.cli.commands import build_parser
+
+    rubric = tmp_path / "extra.yaml"
+    rubric.write_text("llm_traits:\n  - name: Correct\n    description: Gives the reference answer.\n    kind: boolean\n")
+    seen: dict[str, Any] = {}
+
+    async def plan_regrade(settings: Settings, run_id: str, *, benchmark: Benchmark | None = None,
+                           **_: Any) -> lifecycle.RegradePlan:
+        seen["benchmark"] = benchmark
+        raise lifecycle.LifecycleError("stop here")
+
+    monkeypatch.setattr(cli_lifecycle, "deployment_settings", Settings)
+    monkeypatch.setattr(cli_lifecycle, "resolve_run_arg", lambda settings, run, stream: run)
+    monkeypatch.setattr(cli_lifecycle.lifecycle, "plan_regrade", plan_regrade)
+    args = build_parser().parse_args(["regrade", "old", "--benchmark", str(EXAMPLE), "--rubric", str(rubric)])
+    assert cli_lifecycle.cmd_regrade(args) == 2 and "stop here" in capsys.readouterr().err
+    assert "Correct" in seen["benchmark"].global_rubric.trait_names()
+    assert "Clarity" in seen["benchmark"].global_rubric.trait_names()
+    for argv in (["regrade", "old", "--rubric", str(rubric)], ["resume", "old", "--rubric", str(rubric)]):
+        assert getattr(cli_lifecycle, f"cmd_{argv[0]}")(build_parser().parse_args(argv)) == 2
+        assert "--rubric adds traits to the benchmark given with --benchmark" in capsys.readouterr().err

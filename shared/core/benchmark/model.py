@@ -52,7 +52,14 @@ from shared.core.benchmark.jsonld import (
     read_jsonld,
     trait_to_rating,
 )
-from shared.core.benchmark.plain import YamlDumper, read_csv, read_plain, rubric_to_plain, yaml_load
+from shared.core.benchmark.plain import (
+    YamlDumper,
+    read_csv,
+    read_plain,
+    read_rubric_file,
+    rubric_to_plain,
+    yaml_load,
+)
 from shared.core.benchmark.question import BenchmarkError, Question
 from shared.core.ids import question_id_for
 from shared.core.limits import question_problems
@@ -78,8 +85,9 @@ class Benchmark(BaseModel):
     # ---- loading -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str | Path) -> Benchmark:
-        """Load by extension: .jsonld/.json (JSON-LD checkpoint or plain JSON), .yaml/.yml, .csv."""
+    def load(cls, path: str | Path, rubric: str | Path | None = None) -> Benchmark:
+        """Load by extension: .jsonld/.json (JSON-LD checkpoint or plain JSON), .yaml/.yml, .csv.
+        `rubric`: a rubric file whose traits join the global rubric (`--rubric`: `with_global_rubric`)."""
         p = Path(path)
         if not p.exists():
             raise BenchmarkError(f"{p}: benchmark file not found", path=str(p))
@@ -117,6 +125,11 @@ class Benchmark(BaseModel):
             raise BenchmarkError(f"{p}: could not load benchmark: {type(e).__name__}: {e}", path=str(p)) from e
         bench.source = p
         bench.check_sizes()
+        if rubric is not None:
+            try:
+                bench = bench.with_global_rubric(read_rubric_file(Path(rubric)), str(rubric))
+            except RubricError as e:
+                raise BenchmarkError(str(e), path=str(rubric), field="rubric") from e
         return bench
 
     def check_sizes(self) -> None:
