@@ -26,9 +26,16 @@ from shared.runtime.costcontrol import check_cost_budget
 from shared.store.reads import run_query
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
+def _lone_rubric(args: argparse.Namespace) -> bool:
+    """`--rubric` without `--benchmark` (it adds traits to that benchmark): said, before any deployment is asked."""
     if args.rubric and not args.benchmark:
         err("--rubric adds traits to the benchmark given with --benchmark; pass both")
+        return True
+    return False
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    if _lone_rubric(args):
         return EXIT_INPUT
     settings = deployment_settings()
     args.run = resolve_run_arg(settings, args.run, stream=True)
@@ -112,8 +119,7 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
 
 
 def cmd_regrade(args: argparse.Namespace) -> int:
-    if args.rubric and not args.benchmark:
-        err("--rubric adds traits to the benchmark given with --benchmark; pass both")
+    if _lone_rubric(args):
         return EXIT_INPUT
     settings = deployment_settings()
     args.run = resolve_run_arg(settings, args.run, stream=True)

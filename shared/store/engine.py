@@ -47,6 +47,7 @@ from shared.store.sql_guard import (
     engine_check,
     read_only_refusal,
     reader_settings,
+    statement_word,
     table_functions,
 )
 
@@ -76,7 +77,7 @@ class QueryResult:
 
 
 _chdb_lock = threading.Lock()
-_result_json = msgspec.json.Encoder(enc_hook=str)  # as the projector's reply encodes a result
+RESULT_JSON = msgspec.json.Encoder(enc_hook=str)  # a result as JSON: what a query's byte budget counts, and the projector's reply
 
 
 _result_values = operator.itemgetter(*RESULT_COLUMNS)  # a result row dict -> its values in column order (in C)
@@ -334,11 +335,14 @@ class Store:
         """`_query`, streamed: each block's JSON is counted before its rows are kept. chdb
         streams SELECTs only; SHOW, DESCRIBE, EXPLAIN and EXISTS (metadata, a few rows) are read
         whole and measured after."""
-        if sql.lstrip("( \n").split(None, 1)[0].upper() not in ("SELECT", "WITH"):
+        def too_large(within: str) -> ResultTooLarge:
+            return ResultTooLarge(f"{RESULT_TOO_LARGE}: it passed {max_bytes:,} bytes of JSON{within} and was "
+                                  "stopped: add a LIMIT or aggregate")
+
+        if statement_word(sql) not in ("SELECT", "WITH"):
             res = self._query(client, sql, params)
-            if len(_result_json.encode(res.rows)) > max_bytes:
-                raise ResultTooLarge(f"{RESULT_TOO_LARGE}: it passed {max_bytes:,} bytes of JSON and was "
-                                     "stopped: add a LIMIT or aggregate")
+            if len(RESULT_JSON.encode(res.rows)) > max_bytes:
+                raise too_large("")
             return res
         rows: list[tuple[Any, ...]] = []
         size = 0
@@ -346,11 +350,9 @@ class Store:
             columns = list(stream.source.column_names)
             types = [t.name for t in stream.source.column_types]
             for block in stream:
-                size += len(_result_json.encode(block))
+                size += len(RESULT_JSON.encode(block))
                 if size > max_bytes:
-                    raise ResultTooLarge(
-                        f"{RESULT_TOO_LARGE}: it passed {max_bytes:,} bytes of JSON within its first "
-                        f"{len(rows) + len(block):,} rows and was stopped: add a LIMIT or aggregate")
+                    raise too_large(f" within its first {len(rows) + len(block):,} rows")
                 rows.extend(tuple(r) for r in block)
         return QueryResult(columns=columns, rows=rows, types=types)
 

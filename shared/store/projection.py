@@ -20,7 +20,7 @@ import msgspec
 
 from shared.core.config import Settings
 from shared.core.events import decode
-from shared.store.engine import Store, open_store
+from shared.store.engine import RESULT_JSON, Store, open_store
 from shared.store.rows import PROJECTION_FAILED, Projection, project_envelope, undecodable_row
 from shared.store.sql_guard import RESULT_TOO_LARGE, ReadOnlyError
 
@@ -28,7 +28,6 @@ log = logging.getLogger("veribus.projector")
 
 DEFAULT_MAX_REPLY = 1024 * 1024
 
-_json = msgspec.json.Encoder(enc_hook=str)
 
 # a content's stored bytes by key, or None when the content store does not have it
 ContentFetcher = Callable[[str], Awaitable[bytes | None]]
@@ -224,17 +223,17 @@ class Projector:
         try:
             req = _query_dec.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _json.encode({"error": f"bad request: {exc}"})
+            return RESULT_JSON.encode({"error": f"bad request: {exc}"})
         try:
             assert self.store is not None
             res = self.store.query_read_only(req.sql, req.params, max_bytes=self.max_reply_bytes)
         except ReadOnlyError as exc:
-            return _json.encode({"error": str(exc)})
+            return RESULT_JSON.encode({"error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - database errors go back to the caller
-            return _json.encode({"error": f"{type(exc).__name__}: {exc}"[:4000]})
-        body = _json.encode({"columns": res.columns, "types": res.types, "rows": res.rows})
+            return RESULT_JSON.encode({"error": f"{type(exc).__name__}: {exc}"[:4000]})
+        body = RESULT_JSON.encode({"columns": res.columns, "types": res.types, "rows": res.rows})
         if len(body) > self.max_reply_bytes:
-            return _json.encode({
+            return RESULT_JSON.encode({
                 "error": f"{RESULT_TOO_LARGE} for a NATS reply ({len(body)} bytes, {len(res.rows)} rows, "
                 f"limit {self.max_reply_bytes}): add a LIMIT or aggregate"
             })

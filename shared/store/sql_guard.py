@@ -59,6 +59,16 @@ def strip_sql_literals(sql: str) -> str:
     return _LITERALS_AND_COMMENTS.sub(repl, sql)
 
 
+_FIRST_WORD = re.compile(r"\(*\s*([A-Za-z]+)")
+
+
+def statement_word(code: str) -> str:
+    """The statement's first keyword, upper-cased, past opening parentheses ("" when none);
+    `code` without comments (`strip_sql_literals`, or the engine's canonical form)."""
+    first = _FIRST_WORD.match(code.lstrip())
+    return first.group(1).upper() if first else ""
+
+
 def read_only_refusal(sql: str) -> str | None:
     """Why `sql` is refused as a read-only query, or None when it is accepted."""
     code = strip_sql_literals(sql).strip()
@@ -67,8 +77,7 @@ def read_only_refusal(sql: str) -> str | None:
         return "empty query"
     if ";" in code:
         return "only one statement is allowed"
-    first = re.match(r"\(*\s*([A-Za-z]+)", code)
-    word = first.group(1).upper() if first else ""
+    word = statement_word(code)
     if word not in _READ_STARTS:
         return f"only SELECT/WITH/SHOW/DESCRIBE/EXPLAIN queries are allowed, not {word or code[:20]!r}"
     bad = _WRITE_WORDS.search(code)
