@@ -50,7 +50,7 @@ def create_app(
     projector = Projector(settings)
     opts = connect_options(settings)
     broker = NatsBroker(
-        opts.pop("servers"), **{k: v for k, v in opts.items() if k not in ("name", "user", "password", "token", "tls")},
+        opts.pop("servers"), **{k: v for k, v in opts.items() if k not in ("name", "user", "password", "token", "tls", "inbox_prefix")},
         **broker_auth_kwargs(settings),
         name="veribus-projector", serializer=None, log_level=log_level, graceful_timeout=10.0,
     )
@@ -62,6 +62,7 @@ def create_app(
         "vb.>",
         stream=JStream(name=STREAM, declare=False),  # declared by shared.runtime.bus.ensure_stream
         durable=DURABLE,
+        inbox_prefix=f"{opts.get('inbox_prefix', '_INBOX')}.".encode(),  # its pulls' inboxes: the role's own
         pull_sub=PullSub(batch_size=batch_size, timeout=batch_timeout, batch=True),
         config=ConsumerConfig(
             durable_name=DURABLE,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -94,7 +95,11 @@ def _patch_request_fast_path() -> None:
     message makes two or three requests (its content read, its publish's PubAck). Profiled (issue
     12), a tenth of a stage service's CPU. A per-process counter is as unique under the
     connection's own reply prefix (a token is never reused, so a late reply finds nothing), and a
-    timer failing the future ends the wait the same way: `nats.errors.TimeoutError`."""
+    timer failing the future ends the wait the same way: `nats.errors.TimeoutError`. A counter
+    alone was guessable, and a client that can see the inbox answered the next requests before
+    the server did (`test_bus_trust.py::test_no_role_reads_or_answers_another_roles_replies`):
+    each token is 8 random bytes (one `os.urandom`, ~0.4 us) before the counter, which keeps it
+    unique."""
     if getattr(NATS._request_new_style, "_veribus_patched", False):
         return
     tokens = itertools.count()
@@ -105,7 +110,7 @@ def _patch_request_fast_path() -> None:
             raise nats_errors.ConnectionDrainingError
         if not self._resp_sub_prefix:
             await self._init_request_sub()
-        token = str(next(tokens))
+        token = f"{os.urandom(8).hex()}{next(tokens):x}"
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._resp_map[token] = future
@@ -182,6 +187,9 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         opts["password"] = password or ""
     if token:
         opts["token"] = token
+    role = bus_auth.connected_role(settings)
+    if role is not None:  # the only replies this role may read (and no other role may send)
+        opts["inbox_prefix"] = bus_auth.inbox_prefix(role)
     if settings.nats_tls_ca:
         ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
         opts["tls"] = ctx

@@ -6,8 +6,8 @@ roles for docker-compose and a cluster, see the README).
   per role with its publish/subscribe permissions;
 - `credentials.json` (0600): each role's user and random password.
 
-Roles (what each may publish; every role may subscribe only to its own reply inboxes unless
-stated):
+Roles (what each may publish; every role may subscribe only to its own reply inboxes,
+`_INBOX_<role>.>` (`inbox_prefix`), unless stated, and no role may publish to another's):
 - `cli` (the operator's commands): run requests, answer requests, cancellations and the stored
   answers `regrade` re-publishes; queries on
   `veribus.query`; the JetStream API to create the stream when it is missing, read and follow it,
@@ -54,7 +54,7 @@ class Role:
     """One NATS user's permissions."""
 
     publish: tuple[str, ...]
-    subscribe: tuple[str, ...] = ("_INBOX.>",)
+    subscribe: tuple[str, ...]
     deny_publish: tuple[str, ...] = ()
     allow_responses: bool = False
     durables: tuple[str, ...] = field(default=())
@@ -88,6 +88,14 @@ CLI_JS_API = ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$J
               f"$JS.API.STREAM.CREATE.{STREAM}", f"$JS.API.STREAM.CREATE.KV_{CONTENT_BUCKET}",
               "$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>", "$JS.API.CONSUMER.>",
               "$JS.API.STREAM.PURGE.KV_vb_llm_cache", "$JS.API.STREAM.PURGE.KV_vb_llm_cache_shared")
+
+
+def inbox_prefix(role: str) -> str:
+    """The reply-inbox prefix of a role's connections: every request's answer (a direct get of the
+    stream or a bucket, a PubAck, a pulled message, a query's reply) comes on a subject under it,
+    and only that role may subscribe there. With one `_INBOX.>` for all, a `cli` client read every
+    service's replies and, publishing there, answered a service's read before the server did."""
+    return f"_INBOX_{role}"
 
 
 def _durable_control(durable: str, delete: bool) -> list[str]:
@@ -134,17 +142,19 @@ def roles() -> dict[str, Role]:
         # the model-limit ledgers are watched by a core subscription on their KV subjects: without
         # it another process's wait went unseen until a lease renewal (seconds of a starved stage)
         out[name] = Role(publish=tuple(pub + _stream_read_api()), durables=tuple(inputs),
-                         subscribe=("_INBOX.>", f"$KV.{LIMITS_BUCKET}.>"))
+                         subscribe=(f"{inbox_prefix(name)}.>", f"$KV.{LIMITS_BUCKET}.>"))
     b = CONTENT_BUCKET  # the projector copies job contents into ClickHouse: it reads that bucket
     content_read = [f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.STREAM.CREATE.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}",
                     f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}"]
     out["projector"] = Role(
         publish=tuple(_consumer_api("projector") + ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}", *content_read]),
-        subscribe=("_INBOX.>", events.QUERY_SUBJECT), allow_responses=True, durables=("projector",),
+        subscribe=(f"{inbox_prefix('projector')}.>", events.QUERY_SUBJECT), allow_responses=True,
+        durables=("projector",),
     )
     out["cli"] = Role(
         publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, *CLI_JS_API, "$JS.ACK.>",
-                 "$JS.FC.>", f"$KV.{CONTENT_BUCKET}.>", f"$KV.{LIMITS_BUCKET}.>", "_INBOX.>"),
+                 "$JS.FC.>", f"$KV.{CONTENT_BUCKET}.>", f"$KV.{LIMITS_BUCKET}.>"),
+        subscribe=(f"{inbox_prefix('cli')}.>",),
         deny_publish=tuple(f"vb.{t}.>" for t in SERVICE_OUTPUTS_ALL if t not in CLI_EVENTS)
         + tuple(s for d in (*SERVICE_DURABLES, "projector") for s in _durable_control(d, delete=d != "projector")),
     )
@@ -233,12 +243,27 @@ def resolve(settings: object) -> tuple[str | None, str | None, str | None]:
     token = getattr(settings, "nats_token", None)
     if user or token:
         return user, getattr(settings, "nats_password", None), token
-    role = getattr(settings, "nats_role", None) or "cli"
-    path = getattr(settings, "nats_credentials", None) or credentials_path(Path(getattr(settings, "home", ".veribus")))
-    found = load_credentials(Path(path), role)
+    found = load_credentials(_credentials_file(settings), _role(settings))
     if found is None:
         return None, None, None
     return found[0], found[1], None
+
+
+def connected_role(settings: object) -> str | None:
+    """The role a process connects as (its reply inboxes are `inbox_prefix(role)`), or None when it
+    connects as an explicit user or token, or without credentials (the default `_INBOX`)."""
+    if getattr(settings, "nats_user", None) or getattr(settings, "nats_token", None):
+        return None
+    return _role(settings) if _credentials_file(settings).exists() else None
+
+
+def _role(settings: object) -> str:
+    return getattr(settings, "nats_role", None) or "cli"
+
+
+def _credentials_file(settings: object) -> Path:
+    return Path(getattr(settings, "nats_credentials", None)
+                or credentials_path(Path(getattr(settings, "home", ".veribus"))))
 
 
 NO_MODEL_CALLS = frozenset({"projector", "finalization"})

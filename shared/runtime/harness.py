@@ -247,16 +247,19 @@ class _Pump:
 
 def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
     """NATS auth and TLS for a FastStream `NatsBroker` (`security=`): FastStream 0.7 takes no
-    `user`/`password`/`tls` keyword arguments, unlike nats-py's `connect`."""
-    ssl_context = bus.connect_options(settings).get("tls")
+    `user`/`password`/`tls` keyword arguments, unlike nats-py's `connect`; and the role's reply
+    inboxes (`inbox_prefix`), the only ones its permissions let it read."""
+    opts = bus.connect_options(settings)
+    ssl_context = opts.get("tls")
+    out: dict[str, Any] = {"inbox_prefix": opts["inbox_prefix"]} if "inbox_prefix" in opts else {}
     user, password, token = bus_auth.resolve(settings)
     if user:
-        return {"security": NatsUserPassword(user, password or "", ssl_context=ssl_context)}
-    if token:
-        return {"security": NatsToken(token, ssl_context=ssl_context)}
-    if ssl_context is not None:
-        return {"security": NatsSecurity(ssl_context=ssl_context)}
-    return {}
+        out["security"] = NatsUserPassword(user, password or "", ssl_context=ssl_context)
+    elif token:
+        out["security"] = NatsToken(token, ssl_context=ssl_context)
+    elif ssl_context is not None:
+        out["security"] = NatsSecurity(ssl_context=ssl_context)
+    return out
 
 
 def backoff_s(delivered: int) -> float:

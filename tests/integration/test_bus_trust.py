@@ -745,3 +745,72 @@ def test_dead_letter_of_a_running_job_becomes_its_finalized_error(tstack: Stack,
     assert not res[stuck].metadata.completed_without_errors  # one finalized result, the error
     counts = sync(wait.finalized_counts(tstack.settings, plan.run_id))
     assert set(counts.values()) == {1}
+
+
+# ------------------------------------------------------------- reply inboxes: one per role
+
+
+def test_no_role_reads_or_answers_another_roles_replies(tstack: Stack) -> None:
+    """Every request a process makes (a direct get of the stream: the finalizer's join, run
+    control; a content or response-cache read; a publish's PubAck) is answered on its reply
+    inbox. Every role could subscribe to `_INBOX.>` and `cli` could publish there, and the reply
+    tokens are a counter: a `cli` client saw a service's reply subjects and answered its next
+    reads before the server did (a forged event in the finalizer's join). As an attacker: sniff
+    `_INBOX.>` while the finalization role reads a stored event, then answer the next reply
+    tokens with a forged one, hundreds of times."""
+    genuine = events.make_envelope(events.RUN_CANCELLED, "inbox-run", "_", events.RunControlChange(cancelled=False),
+                                   "test")
+    forged_body = b'{"forged": true}'
+
+    async def attack() -> tuple[int, int, int, list[str]]:
+        admin = await bus.connect(_as(tstack, "admin"))
+        await admin.jetstream().publish(genuine.subject, events.encode(genuine))
+        await admin.close()
+        errors: list[str] = []
+        victim = await bus.connect(_as(tstack, "finalization"))
+        attacker = await _connect(_as(tstack, "cli"), errors)
+        seen: list[str] = []
+        stop = asyncio.Event()
+
+        async def sniffed(msg: Any) -> None:
+            seen.append(msg.subject)
+
+        async def forge() -> None:  # answer the next few tokens after the last reply seen
+            while not stop.is_set():
+                if seen:
+                    prefix, _, last = seen[-1].rpartition(".")
+                    if last.isdigit():
+                        for k in range(int(last) + 1, int(last) + 4):
+                            await attacker.publish(f"{prefix}.{k}", forged_body, headers={
+                                "Nats-Stream": events.STREAM, "Nats-Subject": genuine.subject,
+                                "Nats-Sequence": "1", "Nats-Time-Stamp": "2026-01-01T00:00:00Z"})
+                await asyncio.sleep(0)
+
+        forged = genuine_reads = 0
+        try:
+            await attacker.subscribe("_INBOX.>", cb=sniffed)
+            await attacker.subscribe("_INBOX_finalization.>", cb=sniffed)
+            await attacker.flush()
+            js = victim.jetstream()
+            forger = asyncio.ensure_future(forge())
+            for _ in range(300):
+                try:
+                    msg = await js.get_last_msg(events.STREAM, genuine.subject, direct=True)
+                except Exception:  # noqa: BLE001 - a mangled reply: not a forgery accepted
+                    continue
+                if msg.data == forged_body:
+                    forged += 1
+                else:
+                    genuine_reads += 1
+            stop.set()
+            await forger
+        finally:
+            await attacker.close()
+            await victim.close()
+        return forged, genuine_reads, len(seen), errors
+
+    forged, genuine_reads, sniffed, errors = sync(attack())
+    assert forged == 0, f"{forged} of 300 reads answered by the cli client"
+    assert sniffed == 0, "the cli client read another role's replies"
+    assert genuine_reads == 300
+    assert any("permissions violation" in e.lower() for e in errors)

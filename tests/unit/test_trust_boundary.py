@@ -335,7 +335,13 @@ def test_role_permissions_are_least_privilege(tmp_path: Path) -> None:
     assert "vb.answer.requested.*.*" in cli.publish and events.QUERY_SUBJECT in cli.publish
     for denied in ("vb.result.finalized.>", "vb.dead.letter.>", "vb.template.verified.>", "vb.stage.failed.>"):
         assert denied in cli.deny_publish
-    assert roles["projector"].subscribe == ("_INBOX.>", events.QUERY_SUBJECT)
+    assert roles["projector"].subscribe == ("_INBOX_projector.>", events.QUERY_SUBJECT)
+    # each role reads only its own replies, and none may send to another role's
+    for name, role in roles.items():
+        if name != "admin":
+            assert f"_INBOX_{name}.>" in role.subscribe and not any(s.startswith("_INBOX") and s != f"_INBOX_{name}.>"
+                                                                  for s in role.subscribe), name
+            assert not any(s.startswith("_INBOX") for s in role.publish), name
     assert events.QUERY_SUBJECT not in gen.subscribe and events.QUERY_SUBJECT not in gen.publish
     text = conf.read_text()
     assert all(c["password"] in text for c in creds.values())
