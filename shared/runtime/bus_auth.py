@@ -7,7 +7,8 @@ roles for docker-compose and a cluster, see the README).
 - `credentials.json` (0600): each role's user and random password.
 
 Roles (what each may publish; every role may subscribe only to its own reply inboxes,
-`_INBOX_<role>.>` (`inbox_prefix`), unless stated, and no role may publish to another's):
+`_INBOX_<role>.>` (`inbox_prefix`), unless stated, and none but the projector, answering a query,
+may publish to another's):
 - `cli` (the operator's commands): run requests, answer requests, cancellations and the stored
   answers `regrade` re-publishes; queries on
   `veribus.query`; the JetStream API to create the stream when it is missing, read and follow it,
@@ -15,11 +16,12 @@ Roles (what each may publish; every role may subscribe only to its own reply inb
   (`guards.checked` ... `result.finalized`, `stage.failed`, `dead.letter`), so a forged result or
   dead letter cannot come from it; nor what would make one by another way: change a stream's
   configuration, create another stream, touch a service's durable consumer, write its response
-  caches or spending counters;
+  caches, spending counters or model-limit ledgers;
 - one role per service: pull from its own durable consumer(s) and ack them, direct reads of the
   stream (the finalizer's join, run control), its KV buckets, and publish its own output event
   types plus `stage.failed` and `dead.letter`; nothing else;
-- `projector`: its own durable consumer, and answering queries on `veribus.query`;
+- `projector`: its own durable consumer, and answering queries on `veribus.query` (on the
+  inboxes of `QUERY_ROLES` alone);
 - `admin`: everything, for maintenance by hand (and tests that replay service events on purpose);
   no process of the stack uses it.
 
@@ -56,7 +58,6 @@ class Role:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     deny_publish: tuple[str, ...] = ()
-    allow_responses: bool = False
     durables: tuple[str, ...] = field(default=())
 
 
@@ -78,6 +79,7 @@ SERVICE_OUTPUTS_ALL = tuple(sorted({o for _, outs in SERVICE_IO.values() for o i
 # answer.generated: `regrade` re-publishes stored answers (no more than a manual trace can say);
 # verdict-bearing events (parsed, verified, rubric, finalized) and give-ups only come from services
 CLI_EVENTS = (events.RUN_REQUESTED, events.ANSWER_REQUESTED, events.RUN_CANCELLED, events.ANSWER_GENERATED)
+QUERY_ROLES = ("cli", "admin")  # who may ask `veribus.query` (the projector replies to their inboxes alone)
 
 
 # What the CLI may ask of JetStream: read and follow the stream, create it (and the content bucket)
@@ -146,14 +148,19 @@ def roles() -> dict[str, Role]:
     b = CONTENT_BUCKET  # the projector copies job contents into ClickHouse: it reads that bucket
     content_read = [f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.STREAM.CREATE.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}",
                     f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}"]
+    # the projector answers queries on the asker's reply inbox, and only there: with NATS's
+    # `allow_responses` it could publish to whatever reply subject a request named (the server lets
+    # a reply through its deny lists), and a `cli` client's query with `vb.result.finalized.R.X`
+    # as its reply had the projector store a result event
+    replies = [f"{inbox_prefix(r)}.>" for r in QUERY_ROLES]
     out["projector"] = Role(
-        publish=tuple(_consumer_api("projector") + ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}", *content_read]),
-        subscribe=(f"{inbox_prefix('projector')}.>", events.QUERY_SUBJECT), allow_responses=True,
-        durables=("projector",),
+        publish=tuple(_consumer_api("projector") + ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}", *content_read,
+                                                    *replies]),
+        subscribe=(f"{inbox_prefix('projector')}.>", events.QUERY_SUBJECT), durables=("projector",),
     )
     out["cli"] = Role(
         publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, *CLI_JS_API, "$JS.ACK.>",
-                 "$JS.FC.>", f"$KV.{CONTENT_BUCKET}.>", f"$KV.{LIMITS_BUCKET}.>"),
+                 "$JS.FC.>", f"$KV.{CONTENT_BUCKET}.>"),
         subscribe=(f"{inbox_prefix('cli')}.>",),
         deny_publish=tuple(f"vb.{t}.>" for t in SERVICE_OUTPUTS_ALL if t not in CLI_EVENTS)
         + tuple(s for d in (*SERVICE_DURABLES, "projector") for s in _durable_control(d, delete=d != "projector")),
@@ -167,8 +174,6 @@ def _perm_block(role: Role) -> dict[str, object]:
     perms: dict[str, object] = {"publish": {"allow": list(role.publish)}, "subscribe": {"allow": list(role.subscribe)}}
     if role.deny_publish:
         perms["publish"]["deny"] = list(role.deny_publish)  # type: ignore[index]
-    if role.allow_responses:
-        perms["allow_responses"] = True
     return perms
 
 

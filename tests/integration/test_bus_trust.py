@@ -814,3 +814,80 @@ def test_no_role_reads_or_answers_another_roles_replies(tstack: Stack) -> None:
     assert sniffed == 0, "the cli client read another role's replies"
     assert genuine_reads == 300
     assert any("permissions violation" in e.lower() for e in errors)
+
+
+def test_cli_cannot_rewrite_a_model_limit_ledger(tstack: Stack) -> None:
+    """The deployment's model limits live in the `vb_model_limits` bucket, written by the stage
+    services that call models. The `cli` role could publish to it: as an attacker, take the
+    ledger a service wrote while it holds the only slot of a model (`max_concurrency: 1`), write
+    it back with no holders, and see whether another service then gets a second slot (two calls
+    in flight for a limit of one, the provider's 429s)."""
+    from shared.core.events import ModelSpec
+    from shared.runtime.call_limits import limit_key
+    from shared.runtime.ledger import decode_ledger, encode_ledger
+    from shared.runtime.limits import deployment_limiter
+
+    model = ModelSpec(model_name="openai/one-slot", api_base="http://gpu-box:8000/v1", max_concurrency=1)
+    subject = f"$KV.{bus_auth.LIMITS_BUCKET}.{limit_key(model)}"
+
+    async def main() -> tuple[bool, list[str]]:
+        errors: list[str] = []
+        gen_nc = await _connect(_as(tstack, "generation"), errors)
+        par_nc = await _connect(_as(tstack, "parsing"), errors)
+        cli_nc = await _connect(_as(tstack, "cli"), errors)
+        gen, par = deployment_limiter(gen_nc, "generation@test"), deployment_limiter(par_nc, "parsing@test")
+        try:
+            lease = await gen.acquire(model)  # the one slot, held
+            await asyncio.sleep(0.3)
+            held = await cli_nc.jetstream().get_last_msg(f"KV_{bus_auth.LIMITS_BUCKET}", subject)
+            ledger = decode_ledger(held.data)
+            assert ledger.holders, "the holder's lease is in the ledger"
+            emptied = msgspec.structs.replace(ledger, holders={})
+            for _ in range(5):  # the holder writes its ledger back when it changes: write it again
+                await cli_nc.publish(subject, encode_ledger(emptied))
+                await cli_nc.flush()
+                await asyncio.sleep(0.1)
+            try:
+                second = await asyncio.wait_for(par.acquire(model), 2.0)
+            except TimeoutError:
+                got_second = False
+            else:
+                got_second = True
+                par.release(second)
+            gen.release(lease)
+            return got_second, errors
+        finally:
+            await gen.close()
+            await par.close()
+            for nc in (gen_nc, par_nc, cli_nc):
+                await nc.close()
+
+    got_second, errors = sync(main())
+    assert not got_second, "a second call went out for a limit of one after the cli client rewrote the ledger"
+    assert any("permissions violation" in e.lower() for e in errors), errors
+
+
+def test_a_query_reply_cannot_be_sent_into_the_event_stream(tstack: Stack) -> None:
+    """The projector answers `veribus.query` on the reply subject the request names. With
+    `allow_responses` that was any subject at all (a reply permission overrides the server's deny
+    lists): a `cli` client asked with `vb.result.finalized.<run>.<id>` as its reply subject and the
+    projector, answering, stored a `result.finalized` event only the finalizer may publish."""
+    run_id, rid = "replyto-run", "abcdefabcdef0123"
+    target = events.subject(events.RESULT_FINALIZED, run_id, rid)
+
+    async def attack() -> list[str]:
+        errors: list[str] = []
+        nc = await _connect(_as(tstack, "cli"), errors)
+        try:
+            await nc.publish(events.QUERY_SUBJECT, b'{"sql": "SELECT 1 AS x"}', reply=target)
+            await nc.flush()
+            await asyncio.sleep(1.0)
+            # and an ordinary query still gets its answer
+            reply = await nc.request(events.QUERY_SUBJECT, b'{"sql": "SELECT 1 AS x"}', timeout=10)
+            assert json.loads(reply.data)["rows"] == [[1]]
+        finally:
+            await nc.close()
+        return errors
+
+    sync(attack())
+    assert not sync(_stored(tstack, target)), "the projector's reply was stored as a result.finalized event"
