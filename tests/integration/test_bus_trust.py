@@ -891,3 +891,43 @@ def test_a_query_reply_cannot_be_sent_into_the_event_stream(tstack: Stack) -> No
 
     sync(attack())
     assert not sync(_stored(tstack, target)), "the projector's reply was stored as a result.finalized event"
+
+
+def test_cli_cannot_deliver_the_stream_into_a_verdict_subject(tstack: Stack) -> None:
+    """`cli` may make consumers of its own (to read the stream). A push consumer delivers to the
+    subject its creator names, published by the server, not under the creator's permissions: as an
+    attacker, store a forged `result.finalized` envelope under a subject `cli` may publish
+    (`vb.run.cancelled.R.X`), and have a consumer of it deliver to `vb.result.finalized.R.X`,
+    which the stream captures, or to a service's reply inbox. The server refuses the cycle, and
+    nothing lands on the verdict subject."""
+    from nats.js.api import ConsumerConfig  # noqa: PLC0415
+
+    run_id, rid = "deliver-run", "0123456789abcdef"
+    target = events.subject(events.RESULT_FINALIZED, run_id, rid)
+    forged = events.make_envelope(events.RESULT_FINALIZED, run_id, rid, events.ResultFinalized(result={"forged": 1}),
+                                  "attacker")
+    carrier = events.subject(events.RUN_CANCELLED, run_id, rid)
+
+    async def attack() -> list[str]:
+        errors: list[str] = []
+        nc = await _connect(_as(tstack, "cli"), errors)
+        js = nc.jetstream(timeout=3)
+        refused = []
+        try:
+            await js.publish(carrier, events.encode(forged))
+            for deliver in (target, "_INBOX_finalization.x"):
+                try:
+                    info = await js.add_consumer(events.STREAM, ConsumerConfig(
+                        filter_subject=carrier, deliver_subject=deliver, inactive_threshold=5.0))
+                except Exception:  # noqa: BLE001 - refused
+                    refused.append(deliver)
+                else:
+                    await asyncio.sleep(1.0)
+                    await js.delete_consumer(events.STREAM, info.name)
+            return refused
+        finally:
+            await nc.close()
+
+    refused = sync(attack())
+    assert not sync(_stored(tstack, target)), "the stream's own consumer stored a forged verdict"
+    assert target in refused
