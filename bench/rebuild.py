@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import psutil
 
+from bench.targets import figure
 from shared.control import rebuild
 from shared.control.nats_nodes import standalone_nats
 from shared.core import events
@@ -228,8 +229,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"  rows after: {row['rows']}")
     print(f"  (generated in {row['generate_s']} s, published in {row['publish_s']} s; not part of the figure)")
     print("\nIssue 12 figures vs targets (on a shared machine figures vary from run to run):")
-    print(f"    rebuild events/s, fold          {row['fold_events_per_s']:>10}   target >= {TARGET_EVENTS_PER_S:,}")
-    print(f"    rebuild events/s, whole command {row['events_per_s']:>10}")
+    print(figure("rebuild events/s, fold", row["fold_events_per_s"], f">= {TARGET_EVENTS_PER_S:,}"))
+    print(figure("rebuild events/s, whole command", row["events_per_s"]))
     print("\n" + msgspec.json.format(msgspec.json.encode(row)).decode())
     return 0
 

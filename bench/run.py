@@ -25,6 +25,7 @@ import httpx
 import psutil
 
 from bench import ideal, rebuild
+from bench.targets import figure, met
 from bench.timing import (
     event_times,
     simulator_ceiling,
@@ -421,16 +422,6 @@ STEADY = "10th to 90th percentile of results"
 WHOLE = "with the pipeline's fill and drain"
 
 
-def _figure(name: str, value: Any, target: str | None = None, note: str | None = None) -> str:
-    """One line of the targets block: the figure, its value, its target and a note, in columns."""
-    line = f"    {name:<32}{value!s:>10}"
-    if target:
-        line += f"   target {target}"
-    if note:
-        line += ("   " if target else " " * 18) + f"({note})"
-    return line
-
-
 def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
                   scaling: dict[str, Any] | None = None, rebuilt: dict[str, Any] | None = None) -> str:
     """Issue 12's figures beside their targets, the whole run first (what a user waits for), the
@@ -439,6 +430,15 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
     `bench.rebuild.measure`."""
     lines = ["Issue 12 figures vs targets (" + (f"server {api_base}" if api_base else "simulator")
              + "; on a shared machine compare ratios within one run, not absolute rates):"]
+    verdicts: list[tuple[str, bool]] = []  # (figure, under which heading), met
+    heading = ""
+
+    def _figure(name: str, value: Any, target: str | None = None, note: str | None = None) -> str:
+        ok = met(value, target) if target else None
+        if ok is not None:
+            verdicts.append((f"{name} ({heading})", ok))
+        return figure(name, value, target, note)
+
     for row in rows:
         lat = row["latency_ms"]
         label = latency_label(lat, row.get("latency_dist") or "fixed", row.get("latency_sigma") or 0.5)
@@ -446,6 +446,7 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
                   if row.get("hedge_after_ms") else "")
         if row.get("limit_scope") == "endpoint":
             hedged += ", one limit of C shared by both models on their endpoint"
+        heading = f"your server{hedged}" if api_base else f"{label}{hedged}"
         lines.append(f"  your server{hedged}:" if api_base else f"  {label}, {row.get('results', '?')} results, "
                      f"C = {row.get('concurrency', '?')}{hedged}:")
         queryable = "until `veribus run` returns: the projector wrote every row"
@@ -484,6 +485,7 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
     if scaling is not None:
         lat_label = latency_label(scaling["latency_ms"], scaling.get("latency_dist") or "fixed",
                                   scaling.get("latency_sigma") or 0.5)
+        heading = "replica scaling"
         lines.append(f"  replica scaling ({' and '.join(scaling['stages'])}, {lat_label}, "
                      f"model limit {scaling['model_limit']}):")
         one, two = scaling["one"], scaling["two"]
@@ -493,6 +495,7 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
         lines.append(_figure("2 replicas / 1 replica, whole", scaling["ratio_whole_run"],
                              note=f"{two['results_per_s']} vs {one['results_per_s']} results/s, {WHOLE}"))
     if rebuilt is not None:
+        heading = "projections rebuild"
         lines.append(f"  projections rebuild ({rebuilt.get('events')} events into a fresh chdb):")
         lines.append(_figure("rebuild events/s, fold", rebuilt.get("fold_events_per_s"), ">= 50,000"))
         lines.append(_figure("rebuild events/s, whole command", rebuilt.get("events_per_s")))
@@ -503,4 +506,7 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
         missing.append("rebuild events/s (>= 50,000: `veribus bench --rebuild`)")
     if missing:
         lines.append("  not measured by this command: " + ", ".join(missing) + "; `veribus bench --all` measures all")
+    missed = [name for name, ok in verdicts if not ok]
+    lines.append(f"  {len(verdicts) - len(missed)} of {len(verdicts)} targets met"
+                 + (": not met: " + "; ".join(missed) if missed else ""))
     return "\n".join(lines)

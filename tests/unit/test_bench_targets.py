@@ -30,7 +30,7 @@ def test_targets_block_shows_the_scaling_ratio_beside_its_target() -> None:
               "one": {"results_per_s": 23.4, "steady_results_per_s": 25.0},
               "two": {"results_per_s": 41.0, "steady_results_per_s": 46.8}}
     text = targets_block([], scaling=result)
-    assert "2 replicas / 1 replica, steady        1.87   target >= 1.8   (46.8 vs 25.0 results/s" in text
+    assert "2 replicas / 1 replica, steady        1.87   target >= 1.8  met   (46.8 vs 25.0 results/s" in text
     assert "2 replicas / 1 replica, whole         1.75" in text and "(41.0 vs 23.4 results/s" in text
     assert "generation and parsing" in text and "model limit 32" in text
     assert "replica scaling (>= 1.8x" not in text, "measured, so not listed as unmeasured"
@@ -172,3 +172,30 @@ def test_targets_block_says_in_which_part_of_the_run_the_slots_idled() -> None:
     assert "model slots busy, whole run          0.906" in text
     assert "fill 0.93, steady 0.979, drain 0.512" in text
     assert "model slots busy" not in targets_block([_row(300.0, 96.0, 11.0, 0.9)]), "not measured: not shown"
+
+
+def test_each_target_says_whether_it_is_met_and_the_block_names_the_missed_ones() -> None:
+    """A missed target reads as missed: `NOT MET` on its line and named in the last line, with the
+    run it belongs to (the hedged runs repeat the same figure names)."""
+    zero = {**_row(0.0, 302.5, 4.91, None), "results": 1000, "concurrency": 64}
+    slow = {**_row(300.0, 83.0, 8.4, 0.778), "latency_dist": "lognormal", "latency_sigma": 0.5,
+            "steady_fraction_of_bound": 0.979, "results": 1000, "concurrency": 64}
+    hedged = {**slow, "fraction_of_bound": 0.905, "hedge_after_ms": 450, "hedged_calls": 25, "limit_scope": "endpoint"}
+    text = targets_block([zero, slow, hedged], rebuilt={"events": 120010, "fold_events_per_s": 49_999,
+                                                         "events_per_s": 40000})
+    assert "302.5   target >= 120  met" in text and "4.91   target <= 10  met" in text
+    assert "0.778   target >= 0.90  NOT MET   (with the pipeline's fill and drain)" in text
+    assert "0.905   target >= 0.90  met" in text
+    assert "49999   target >= 50,000  NOT MET" in text
+    last = text.splitlines()[-1]
+    assert last.startswith("  8 of 10 targets met: not met: ")
+    assert "fraction of C/(2L), whole run (latency 300 ms lognormal (mean; sigma 0.5))" in last
+    assert "hedged" not in last and "rebuild events/s, fold (projections rebuild)" in last
+
+
+def test_a_figure_without_a_number_has_no_verdict() -> None:
+    from bench.targets import figure, met
+
+    assert met(None, ">= 120") is None and met(True, ">= 1") is None and met(0.9, "about 1") is None
+    assert met(10, "<= 10") is True and met(50_000, ">= 50,000") is True and met(1.79, ">= 1.8") is False
+    assert figure("x", None, ">= 1").endswith("target >= 1")
