@@ -47,7 +47,7 @@ from shared.core.config import Settings
 from shared.core.limits import safe_token
 from shared.core.scrub import scrub_text
 from shared.core.stage import stage_error
-from shared.runtime import bus, bus_auth, observability, tracing
+from shared.runtime import bus, observability, tracing
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
 from shared.runtime.limits import deployment_limiter
@@ -252,11 +252,10 @@ def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
     opts = bus.connect_options(settings)
     ssl_context = opts.get("tls")
     out: dict[str, Any] = {"inbox_prefix": opts["inbox_prefix"]} if "inbox_prefix" in opts else {}
-    user, password, token = bus_auth.resolve(settings)
-    if user:
-        out["security"] = NatsUserPassword(user, password or "", ssl_context=ssl_context)
-    elif token:
-        out["security"] = NatsToken(token, ssl_context=ssl_context)
+    if opts.get("user"):
+        out["security"] = NatsUserPassword(opts["user"], opts.get("password") or "", ssl_context=ssl_context)
+    elif opts.get("token"):
+        out["security"] = NatsToken(opts["token"], ssl_context=ssl_context)
     elif ssl_context is not None:
         out["security"] = NatsSecurity(ssl_context=ssl_context)
     return out
