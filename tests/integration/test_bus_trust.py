@@ -114,6 +114,12 @@ async def _connect(settings: Settings, errors: list[str]) -> nats.NATS:
     return await nats.connect(**opts)
 
 
+def _forged_result(run_id: str, rid: str) -> events.Envelope:
+    """A passing `result.finalized` envelope made by an attacker, to be stored some other way."""
+    return events.make_envelope(events.RESULT_FINALIZED, run_id, rid, events.ResultFinalized(result={"forged": 1}),
+                                "attacker")
+
+
 async def _stored(st: Stack, subject: str) -> bool:
     nc = await bus.connect(_as(st, "admin"))
     try:
@@ -417,8 +423,7 @@ def test_cli_cannot_reconfigure_the_stream_into_making_verdicts(tstack: Stack) -
     from nats.js.api import RePublish, StreamConfig, SubjectTransform  # noqa: PLC0415
 
     run_id, rid = "reconf-run", "0f0f0f0f0f0f0f0f"
-    forged = events.make_envelope(events.RESULT_FINALIZED, run_id, rid, events.ResultFinalized(result={"forged": 1}),
-                                  "attacker")
+    forged = _forged_result(run_id, rid)
     original: dict[str, Any] = {}
 
     async def attack() -> list[str]:
@@ -904,16 +909,14 @@ def test_cli_cannot_deliver_the_stream_into_a_verdict_subject(tstack: Stack) -> 
 
     run_id, rid = "deliver-run", "0123456789abcdef"
     target = events.subject(events.RESULT_FINALIZED, run_id, rid)
-    forged = events.make_envelope(events.RESULT_FINALIZED, run_id, rid, events.ResultFinalized(result={"forged": 1}),
-                                  "attacker")
+    forged = _forged_result(run_id, rid)
     carrier = events.subject(events.RUN_CANCELLED, run_id, rid)
+    refused: list[str] = []  # the deliver subjects the server would not take
 
-    async def attack() -> list[str]:
-        errors: list[str] = []
-        nc = await _connect(_as(tstack, "cli"), errors)
-        js = nc.jetstream(timeout=3)
-        refused = []
+    async def attack() -> None:
+        nc = await _connect(_as(tstack, "cli"), [])
         try:
+            js = nc.jetstream(timeout=3)
             await js.publish(carrier, events.encode(forged))
             for deliver in (target, "_INBOX_finalization.x"):
                 try:
@@ -924,10 +927,9 @@ def test_cli_cannot_deliver_the_stream_into_a_verdict_subject(tstack: Stack) -> 
                 else:
                     await asyncio.sleep(1.0)
                     await js.delete_consumer(events.STREAM, info.name)
-            return refused
         finally:
             await nc.close()
 
-    refused = sync(attack())
+    sync(attack())
     assert not sync(_stored(tstack, target)), "the stream's own consumer stored a forged verdict"
     assert target in refused
