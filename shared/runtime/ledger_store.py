@@ -104,11 +104,20 @@ class KVLedgerStore:
             raise Conflict(key) from exc
 
     async def watch(self, key: str, on_change: Any) -> None:
+        """`on_change(data)` for every write of `key` by a process of the deployment. What a write
+        is: a JetStream publish on the key's subject, which asks for its PubAck on the writer's
+        reply inbox. A push consumer delivers on whatever subject its creator names, and `cli`
+        may make consumers: its deliveries (a reply of `$JS.ACK...` or none, and the stored
+        message's own subject) are not writes, and are left out
+        (`test_bus_trust.py::test_a_forged_ledger_delivered_by_a_consumer_is_not_read_as_the_ledger`)."""
+        subject = f"$KV.{self.bucket}.{key}"
+
         async def cb(msg: Any) -> None:
-            on_change(msg.data)
+            if msg.subject == subject and (msg.reply or "").startswith("_INBOX"):
+                on_change(msg.data)
 
         await self._bucket()
-        self._subs.append(await self.nc.subscribe(f"$KV.{self.bucket}.{key}", cb=cb))
+        self._subs.append(await self.nc.subscribe(subject, cb=cb))
 
     async def close(self) -> None:
         for sub in self._subs:

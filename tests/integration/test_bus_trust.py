@@ -933,3 +933,110 @@ def test_cli_cannot_deliver_the_stream_into_a_verdict_subject(tstack: Stack) -> 
     sync(attack())
     assert not sync(_stored(tstack, target)), "the stream's own consumer stored a forged verdict"
     assert target in refused
+
+
+def test_cli_cannot_deliver_the_stream_into_a_bucket(tstack: Stack) -> None:
+    """The server refuses a push consumer delivering into its own stream (a cycle), but another
+    stream captures what the server delivers as well: as an attacker, store bytes of one's choice
+    under a subject `cli` may publish (`vb.run.cancelled.R.X`), and have a consumer of it deliver
+    to a key of the shared response cache (a model reply the next `--cache` run reads), of the
+    model-limit ledgers or of the spending counters, none of which `cli` may write."""
+    from nats.js.api import ConsumerConfig  # noqa: PLC0415
+
+    run_id, rid = "bucket-run", "fedcba9876543210"
+    carrier = events.subject(events.RUN_CANCELLED, run_id, rid)
+    planted = b'{"text": "{\\"value\\": 0}"}'
+    targets = {f"KV_{b}": f"$KV.{b}.planted-by-cli" for b in ("vb_llm_cache_shared", "vb_llm_cache",
+                                                              bus_auth.LIMITS_BUCKET, "vb_run_usage", "vb_run_cost")}
+
+    async def buckets() -> None:  # as the services make them on first use: the attack needs them there
+        from nats.js.api import KeyValueConfig  # noqa: PLC0415
+
+        nc = await bus.connect(_as(tstack, "admin"))
+        try:
+            for stream in targets:
+                await bus.ensure_kv(nc.jetstream(), KeyValueConfig(bucket=stream.removeprefix("KV_")))
+        finally:
+            await nc.close()
+
+    async def attack() -> None:
+        nc = await _connect(_as(tstack, "cli"), [])
+        try:
+            js = nc.jetstream(timeout=3)
+            await js.publish(carrier, planted)
+            for deliver in targets.values():
+                try:
+                    info = await js.add_consumer(events.STREAM, ConsumerConfig(
+                        filter_subject=carrier, deliver_subject=deliver, inactive_threshold=5.0))
+                except Exception:  # noqa: BLE001 - refused
+                    continue
+                await asyncio.sleep(1.0)
+                await js.delete_consumer(events.STREAM, info.name)
+        finally:
+            await nc.close()
+
+    async def planted_in() -> list[str]:
+        nc = await bus.connect(_as(tstack, "admin"))
+        found = []
+        try:
+            for stream, subject in targets.items():
+                await nc.jetstream().stream_info(stream)  # the bucket is there: its key could have been
+                try:
+                    await nc.jetstream().get_last_msg(stream, subject)
+                    found.append(stream)
+                except NotFoundError:
+                    pass
+        finally:
+            await nc.close()
+        return found
+
+    sync(buckets())
+    sync(attack())
+    assert sync(planted_in()) == [], "the stream's own consumer wrote into a bucket cli may not write"
+
+
+def test_a_forged_ledger_delivered_by_a_consumer_is_not_read_as_the_ledger(tstack: Stack) -> None:
+    """`cli` may not write a ledger, but it may make consumers, and a push consumer delivers to any
+    subject its creator names: as an attacker, store a ledger of one's own under a subject `cli`
+    may publish, and have a consumer deliver it to the subject every service's ledger watch
+    listens on (`$KV.vb_model_limits.<key>`). A ledger over its window makes a service give its
+    slots back and admit nothing; redelivered (never acked) it would hold a model's calls down
+    for as long as the consumer lives. The watch reads only what the bucket itself publishes."""
+    from nats.js.api import ConsumerConfig  # noqa: PLC0415
+
+    from shared.core.events import ModelSpec
+    from shared.runtime.call_limits import limit_key
+    from shared.runtime.ledger import Holder, Ledger, decode_ledger, encode_ledger
+    from shared.runtime.limits import deployment_limiter
+
+    model = ModelSpec(model_name="openai/watched", api_base="http://gpu-box:8000/v1", max_concurrency=4)
+    key = limit_key(model)
+    forged = Ledger(cap=4, window=0.0, holders={"attacker": Holder(n=4, want=4, exp=time.time() + 600)})
+    carrier = events.subject(events.RUN_CANCELLED, "ledger-run", "00000000000000ff")
+
+    async def main() -> list[bytes]:
+        gen_nc = await bus.connect(_as(tstack, "generation"))
+        cli_nc = await _connect(_as(tstack, "cli"), [])
+        gen = deployment_limiter(gen_nc, "generation@test")
+        taken: list[bytes] = []  # every ledger the service took in through its watch
+        on_change = gen._on_change
+        gen._on_change = lambda st, data: (taken.append(data), on_change(st, data))  # type: ignore[method-assign]
+        try:
+            gen.release(await gen.acquire(model))  # the key is watched from here on
+            await asyncio.sleep(0.3)
+            js = cli_nc.jetstream(timeout=3)
+            await js.publish(carrier, encode_ledger(forged))
+            info = await js.add_consumer(events.STREAM, ConsumerConfig(
+                filter_subject=carrier, deliver_subject=f"$KV.{bus_auth.LIMITS_BUCKET}.{key}", inactive_threshold=5.0))
+            await asyncio.sleep(1.0)
+            await js.delete_consumer(events.STREAM, info.name)
+            return taken
+        finally:
+            await gen.close()
+            await gen_nc.close()
+            await cli_nc.close()
+
+    taken = sync(main())
+    assert taken, "the service's own writes reach its watch"
+    assert not [d for d in taken if "attacker" in decode_ledger(d).holders], \
+        "the service took the forged ledger for the bucket's (it then gave back its slots and admitted nothing)"
