@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 from shared.control import stack
 from shared.core.config import Settings
-from shared.runtime import bus
+from shared.runtime import bus, bus_auth
 
 FLAG_ENV = "VERIBUS_NATS_URL_FROM_FLAG"  # set by the CLI when --nats-url gave the URL
 CHECK_TIMEOUT_S = 4.0  # the connect
@@ -146,6 +146,14 @@ async def _check(settings: Settings) -> None:
             else:
                 await js.account_info()
         except Exception as exc:  # noqa: BLE001 - one line below
+            role = bus_auth.connected_role(settings)
+            if role is not None and bus.refused_inbox() is not None:
+                raise Unreachable(
+                    f"the NATS server at {mask_url(settings.nats_url)} refused the reply inboxes of bus role "
+                    f"{role!r} ({bus_auth.inbox_prefix(role)}.>), so it answers nothing this process asks: its "
+                    "permissions predate per-role reply inboxes; run it with the nats-auth.conf this version "
+                    "writes (`veribus down` and `veribus up`; docker-compose: `up` runs bus-auth again, then "
+                    "restart the nats nodes)") from None
             waited = f" within {JETSTREAM_READY_S:.0f} s" if clustered else ""
             raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} answers but its JetStream "
                               f"did not{waited} ({type(exc).__name__}: {exc}); start it with -js, or "

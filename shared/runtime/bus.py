@@ -160,12 +160,27 @@ def stream_config(replicas: int = 1, limits: dict[str, Any] | None = None) -> St
     )
 
 
+_REFUSED: list[str] = []  # the latest permissions violations of this process, newest last
+
+
+def refused_inbox() -> str | None:
+    """The newest refusal of a subscription to this process's reply inboxes, if there was one:
+    then nothing it asks is answered, and a timeout is the server's permissions, not a slow
+    server (a server still on a configuration from before per-role inboxes refuses them all)."""
+    for text in reversed(_REFUSED):
+        if "subscription" in text and '"_inbox' in text:
+            return text
+    return None
+
+
 async def _quiet_error_cb(exc: Exception) -> None:
     """nats-py's default error callback logs a traceback per failed (re)connect attempt; one
     line at debug is enough (callers report what failed). A permissions violation is different:
     nats-py reports a refused subscription only here, the subscribing call succeeds, and what
-    depended on it silently gets nothing, so it is a warning."""
+    depended on it silently gets nothing, so it is a warning (and kept for `refused_inbox`)."""
     if "permissions violation" in str(exc).lower():
+        _REFUSED.append(str(exc).lower())
+        del _REFUSED[:-8]
         log.warning("nats: %s (this process's bus role does not allow it)", exc)
         return
     log.debug("nats: %s: %s", type(exc).__name__, exc)

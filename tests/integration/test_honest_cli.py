@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,7 +39,7 @@ from shared.control.nats_nodes import nats_server_binary
 from shared.control.processes import free_port
 from shared.core import events
 from shared.core.config import Settings
-from shared.runtime import bus
+from shared.runtime import bus, bus_auth
 from shared.runtime.bus import wait_for_port
 from tests.conftest import CHECKPOINTS, EXAMPLE, REPO
 from tests.support.stack import up_and_down
@@ -620,3 +621,20 @@ def test_cancel_tells_a_finished_run_from_one_a_resume_runs_again(nats_server) -
     asyncio.run(publish("res2", control(False), key="lift"))
     asyncio.run(publish("res2", final("s2"), key="resume-1"))
     assert cancel("res2").already_finished and controls("res2") == 2
+
+
+def test_a_server_on_permissions_from_before_per_role_inboxes_is_named_as_such(tmp_path: Path) -> None:
+    """After an upgrade, a nats-server still running the roles' old permissions (every role's
+    replies on `_INBOX.>`) refuses this version's reply inboxes, so it answers nothing: the
+    command says that, and how to fix it, instead of blaming JetStream."""
+    home = tmp_path / "home"
+    conf = bus_auth.generate(home)
+    conf.write_text(re.sub(r'"_INBOX_[a-z]+\.>"', '"_INBOX.>"', conf.read_text()))  # the old permissions
+    with listening(lambda port: [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+                                 str(tmp_path / "store"), "-c", str(conf)], timeout=10) as port:
+        out = veribus(cli_env(home, VERIBUS_NATS_URL=f"nats://127.0.0.1:{port}"), "status", timeout=60)
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr
+    error = [ln for ln in out.stderr.splitlines() if ln.startswith("veribus: error:")]
+    assert len(error) == 1, out.stderr
+    assert f"the NATS server at nats://127.0.0.1:{port} refused the reply inboxes of bus role 'cli' (_INBOX_cli.>)" \
+        in error[0] and "nats-auth.conf" in error[0] and "JetStream" not in error[0], out.stderr
