@@ -51,7 +51,7 @@ def create_app(
     opts = connect_options(settings)
     broker = NatsBroker(
         opts.pop("servers"), **{k: v for k, v in opts.items() if k not in ("name", "user", "password", "token", "tls", "inbox_prefix")},
-        **broker_auth_kwargs(settings),
+        **broker_auth_kwargs(opts),
         name="veribus-projector", serializer=None, log_level=log_level, graceful_timeout=10.0,
     )
 

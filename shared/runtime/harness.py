@@ -245,11 +245,10 @@ class _Pump:
         await self._unsubscribe_ended()
 
 
-def broker_auth_kwargs(settings: Settings) -> dict[str, Any]:
-    """NATS auth and TLS for a FastStream `NatsBroker` (`security=`): FastStream 0.7 takes no
-    `user`/`password`/`tls` keyword arguments, unlike nats-py's `connect`; and the role's reply
-    inboxes (`inbox_prefix`), the only ones its permissions let it read."""
-    opts = bus.connect_options(settings)
+def broker_auth_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
+    """NATS auth and TLS for a FastStream `NatsBroker` (`security=`) from nats-py's connect options
+    (`bus.connect_options`): FastStream 0.7 takes no `user`/`password`/`tls` keyword arguments;
+    and the role's reply inboxes (`inbox_prefix`), the only ones its permissions let it read."""
     ssl_context = opts.get("tls")
     out: dict[str, Any] = {"inbox_prefix": opts["inbox_prefix"]} if "inbox_prefix" in opts else {}
     if opts.get("user"):
@@ -282,7 +281,7 @@ class StageService:
             "apply_types": False,
             "graceful_timeout": 10.0,
         }
-        kwargs.update(broker_auth_kwargs(self.settings))
+        kwargs.update(broker_auth_kwargs(opts))
         self.broker = NatsBroker(opts["servers"], **kwargs)
         self.app = FastStream(self.broker, on_startup=[self._startup], after_startup=[self._after_startup],
                               on_shutdown=[self._stop_pumps, close_transports, self._close_control,

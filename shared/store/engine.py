@@ -253,13 +253,11 @@ class Store:
             if reason:
                 raise ReadOnlyError(f"refused: {reason}")
             return self._query_bounded(reader, canonical, params, max_bytes or self.max_result_bytes)
-        except ResultTooLarge:
-            in_step = self._in_step(reader)  # the stream was closed early: check, as after a failure
-            raise
-        except ReadOnlyError:
-            raise
-        except BaseException:
-            in_step = self._in_step(reader)
+        except BaseException as exc:
+            # a refusal ran nothing on the handle; a failure, or a stream closed early (too large),
+            # may have left rows there
+            if not isinstance(exc, ReadOnlyError) or isinstance(exc, ResultTooLarge):
+                in_step = self._in_step(reader)
             raise
         finally:
             if in_step:
