@@ -84,15 +84,16 @@ _result_values = operator.itemgetter(*RESULT_COLUMNS)  # a result row dict -> it
 
 
 def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Sequence[Any]]]]:
-    """(table, column names, columns) of a projection's rows, in insert order: contents, results
-    and runs first, events last (the store's inserts and the rebuild's workers share this)."""
+    """(table, column names, columns) of a projection's rows, in insert order: contents and runs
+    before results (a reader that sees a result always finds its run, even when the writer dies
+    between two inserts), events last (the store's inserts and the rebuild's workers share this)."""
     out: list[tuple[str, Sequence[str], list[Sequence[Any]]]] = []
     if p.contents:
         out.append(("contents", CONTENT_COLUMNS, list(zip(*p.contents, strict=True))))
-    if p.results:
-        out.append(("verification_results", RESULT_COLUMNS, list(zip(*p.results, strict=True))))
     if p.runs:
         out.append(("runs", RUN_COLUMNS, list(zip(*p.runs, strict=True))))
+    if p.results:
+        out.append(("verification_results", RESULT_COLUMNS, list(zip(*p.results, strict=True))))
     if p.events:
         out.append(("events", EVENT_COLUMNS, list(zip(*p.events, strict=True))))
     return out
@@ -220,7 +221,7 @@ class Store:
         return {str(r[0]) for r in res.rows}
 
     def insert_projection(self, p: Projection) -> None:
-        """Contents, results and runs first, events last; all idempotent, so a retry after a
+        """Contents, runs and results first, events last; all idempotent, so a retry after a
         partial failure converges."""
         for table, column_names, columns in projection_columns(p):
             self._insert(table, column_names, columns)

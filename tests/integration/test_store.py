@@ -415,3 +415,35 @@ def test_a_query_stopped_by_the_row_limit_does_not_answer_the_next_one(
     finally:
         st.client.command(f"DROP DATABASE IF EXISTS {settings.clickhouse_database}")
         st.close()
+
+
+def test_a_writer_stopped_between_two_inserts_never_leaves_a_result_without_its_run(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A projector killed mid-batch (kill -9 between two of its inserts) must not leave results
+    whose run ClickHouse lacks: every read that names a run (results, status, report) looks the run
+    up first and would call a stored result "not in ClickHouse yet". Runs go in before results."""
+    from bench.rebuild import result_events
+
+    run_id = "20250101T000000-killedrun"
+    envs = [events.make_envelope(events.RUN_REQUESTED, run_id, events.RUN_KEY, events.RunRequested(
+        run_id=run_id, timestamp="t", job_count=2, answer_count=2, config={}), "cli")]
+    envs += [e for i in range(2) for e in result_events(run_id, i, "2025-01-01T00:00:00Z", 1.75e9)]
+    p = project_envelopes(envs)
+    assert p.runs and p.results
+    done: list[str] = []
+    real = store._insert
+
+    def dies_after_the_first_results(table: str, *a: Any, **k: Any) -> None:
+        if "verification_results" in done:
+            raise KeyboardInterrupt("the writer is killed here")
+        real(table, *a, **k)
+        done.append(table)
+
+    monkeypatch.setattr(store, "_insert", dies_after_the_first_results)
+    with pytest.raises(KeyboardInterrupt):
+        store.insert_projection(p)
+    assert "verification_results" in done
+    stored = store.query("SELECT count() FROM verification_results FINAL WHERE run_id = {r:String}", {"r": run_id})
+    assert int(stored.rows[0][0]) == 2
+    runs = store.query("SELECT job_count FROM runs FINAL WHERE run_id = {r:String}", {"r": run_id}).rows
+    assert runs == [(2,)]
