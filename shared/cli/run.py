@@ -202,6 +202,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     for g in gates:
         if not args.quiet or g.note:
             say(g.understood())
+    for note in config.sampling_notes():
+        say(f"note: {note}")
     if simulated and dep.kind == "configured" and not settings.simulator_url:
         err("--simulate (or a `simulator` model) on a configured deployment needs the simulator's URL as the "
              "services reach it: set VERIBUS_SIMULATOR_URL")

@@ -173,6 +173,23 @@ class VerificationConfig(StageOptions):
     def stage_options(self) -> StageOptions:
         return StageOptions(**{k: getattr(self, k) for k in StageOptions.model_fields})
 
+    def sampling_notes(self) -> list[str]:
+        """What the run should be told before it starts about how its answers are sampled: a
+        hedged model (`hedge_after_s`) keeps the first of two replies, and at a temperature above
+        0 the two differ and the faster is more often the shorter, so the replies kept lean toward
+        short ones. Not refused: it is the user's trade of tail latency for that lean."""
+        notes = []
+        for role, models in (("answering", self.answering_models), ("judge", self.parsing_models)):
+            for m in models:
+                temperature = m.params.get("temperature", m.temperature)
+                if m.hedge_after_s is not None and isinstance(temperature, int | float) and temperature > 0:
+                    notes.append(
+                        f"{role} model {m.id!r} is hedged (hedge_after_s: {m.hedge_after_s}) at temperature "
+                        f"{temperature:g}: of two copies of a slow call the first reply is kept, and a faster reply "
+                        "is more often a shorter one, so the replies kept lean toward short ones; leave "
+                        "hedge_after_s unset when these replies are what the run measures")
+        return notes
+
 
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 

@@ -317,6 +317,22 @@ def test_a_config_api_base_is_called_as_given(live, tmp_path: Path) -> None:
         assert stack_after["requests"] == stack_before["requests"]  # the stack's simulator was not asked
 
 
+def test_a_hedged_model_above_temperature_zero_is_noted_before_the_run(live, tmp_path: Path) -> None:
+    """Hedging keeps the first of two replies; at temperature 0.7 that leans toward short ones, and
+    `run` says so on stderr before it publishes (the run itself goes ahead: the user's trade)."""
+    settings, _ = live
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"answering_models": [{"model_name": "sim-answerer", "hedge_after_s": 5,
+                                                         "temperature": 0.7}],
+                                   "parsing_models": [{"model_name": "sim-judge"}]}))
+    out = veribus(local_env(settings), "run", str(write_bench(tmp_path / "b.yaml", 2, prefix="Hedged")), "--simulate",
+                  "--config", str(cfg), "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "note: answering model 'sim-answerer' is hedged (hedge_after_s: 5.0) at temperature 0.7: " in out.stderr
+    assert out.stderr.index("is hedged") < out.stderr.index("deployment: local stack"), out.stderr
+    assert "judge model" not in out.stderr
+
+
 def test_verify_raising_is_counted_apart_and_fails_the_run(live, tmp_path: Path) -> None:
     settings, _ = live
     out_dir = tmp_path / "out"

@@ -383,3 +383,25 @@ async def test_a_call_slow_long_after_the_rest_still_gets_a_slot_from_the_ledger
     finally:
         await lim.close()
         await other.close()
+
+
+def test_a_hedged_model_sampling_above_temperature_zero_is_told_of_the_lean_to_short_replies() -> None:
+    """The first of two copies wins: at a temperature above 0 they differ and the faster is more
+    often the shorter, so the run is told before it starts (answering and judge models alike;
+    a temperature in `params` is the one sent)."""
+    from shared.core.config import VerificationConfig
+
+    def notes(answering: dict[str, Any], judge: dict[str, Any] | None = None) -> list[str]:
+        return VerificationConfig(answering_models=[{"model_name": "openai/a", **answering}],
+                                  parsing_models=[{"model_name": "openai/j", **(judge or {})}]).sampling_notes()
+
+    said = notes({"hedge_after_s": 0.6, "temperature": 0.7})
+    assert len(said) == 1 and said[0].startswith("answering model 'openai/a' is hedged (hedge_after_s: 0.6) at "
+                                                 "temperature 0.7: ")
+    assert "lean toward short ones" in said[0] and "leave hedge_after_s unset" in said[0]
+    assert notes({"hedge_after_s": "auto", "params": {"temperature": 1}})[0].startswith(
+        "answering model 'openai/a' is hedged (hedge_after_s: auto) at temperature 1: ")
+    assert notes({}, {"hedge_after_s": 2.0, "temperature": 0.3})[0].startswith("judge model 'openai/j' is hedged")
+    assert notes({"hedge_after_s": 0.6}) == []  # temperature 0: the copies ask for the same reply
+    assert notes({"hedge_after_s": 0.6, "temperature": 0.7, "params": {"temperature": 0}}) == []  # params' is sent
+    assert notes({"temperature": 0.7}) == []  # not hedged: nothing is chosen between replies
