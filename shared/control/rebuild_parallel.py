@@ -46,7 +46,7 @@ from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus
 from shared.store import arrow
-from shared.store.engine import projection_columns
+from shared.store.engine import INSERT_ORDER, projection_columns
 from shared.store.projection import Projector
 
 log = logging.getLogger("veribus.lifecycle")
@@ -56,6 +56,7 @@ log = logging.getLogger("veribus.lifecycle")
 # sooner) and the drain (the last insert, made after the workers end, is smaller): ~3 % faster
 CHUNK = 5_000
 JOIN_CHUNKS = 8
+TABLE_RANK = {table: i for i, (table, _, _) in enumerate(INSERT_ORDER)}
 
 
 def plan_chunks(first_seq: int, last_seq: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
@@ -105,7 +106,9 @@ class _Joined:
             self.insert(table, column_names, None, arrow.IpcStream(schema, batches))
 
     def flush(self) -> None:
-        for table in list(self.pending):
+        """Every table held, in `INSERT_ORDER` (runs before results: a joined insert may hold a
+        later chunk's runs after an earlier chunk's results)."""
+        for table in sorted(self.pending, key=lambda t: TABLE_RANK.get(t, len(TABLE_RANK))):
             self._flush(table)
 
 

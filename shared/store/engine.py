@@ -83,20 +83,19 @@ RESULT_JSON = msgspec.json.Encoder(enc_hook=str)  # a result as JSON: what a que
 _result_values = operator.itemgetter(*RESULT_COLUMNS)  # a result row dict -> its values in column order (in C)
 
 
+# (table, its columns, the Projection attribute holding its rows), in insert order: contents and
+# runs before results (a reader that sees a result always finds its run, even when the writer dies
+# between two inserts), events last
+INSERT_ORDER: tuple[tuple[str, Sequence[str], str], ...] = (
+    ("contents", CONTENT_COLUMNS, "contents"), ("runs", RUN_COLUMNS, "runs"),
+    ("verification_results", RESULT_COLUMNS, "results"), ("events", EVENT_COLUMNS, "events"))
+
+
 def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Sequence[Any]]]]:
-    """(table, column names, columns) of a projection's rows, in insert order: contents and runs
-    before results (a reader that sees a result always finds its run, even when the writer dies
-    between two inserts), events last (the store's inserts and the rebuild's workers share this)."""
-    out: list[tuple[str, Sequence[str], list[Sequence[Any]]]] = []
-    if p.contents:
-        out.append(("contents", CONTENT_COLUMNS, list(zip(*p.contents, strict=True))))
-    if p.runs:
-        out.append(("runs", RUN_COLUMNS, list(zip(*p.runs, strict=True))))
-    if p.results:
-        out.append(("verification_results", RESULT_COLUMNS, list(zip(*p.results, strict=True))))
-    if p.events:
-        out.append(("events", EVENT_COLUMNS, list(zip(*p.events, strict=True))))
-    return out
+    """(table, column names, columns) of a projection's rows, in `INSERT_ORDER` (the store's
+    inserts and the rebuild's workers share this)."""
+    return [(table, names, list(zip(*rows, strict=True)))
+            for table, names, attr in INSERT_ORDER if (rows := getattr(p, attr))]
 
 
 def preload_chdb() -> None:

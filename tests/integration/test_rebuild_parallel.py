@@ -156,3 +156,15 @@ def test_an_ipc_stream_of_joined_chunks_reads_back_as_their_rows(tmp_path: Path)
     finally:
         store.close()
     assert rows == [(f"e{i}-{j}", i) for i in range(3) for j in range(3)]
+
+
+def test_a_joined_insert_puts_a_later_chunks_runs_before_an_earlier_chunks_results() -> None:
+    """Chunks held for one insert per table: the first chunk had results only, the next a new
+    run's row. Flushed in dict order the results went in first, and a read in between found
+    results of a run ClickHouse did not have; the flush follows the store's insert order."""
+    done: list[str] = []
+    joined = rebuild_parallel._Joined(lambda table, *_: done.append(table))
+    for table in ("verification_results", "events", "runs", "contents"):
+        joined.add(table, ("c",), None, (b"schema-" + table.encode(), [b"batch"]))
+    joined.flush()
+    assert done == ["contents", "runs", "verification_results", "events"]
