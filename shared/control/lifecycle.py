@@ -39,7 +39,7 @@ from shared.runtime import bus
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import check_cost_budget
 from shared.runtime.runcontrol import STOP_ERROR_TYPES, check_budget
-from shared.templates.calls import compile_check
+from shared.templates.calls import answer_class_problem, compile_check
 
 PRODUCER = "cli/0.1.0"
 RESUME_PREFIX = "resume-"
@@ -365,7 +365,10 @@ def _template_problem(q: Any, mode: str) -> str | None:
     if not q.template_code:
         return f"question {q.id!r}: no answer template (mode {mode} needs one)"
     err = compile_check(q.template_code)
-    return f"question {q.id!r}: template does not compile: {err}" if err else None
+    if err:
+        return f"question {q.id!r}: template does not compile: {err}"
+    missing = answer_class_problem(q.template_code)
+    return f"question {q.id!r}: template: {missing}" if missing else None
 
 
 def compare_runs(old: Iterable[VerificationResult], new: Iterable[VerificationResult]) -> dict[str, Any]:

@@ -27,6 +27,21 @@ def config_uses_simulator(config: Mapping[str, Any] | None) -> bool:
                                 for m in (config or {}).get(key) or [])
 
 
+# `litellm` (the default), the offline `simulator` and recorded `manual` traces are veribus's own;
+# the rest are the reference's adapter names, accepted so its configs run unchanged (called
+# through litellm like the default: the model name and api_base choose the provider)
+INTERFACES = ("litellm", "simulator", "manual", "langchain", "openrouter", "openai_endpoint", "claude_agent_sdk",
+              "claude_tool")
+# integer fields a YAML `true` would otherwise fill with 1 (pydantic reads a bool as an int)
+_MODEL_INTS = ("max_tokens", "max_concurrency", "requests_per_minute", "tokens_per_minute", "max_retries", "max_turns")
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got {str(value).lower()}")
+    return value
+
+
 class ModelConfig(BaseModel):
     """One answering or parsing model. `model_name` is any litellm model string."""
 
@@ -40,8 +55,8 @@ class ModelConfig(BaseModel):
     api_key_env: str | None = Field(
         default=None, description="Name of the env var holding the API key (the key itself is never stored)"
     )
-    temperature: float = 0.0
-    max_tokens: int | None = None
+    temperature: float = Field(default=0.0, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
     system_prompt: str | None = None
     max_concurrency: int = Field(default=32, ge=1, description="calls in flight, for the whole deployment")
     requests_per_minute: int | None = Field(default=None, ge=1, description="for the whole deployment")
@@ -63,6 +78,18 @@ class ModelConfig(BaseModel):
     mcp_urls_dict: dict[str, str] | None = None
     max_turns: int = Field(default=10, ge=1)
     manual_traces: dict[str, Any] | None = None
+
+    @field_validator("interface")
+    @classmethod
+    def _known_interface(cls, v: str) -> str:
+        if v not in INTERFACES:
+            raise ValueError(f"{v!r} is not an interface: one of {', '.join(INTERFACES)}")
+        return v
+
+    @field_validator(*_MODEL_INTS, "temperature", mode="before")
+    @classmethod
+    def _numbers_not_bools(cls, v: Any) -> Any:
+        return _not_a_bool(v)
 
     @field_validator("model_name")
     @classmethod
@@ -144,6 +171,21 @@ class StageOptions(BaseModel):
                                         description="a cached reply older than this is asked again")
 
 
+def _each_model_once(models: list[ModelConfig]) -> list[ModelConfig]:
+    """A model's identity (interface, model name, tools: the spec's ModelIdentity) is part of
+    every result id: two entries with one identity make the same result ids, and half of the jobs
+    would be lost to the other half (the run then never completes). Refused, named."""
+    seen: dict[str, int] = {}
+    for i, m in enumerate(models):
+        key = m.to_spec().canonical_key
+        if key in seen:
+            raise ValueError(f"entries {seen[key] + 1} and {i + 1} are the same model ({key.rstrip(':')}): a model's "
+                             "interface, name and tools make its results' ids, so the two would overwrite each "
+                             "other's results; list it once (another temperature or params is another run)")
+        seen[key] = i
+    return models
+
+
 class VerificationConfig(StageOptions):
     """What to run: models × replicates × mode, plus the stage switches."""
 
@@ -156,19 +198,24 @@ class VerificationConfig(StageOptions):
     run_name: str | None = None
     few_shot_config: dict[str, Any] | None = None
 
+    @field_validator("replicate_count", mode="before")
+    @classmethod
+    def _count_not_a_bool(cls, v: Any) -> Any:
+        return _not_a_bool(v)
+
     @field_validator("answering_models")
     @classmethod
     def _needs_answering(cls, models: list[ModelConfig]) -> list[ModelConfig]:
         if not models:
             raise ValueError("at least one answering model is required")
-        return models
+        return _each_model_once(models)
 
     @field_validator("parsing_models")
     @classmethod
     def _needs_judge(cls, models: list[ModelConfig]) -> list[ModelConfig]:
         if not models:
             raise ValueError("at least one parsing (judge) model is required")
-        return models
+        return _each_model_once(models)
 
     def stage_options(self) -> StageOptions:
         return StageOptions(**{k: getattr(self, k) for k in StageOptions.model_fields})

@@ -88,6 +88,15 @@ def compile_check(code: str) -> str | None:
     return None
 
 
+def answer_class_problem(code: str) -> str | None:
+    """Why code that compiles cannot be an answer template, seen without running it: validation
+    needs `class Answer(BaseAnswer)` (or one BaseAnswer subclass), and code that never names
+    `Answer` defines neither; None otherwise (what it does define is the sandbox's to find)."""
+    if "Answer" in code:
+        return None
+    return "it defines no answer class: a template needs `class Answer(BaseAnswer)`"
+
+
 async def validate_template(
     code: str,
     question_id: str | None = None,
@@ -591,6 +600,6 @@ def worker_callable(
 
 
 __all__ = [
-    "TemplateInfo", "VerifyOutcome", "CallableTraitError", "compile_check", "validate_template", "run_verify",
+    "TemplateInfo", "VerifyOutcome", "CallableTraitError", "answer_class_problem", "compile_check", "validate_template", "run_verify",
     "run_callable_trait", "regex_trait_score", "run_regex_trait", "RegexTraitError",
 ]

@@ -24,6 +24,7 @@ from shared.control import runner, stack
 from shared.control.credentials import PROVIDER_KEYS
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
+from shared.core.config import INTERFACES
 from tests.conftest import CHECKPOINTS, EXAMPLE
 
 # no .hypothesis/ folder in the repo (its caches go to the temp dir); database=None: every run
@@ -232,7 +233,7 @@ def _not(values: st.SearchStrategy[Any], *bad: Any) -> st.SearchStrategy[Any]:
 non_numeric_text = st.text(min_size=1, max_size=10).filter(lambda s: not s.strip().lstrip("+-").replace(".", "").isdigit())
 BAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "replicate_count": st.one_of(st.integers(max_value=0), st.integers(min_value=1001), non_numeric_text,
-                                 st.lists(st.integers(), max_size=2)),
+                                 st.lists(st.integers(), max_size=2), st.booleans()),  # `true` was read as 1
     "evaluation_mode": _not(st.text(max_size=20), "template_only", "template_and_rubric", "rubric_only"),
     "rubric_evaluation_strategy": _not(st.text(max_size=20), "batch", "sequential"),
     "template_timeout_s": st.one_of(st.floats(max_value=0, allow_nan=False), non_numeric_text),
@@ -243,7 +244,11 @@ BAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
         st.lists(st.booleans(), min_size=1, max_size=2)),
 }
 MODEL_BAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "max_concurrency": st.integers(max_value=0),
+    "max_concurrency": st.one_of(st.integers(max_value=0), st.booleans()),
+    "max_tokens": st.integers(max_value=0),
+    "temperature": st.floats(max_value=-0.001, allow_nan=False, allow_infinity=False),
+    # a typo of an interface was taken, and the error it caused later named a missing API key
+    "interface": st.text(max_size=12).filter(lambda v: v not in INTERFACES),
     "timeout": st.floats(max_value=0, allow_nan=False),
     "max_retries": st.integers(max_value=-1),
     "no_such_option": json_values,
@@ -343,4 +348,18 @@ def test_run_with_a_malformed_benchmark_is_refused(tmp_path: Path, no_publish: l
         pass
     code, err = _run_cli(["run", str(path), "--simulate"], capsys)
     assert code == 2 and err.startswith("veribus: error:") and str(path) in err, err
+    assert no_publish == []
+
+
+@pytest.mark.parametrize("argv", [["--model", "openai/m1", "--model", "openai/m1"],
+                                  ["--model", "openai/m1", "--judge", "openai/j", "--judge", "openai/j"]])
+def test_a_model_named_twice_is_refused_before_anything_starts(argv: list[str], no_publish: list[str],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """One model listed twice made the same result ids twice: half the jobs vanished into the
+    other half and the run never completed (it waited for results that could not come)."""
+    code, err = _run_cli(["run", str(EXAMPLE), "--api-base", "http://127.0.0.1:9/v1", *argv], capsys)
+    assert code == 2, err
+    option = "--judge" if "--judge" in argv else "--model"
+    assert err.startswith(f"veribus: error: {option}: entries 1 and 2 are the same model ("), err
+    assert "overwrite each other's results" in err
     assert no_publish == []

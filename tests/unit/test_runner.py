@@ -107,3 +107,18 @@ def test_a_run_outcome_repr_is_a_summary_not_every_result() -> None:
 def test_a_run_plan_repr_is_a_summary_not_every_job() -> None:
     plan = plan_run(Benchmark.load(CHECKPOINTS / "multi_question.jsonld"), config())
     assert repr(plan) == f"RunPlan({plan.run_id!r}, 8 requests, 16 jobs, 1 unfinished)"
+
+
+def test_a_template_that_defines_no_answer_class_is_refused_before_publishing(tmp_path: Path) -> None:
+    """`x = 1` compiles, and it was published: every answering model was called, then each job
+    failed in validation ('no class named Answer'). Code that never names Answer defines neither
+    an Answer nor a BaseAnswer subclass, and that is seen without running it."""
+    path = tmp_path / "b.yaml"
+    path.write_text("name: b\nquestions:\n  - id: noclass\n    question: Q1?\n    answer: a\n"
+                    "    template: |\n      x = 1\n")
+    with pytest.raises(RunInputError, match=r"question 'noclass' .*template: it defines no answer class: a template "
+                                            r"needs `class Answer\(BaseAnswer\)`"):
+        plan_run(Benchmark.load(path), config())
+    bench = Benchmark.load(path)  # a BaseAnswer subclass of another name is the sandbox's to accept
+    bench.questions[0].template_code = "class Reply(BaseAnswer):\n    value: int = 0\n"
+    assert plan_run(bench, config()).job_count == 4
