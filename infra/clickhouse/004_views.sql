@@ -1,8 +1,13 @@
 -- Analyst views, one set. Every read goes through FINAL so redelivered or replayed rows never
 -- double count. Views are CREATE OR REPLACE: migrate() re-applies them, so a changed definition
--- lands. A result's verdict is `if(completed_without_errors, verify_result, NULL)` (the SQL of
--- shared.core.verdict, SQL_VERDICT): a failure is never reported as success, so an errored result
--- has no verdict even when its verify_result is true (a reference export can record both).
+-- lands. The counts are the SQL of shared.core.verdict, written out verbatim (a view file cannot
+-- import it; tests/unit/test_verdict_counts.py checks they are the same): a result's verdict is
+-- SQL_VERDICT, `if(completed_without_errors, if(<verify() raised>, false, verify_result), NULL)`.
+-- A failure is never reported as success, so an errored result has no verdict even when its
+-- verify_result is true (a reference export can record both). A template whose verify() raised
+-- (`field_verification_error`, non-fatal per spec/003: it completed without errors) is a template
+-- error: counted in `errors` (SQL_ERRORED), never in `passed` nor `failed` (SQL_PASSED,
+-- SQL_FAILED); its verdict is false, so it is one of the `verified` results that did not pass.
 -- pass_rate = passed / results with a verdict; results without one (errors, rubric_only) are
 -- counted in `no_verdict` and `errors`, not in the rate.
 -- Every pass rate of the analysis views comes with its Wilson 95% score interval:
@@ -25,11 +30,11 @@ SELECT
     any(question_text)                            AS question_text,
     count()                                       AS results,
     countIf(completed_without_errors)             AS attempted,
-    countIf(NOT completed_without_errors)         AS errors,
-    countIf(if(completed_without_errors, verify_result, NULL) IS NOT NULL) AS verified,
-    countIf(if(completed_without_errors, verify_result, NULL) = true)      AS passed,
-    countIf(if(completed_without_errors, verify_result, NULL) = false)     AS failed,
-    countIf(if(completed_without_errors, verify_result, NULL) IS NULL)     AS no_verdict,
+    countIf((NOT completed_without_errors OR (ifNull(field_verification_error, '') != ''))) AS errors,
+    countIf((if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL) IS NOT NULL)) AS verified,
+    countIf(ifNull(if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL), false)) AS passed,
+    countIf((ifNull(NOT if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL), false) AND NOT (ifNull(field_verification_error, '') != ''))) AS failed,
+    countIf(NOT (if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL) IS NOT NULL)) AS no_verdict,
     passed / nullIf(verified, 0)                  AS pass_rate,
     (pass_rate + 1.9207294 / verified
         - 1.959964 * sqrt(pass_rate * (1 - pass_rate) / verified + 0.9603647 / (verified * verified)))
@@ -90,8 +95,8 @@ SELECT
     answering_model,
     parsing_model,
     question_id,
-    countIf(if(completed_without_errors, verify_result, NULL) IS NOT NULL) AS n,
-    countIf(if(completed_without_errors, verify_result, NULL) = true)      AS passed,
+    countIf((if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL) IS NOT NULL)) AS n,
+    countIf(ifNull(if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL), false)) AS passed,
     passed / nullIf(n, 0)                         AS pass_rate,
     passed > 0 AND passed < n                     AS flaky,
     1 - abs(2 * pass_rate - 1)                    AS flakiness
@@ -104,9 +109,9 @@ SELECT
     answering_model,
     replicate,
     count()                                       AS results,
-    countIf(if(completed_without_errors, verify_result, NULL) IS NOT NULL) AS verified,
-    countIf(if(completed_without_errors, verify_result, NULL) = true)      AS passed,
-    countIf(if(completed_without_errors, verify_result, NULL) = false)     AS failed,
+    countIf((if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL) IS NOT NULL)) AS verified,
+    countIf(ifNull(if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL), false)) AS passed,
+    countIf((ifNull(NOT if(completed_without_errors, if((ifNull(field_verification_error, '') != ''), false, verify_result), NULL), false) AND NOT (ifNull(field_verification_error, '') != ''))) AS failed,
     passed / nullIf(verified, 0)                  AS pass_rate
 FROM {db}.verification_results FINAL
 GROUP BY run_id, answering_model, replicate;
@@ -231,7 +236,7 @@ SELECT
     r.failed                                      AS failed,
     r.no_verdict                                  AS no_verdict,
     r.errors                                      AS errors,
-    r.passed / nullIf(r.passed + r.failed, 0)     AS pass_rate,
+    r.passed / nullIf(r.verified, 0)              AS pass_rate,
     r.avg_execution_time                          AS avg_execution_time,
     r.input_tokens                                AS input_tokens,
     r.output_tokens                               AS output_tokens,

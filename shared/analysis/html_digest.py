@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.analysis.report import trait_score
+from shared.analysis.report import from_simulator, trait_score
 from shared.analysis.stored import StoredResults
 from shared.core.models import VerificationResult
 from shared.core.outcome import error_kind
@@ -123,7 +123,7 @@ class RunDigest:
         self.total += 1
         self.models.add(model)
         self.judges.add(m.parsing_model)
-        self.simulated = self.simulated or "simulator" in (m.answering.interface, m.parsing.interface)
+        self.simulated = self.simulated or from_simulator(r)
         c = self.per_model[model]
         c[2] += 1
         if not m.completed_without_errors:

@@ -1,10 +1,12 @@
 """JUnit XML of a gate report (`veribus run/report --junit`): a `gates` testsuite, one testcase
-per gate, and a `samples` testsuite, one testcase per result, for CI systems that read JUnit."""
+per gate, and a `samples` testsuite, one testcase per result, for CI systems that read JUnit;
+with `run --num-runs N` the pair once per run (`veribus.run_1.gates`, ...), in one file."""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.analysis.gates import GateReport
@@ -18,13 +20,44 @@ def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None =
     """JUnit XML: a `gates` testsuite (one testcase per gate) and a `samples` testsuite (one
     testcase per result: failure when its score misses the criterion, error when it errored)."""
     root = ET.Element("testsuites", name=suite)
+    _add_run(root, suite, report, results, criterion, trait_ranges)
+    return _text(root)
+
+
+def junit_xml_runs(runs: Sequence[JUnitRun], suite: str = "veribus",
+                   trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> str:
+    """JUnit XML of `veribus run --num-runs N`, every run in one file: run i's `SUITE.run_i.gates`
+    and `SUITE.run_i.samples` testsuites (as `--output` writes run_i/), each with a `run_id`
+    property naming the run."""
+    root = ET.Element("testsuites", name=suite)
+    for i, run in enumerate(runs, 1):
+        _add_run(root, f"{suite}.run_{i}", run.report, run.results, run.criterion, trait_ranges, run.run_id)
+    return _text(root)
+
+
+@dataclass
+class JUnitRun:
+    """One run of several for `junit_xml_runs`: its id, gate report, results and pass criterion."""
+
+    run_id: str
+    report: GateReport
+    results: Sequence[VerificationResult]
+    criterion: PassCriterion = DEFAULT_PASS
+
+
+def _add_run(root: ET.Element, suite: str, report: GateReport, results: Iterable[VerificationResult] | None,
+             criterion: PassCriterion, trait_ranges: Mapping[str, tuple[float, float]] | None,
+             run_id: str | None = None) -> None:
+    """The `SUITE.gates` and `SUITE.samples` testsuites of one run, under `root`."""
     gs = ET.SubElement(root, "testsuite", name=f"{suite}.gates", tests=str(len(report.outcomes)),
                        failures=str(sum(1 for o in report.outcomes if not o.passed)), errors="0")
+    _run_property(gs, run_id)
     for o in report.outcomes:
         tc = ET.SubElement(gs, "testcase", classname=f"{suite}.gates", name=o.gate.label())
         if not o.passed:
             ET.SubElement(tc, "failure", message=o.line, type="GateFailed").text = o.line
     ss = ET.SubElement(root, "testsuite", name=f"{suite}.samples")
+    _run_property(ss, run_id)
     tests = fails = errs = 0
     for r in results or ():  # one result at a time: a streamed run is never held
         sc = score_of(r, trait_ranges)
@@ -44,6 +77,14 @@ def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None =
     ss.set("tests", str(tests))
     ss.set("failures", str(fails))
     ss.set("errors", str(errs))
+
+
+def _run_property(suite: ET.Element, run_id: str | None) -> None:
+    if run_id:
+        ET.SubElement(ET.SubElement(suite, "properties"), "property", name="run_id", value=run_id)
+
+
+def _text(root: ET.Element) -> str:
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
@@ -54,4 +95,13 @@ def write_junit(path: str | Path, report: GateReport, results: Iterable[Verifica
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(junit_xml(report, results, criterion, trait_ranges=trait_ranges), encoding="utf-8")
+    return p
+
+
+def write_junit_runs(path: str | Path, runs: Sequence[JUnitRun], suite: str = "veribus",
+                     trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> Path:
+    """`junit_xml_runs` into `path` (its missing folders made)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(junit_xml_runs(runs, suite, trait_ranges), encoding="utf-8")
     return p

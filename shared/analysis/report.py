@@ -376,6 +376,13 @@ def summarize(
 # --------------------------------------------------------------------------------------------
 
 
+def from_simulator(r: VerificationResult) -> bool:
+    """Whether the offline LLM simulator answered or judged this result: its run is labelled
+    SIMULATED (the store asks the same of its rows: `answering_interface = 'simulator' OR
+    parsing_interface = 'simulator'`)."""
+    return "simulator" in (r.metadata.answering.interface, r.metadata.parsing.interface)
+
+
 def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), simulated: bool = False) -> str:
     """The console results block of `spec/004`: totals, attempted, avg score, passed, gate
     line(s), then one line per model."""

@@ -21,6 +21,7 @@ our JSON export, the reference's export (format 2.2), JSONL, or a `results.jsonl
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,8 @@ from shared.analysis.stored import StoredResults
 from shared.analysis.template_results import TemplateResults
 from shared.analysis.view import _View
 from shared.core.models import VerificationResult
-from shared.core.verdict import verdict_of
+from shared.core.verdict import errored, failed, verdict_of, verify_raised
+from shared.store.engine import FolderHeld
 from shared.store.reads import ResultFilter, iter_result_json, open_source
 
 if TYPE_CHECKING:
@@ -43,12 +45,34 @@ if TYPE_CHECKING:
 
     from shared.analysis.stats import PairedComparison, PassAtK
     from shared.core.config import Settings
+    from shared.store.reads import RowSource
 
 MAX_RESULTS = 200_000  # from_store's default bound on what one result set holds
 
 
 class ResultSetTooLarge(ValueError):
     """More results match than `from_store` may hold: stream them instead."""
+
+
+@contextlib.contextmanager
+def _open_store(settings: Settings) -> Iterator[RowSource]:
+    """`open_source` for the Python API. When no projector answers on `settings`' bus and another
+    process holds the chdb folder, that is most often a local stack the caller's settings do
+    not name (`Settings.from_env()` knows a bus from VERIBUS_NATS_URL only): say how to read
+    through it, as the CLI does, instead of the bare lock."""
+    with contextlib.ExitStack() as opened:
+        try:
+            source = opened.enter_context(open_source(settings))
+        except FolderHeld as exc:
+            pids = f" (pid {', '.join(map(str, sorted(exc.holders)))})" if exc.holders else ""
+            raise FolderHeld(
+                f"cannot read the results: the chdb folder {exc.path} is open in another process{pids} and no "
+                f"projector answered at {settings.nats_url}. A local stack (`veribus up`) holds its folder: pass "
+                "the settings the CLI uses, `shared.control.deployment.select().settings`, which find the stack "
+                "of VERIBUS_HOME (`Settings.from_env()` knows a bus only from VERIBUS_NATS_URL); `veribus status` "
+                "shows the stack (`veribus up` restarts what died). Otherwise (a `veribus view`, another "
+                "command) try again when the folder is free", exc.path, exc.holders) from None
+        yield source
 
 
 class VerificationResultSet(_View):
@@ -94,7 +118,10 @@ class VerificationResultSet(_View):
 
     # ---- summaries ----
     def get_summary(self) -> dict[str, Any]:
-        """Counts across the set: results, completed, per section, distinct questions/models."""
+        """Counts across the set: results, completed, per section, distinct questions/models, and
+        the verdicts as every output counts them (`shared.core.verdict`): `num_errors` holds the
+        results that did not complete and those whose template's verify() raised
+        (`num_verify_raised`, which keep their false verdict but are never in `num_failed`)."""
         rs = self.results
         verdicts = [v for v in map(verdict_of, rs) if v is not None]  # an error is never a pass
         passed = sum(1 for v in verdicts if v)
@@ -102,7 +129,8 @@ class VerificationResultSet(_View):
         return {
             "num_results": len(rs),
             "num_completed": sum(1 for r in rs if r.metadata.completed_without_errors),
-            "num_errors": sum(1 for r in rs if not r.metadata.completed_without_errors),
+            "num_errors": sum(1 for r in rs if errored(r)),
+            "num_verify_raised": sum(1 for r in rs if verify_raised(r)),
             "num_with_template": sum(1 for r in rs if r.template and r.template.template_verification_performed),
             "num_with_rubric": sum(1 for r in rs if r.rubric and r.rubric.rubric_evaluation_performed),
             "num_with_judgment": sum(1 for r in rs if r.deep_judgment and r.deep_judgment.deep_judgment_performed),
@@ -110,7 +138,8 @@ class VerificationResultSet(_View):
             "num_answering_models": len({r.metadata.answering_model for r in rs}),
             "num_parsing_models": len({r.metadata.parsing_model for r in rs}),
             "replicates": sorted({r.metadata.replicate for r in rs if r.metadata.replicate is not None}),
-            "num_verdicts": len(verdicts), "num_passed": passed, "pass_rate": p.rate,
+            "num_verdicts": len(verdicts), "num_passed": passed, "num_failed": sum(1 for r in rs if failed(r)),
+            "pass_rate": p.rate,
             "pass_rate_ci95": [p.ci_low, p.ci_high],
             "total_execution_time": sum(r.metadata.execution_time or 0.0 for r in rs),
         }
@@ -158,11 +187,15 @@ class VerificationResultSet(_View):
         A result set lives in memory, so loading is bounded: with no `limit`, a selection of more
         than `max_results` rows (counted in SQL first) raises `ResultSetTooLarge` instead of
         filling the memory; pass `limit=N` for the first N, `max_results=None` to accept any size,
-        or read it without holding it: `stream(...)` (re-iterable, paged) or `iter_dataframes(...)`."""
+        or read it without holding it: `stream(...)` (re-iterable, paged) or `iter_dataframes(...)`.
+
+        `settings` name the deployment: `shared.control.deployment.select().settings`, as the CLI
+        picks it. Settings that name no running projector while another process (a local stack's
+        projector) holds the chdb folder raise `FolderHeld`, saying what to pass instead."""
         where = ResultFilter(run_id=run_id, run_name=run_name, question_ids=question_ids,
                              answering_models=answering_models, parsing_models=parsing_models,
                              replicates=replicates, completed_only=completed_only)
-        with open_source(settings) as source:
+        with _open_store(settings) as source:
             if limit is None and max_results is not None:
                 n = len(StoredResults(source, where))
                 if n > max_results:
@@ -190,7 +223,7 @@ class VerificationResultSet(_View):
         where = ResultFilter(run_id=run_id, run_name=run_name, question_ids=question_ids,
                              answering_models=answering_models, parsing_models=parsing_models,
                              replicates=replicates, completed_only=completed_only)
-        return StoredResults(lambda: open_source(settings), where, page_size=page_size)
+        return StoredResults(lambda: _open_store(settings), where, page_size=page_size)
 
     @staticmethod
     def iter_dataframes(settings: Settings, run_id: str | None = None, run_name: str | None = None, *,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.analysis.stats import Proportion
 from shared.core.models import VerificationResult
-from shared.core.verdict import verdict_of
+from shared.core.verdict import failed, verdict_of
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -163,14 +163,15 @@ class TemplateResults(_View):
 
     # ---- summaries and aggregation ----
     def get_template_summary(self) -> dict[str, Any]:
-        """Counts over results where template verification ran (`spec/002` §7.1 shape)."""
+        """Counts over results where template verification ran (`spec/002` §7.1 shape). An error
+        is never a pass nor a fail (`shared.core.verdict`): a template whose verify() raised is not
+        in `num_failed` (nor in `num_passed`); `pass_rate` is passed / num_results."""
         rs = self.with_template()
         n = len(rs)
-        verdicts = [verdict_of(r) for r in rs]  # an error is never a pass (nor a fail)
-        passed = sum(1 for v in verdicts if v is True)
-        failed = sum(1 for v in verdicts if v is False)
+        passed = sum(1 for r in rs if verdict_of(r) is True)
+        num_failed = sum(1 for r in rs if failed(r))
         return {
-            "num_results": n, "num_passed": passed, "num_failed": failed,
+            "num_results": n, "num_passed": passed, "num_failed": num_failed,
             "pass_rate": passed / n if n else 0.0,
             "num_with_embedding": sum(1 for r in rs if r.template and r.template.embedding_check_performed),
             "num_with_regex": sum(1 for r in rs if r.template and r.template.regex_validations_performed),

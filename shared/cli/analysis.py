@@ -24,9 +24,11 @@ import yaml
 if TYPE_CHECKING:
     from shared.analysis.gates import Gate
     from shared.analysis.html_report import RunData
+    from shared.analysis.junit import JUnitRun
     from shared.core.models import VerificationResult
 
 from shared.cli.common import NotStored, deployment_settings, err, number_arg, resolve_run_arg, unstored
+from shared.cli.outputs import check_output_paths
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, EXIT_RESULTS_MISSING, MaxErrors, judge
 from shared.store.event_usage import with_event_usage
@@ -46,9 +48,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate", action="append", metavar="EXPR",
                         help="quality gate, e.g. 'accuracy>=0.8', 'pass_rate:gpt-4o>=0.9', "
                              "'clarity>=0.6 pass>=0.75'; repeatable (also `gates:` in --config)")
-    parser.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (one testcase per gate and sample)")
+    parser.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (one testcase per gate and sample; "
+                                                        "with --num-runs, a gates and a samples testsuite per run)")
     parser.add_argument("--num-runs", type=int, default=1, metavar="N",
-                        help="run the benchmark N times; with --output: run_1/..run_N/ and aggregate_stats.json")
+                        help="run the benchmark N times; with --output: run_1/..run_N/ and aggregate_stats.json; "
+                             "with --junit: every run in the one file (veribus.run_1.gates, ...)")
 
 
 def _config_gates(config_path: str | None) -> list[Gate]:
@@ -84,15 +88,17 @@ def validate_run_gates(args: argparse.Namespace) -> list[Gate]:
 
 
 def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult], summary: dict[str, Any],
-                trait_ranges: dict[str, tuple[float, float]] | None = None) -> int:
+                trait_ranges: dict[str, tuple[float, float]] | None = None, *,
+                junit_runs: list[JUnitRun] | None = None, run_id: str = "") -> int:
     """Evaluate the run's gates on its results and fold the outcome into `summary` (in place:
     passed/failed attempts by the gate's per-sample criterion, `gates_passed`, `gates`,
-    `gate_lines`); write --junit. Returns 0 when every gate passes (or there are none), else 1.
+    `gate_lines`); write --junit, or, given `junit_runs` (one of several runs: `--num-runs`), add
+    this run to it for `write_junit_runs`. Returns 0 when every gate passes (or there are none), else 1.
     Print the block afterwards with `shared.analysis.report.print_results(summary, summary["gate_lines"])`."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
     from shared.analysis.gates import evaluate_gates, resolve_gates, summary_criterion
-    from shared.analysis.junit import write_junit
+    from shared.analysis.junit import JUnitRun, write_junit
 
     gates = resolve_gates(validate_run_gates(args), trait_ranges)  # a trait's threshold on its scale
     overall, per_metric = summary_criterion(gates)
@@ -104,7 +110,9 @@ def apply_gates(args: argparse.Namespace, results: Sequence[VerificationResult],
     summary["gates_passed"] = rep.passed
     summary["gates"] = rep.as_dict()["outcomes"]
     summary["gate_lines"] = rep.lines
-    if getattr(args, "junit", None):
+    if junit_runs is not None:
+        junit_runs.append(JUnitRun(run_id, rep, list(results), overall))
+    elif getattr(args, "junit", None):
         write_junit(args.junit, rep, results, overall, trait_ranges)
     return rep.exit_code
 
@@ -126,6 +134,7 @@ def load_run_arg(run: str) -> RunData:
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.files import iter_results_from_file
     from shared.analysis.html_report import RunData, load_run
+    from shared.analysis.report import from_simulator
 
     if _is_file(run):
         results = list(iter_results_from_file(run))
@@ -138,8 +147,10 @@ def load_run_arg(run: str) -> RunData:
                 rubric = (meta.get("shared_data") or {}).get("rubric_definition")
         except (OSError, ValueError):
             pass
+        # labelled SIMULATED as a stored run is (and its HTML page): by the rows' interfaces
         return RunData(run_id=Path(run).stem, results=results,
-                       run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric)
+                       run_name=results[0].metadata.run_name if results else None, rubric_definition=rubric,
+                       simulated=any(map(from_simulator, results)))
     settings = deployment_settings()
     return load_run(settings, resolve_run_arg(settings, run, stream=False))
 
@@ -310,7 +321,9 @@ def cmd_results(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, default=str))
         return _store_complete(args.run, data.run_id)
     s = rs.get_summary()
-    print(f"run {data.run_id}: {s['num_results']} results, {s['num_errors']} errors, {s['num_questions']} questions")
+    raised = f" ({s['num_verify_raised']} where verify() raised)" if s["num_verify_raised"] else ""
+    print(f"run {data.run_id}: {s['num_results']} results, {s['num_errors']} errors{raised}, "
+          f"{s['num_passed']} passed, {s['num_failed']} failed, {s['num_questions']} questions")
     print(f"\npass rate by {table.columns[0]} (Wilson 95% CI):")
     width = max([len(str(v)) for v in table.iloc[:, 0]] + [10])
     for row in table.itertuples(index=False):
@@ -428,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
+        check_output_paths(args)  # before a run is read or anything is written
         return int(args.fn(args))
     except (ValueError, FileNotFoundError) as exc:
         err(exc)

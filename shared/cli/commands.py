@@ -17,6 +17,7 @@ from shared.cli import asyncapi as cli_asyncapi
 from shared.cli import lifecycle as cli_lifecycle
 from shared.cli import scale as cli_scale
 from shared.cli.common import SECONDS, NotStored, err, error_text, number_arg, say
+from shared.cli.outputs import check_output_paths
 from shared.cli.run import cmd_run
 from shared.cli.stack import cmd_down, cmd_query, cmd_runs, cmd_status, cmd_up, cmd_view
 from shared.control import deployment
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _apply_deployment_flags(args)
     try:
+        check_output_paths(args)  # bad input, refused before a deployment is asked or anything runs
         _preflight(args)
         return int(args.fn(args))
     except KeyboardInterrupt:

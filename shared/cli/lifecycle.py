@@ -21,6 +21,7 @@ from shared.core.config import ModelConfig
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_OK, judge
 from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_RUN_ERROR
+from shared.core.verdict import errored
 from shared.core.verdict import passed as is_pass
 from shared.runtime.costcontrol import check_cost_budget
 from shared.store.reads import run_query
@@ -164,7 +165,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     new = run_main(lifecycle.run_results(settings, plan.run_id))
     old = run_main(lifecycle.run_results(settings, plan.parent_run_id))
     passed = sum(1 for r in new.values() if is_pass(r))
-    errors = sum(1 for r in new.values() if not r.metadata.completed_without_errors)
+    errors = sum(1 for r in new.values() if errored(r))  # verify() raising included, as `judge` counts
     cmp = lifecycle.compare_runs(old.values(), new.values())
     print(f"  {done}/{len(plan.generated)} finalized: {passed} passed, {errors} error(s)"
           + (" (timed out)" if timed_out else ""))

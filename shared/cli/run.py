@@ -85,10 +85,12 @@ def _load_config(args: argparse.Namespace, simulated_base: str | None):  # noqa:
             m = {"model_name": m} if isinstance(m, str) else dict(m)
             if args.api_base and not args.simulate and m.get("interface") != "simulator":
                 m.setdefault("api_base", args.api_base)
-            if args.simulate:
-                name = str(m["model_name"]).split("/", 1)[-1]
-                # interface "simulator": results are labelled as simulated in every row and export
-                m.update(model_name=f"openai/{name}", api_base=simulated_base, id=name, interface="simulator")
+            if args.simulate and "model_name" in m:  # without one: validation says it is required
+                name = str(m["model_name"]).split("/", 1)[-1].strip()
+                # interface "simulator": results are labelled as simulated in every row and export;
+                # an empty name stays empty, refused as it is without --simulate (not `openai/`)
+                m.update(model_name=f"openai/{name}" if name else name, api_base=simulated_base, id=name,
+                         interface="simulator")
             elif m.get("interface") == "simulator" and not m.get("api_base"):
                 m["api_base"] = simulated_base
             models.append(m)
@@ -175,15 +177,54 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
     if problems:
         raise ValueError("refused before publishing:\n  " + "\n  ".join(problems))
     gates = cli_analysis.validate_run_gates(args)
+    traits = _trait_names(benchmark)
     # read on the scales the run's scores are normalised by (a trait's 4 on 1..5 is 0.75; 6 is refused)
-    gates = check_gates(gates, known_metrics(_trait_names(benchmark)), _models_of(config),
-                        trait_ranges_from_benchmark(benchmark))
+    gates = check_gates(gates, known_metrics(traits), _models_of(config), trait_ranges_from_benchmark(benchmark))
+    _check_gates_have_data(gates, traits, config.evaluation_mode, _mode_source(args))
     return config, gates, MaxErrors.parse(getattr(args, "max_errors", None))
+
+
+def _mode_source(args: argparse.Namespace) -> str:
+    """Where the run's evaluation mode came from, for a refusal that names it."""
+    if getattr(args, "mode", None):
+        return "--mode"
+    try:
+        if "evaluation_mode" in _read_config_file(args):
+            return f"evaluation_mode in {args.config}"
+    except ValueError:
+        pass
+    return "the default mode"
+
+
+def _check_gates_have_data(gates: list[Any], traits: set[str], mode: str, source: str) -> None:
+    """Refuse a gate the run's mode leaves without data (it could only fail, `no data`, after every
+    model call was made): a rubric trait in template_only mode, which evaluates no rubric, and
+    accuracy (the template's verdict) in rubric_only mode, which runs no template."""
+    # local import: shared.analysis (15 modules) would slow every command's start-up
+    from shared.analysis.gates import RUN_METRICS
+    from shared.analysis.report import ACCURACY
+
+    known = traits | set(RUN_METRICS) | {ACCURACY}
+    for g in gates:
+        base = g.metric if g.metric in known else g.metric.split(":", 1)[0]
+        said = f"gate {g.text or g.label()!r}"
+        if mode == "template_only" and base in traits:
+            raise ValueError(
+                f"{said}: {base!r} is a rubric trait, and rubric traits are not evaluated in template_only mode "
+                f"({source}), so the gate could only fail with no data: a rubric trait gate needs a mode that "
+                "evaluates rubrics: --mode template_and_rubric or --mode rubric_only")
+        if mode == "rubric_only" and base == ACCURACY and base not in traits:
+            raise ValueError(
+                f"{said}: accuracy is the answer template's verdict, and templates are not run in rubric_only mode "
+                f"({source}), so the gate could only fail with no data: gate on the rubric's traits, on pass_rate "
+                "or avg_score (a sample's score is the mean of its traits), or use --mode template_only or "
+                "template_and_rubric")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
+    from shared.analysis.junit import write_junit_runs
 
     dep = deployment.select()
     settings = dep.settings
@@ -246,18 +287,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         trait_ranges = report.trait_ranges_from_benchmark(benchmark)
         runs: list[tuple[list[Any], dict[str, Any]]] = []
         run_ids: list[str] = []
+        junit_runs: list[Any] | None = [] if args.junit and args.num_runs > 1 else None  # one file, every run
         exit_code = EXIT_OK
         for i in range(args.num_runs):
             if args.num_runs > 1:
                 print(f"\n=== run {i + 1} of {args.num_runs} ===")
             results, summary, code, plan = _one_run(settings, benchmark, config, args, simulated, trait_ranges,
-                                                    max_errors, current)
+                                                    max_errors, current, junit_runs)
             runs.append((results, summary))
             run_ids.append(plan.run_id)
             exit_code = max(exit_code, code)
             if args.output and args.num_runs == 1:
                 report.write_outputs(Path(args.output), benchmark.name, plan.run_id, results, summary,
                                      plan.run_event.config, simulated, trait_ranges=trait_ranges)
+        if junit_runs is not None:
+            write_junit_runs(args.junit, junit_runs, trait_ranges=trait_ranges)
+            if not args.quiet:
+                print(f"JUnit report of the {args.num_runs} runs written to {args.junit} "
+                      f"(testsuites veribus.run_1.* .. veribus.run_{args.num_runs}.*)")
         if args.output and args.num_runs > 1:
             report.write_multi_run(Path(args.output), runs, suite=benchmark.name, run_ids=run_ids,
                                    config=runner.public_config(config), simulated=simulated,
@@ -290,8 +337,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespace, simulated: bool,
              trait_ranges: dict[str, tuple[float, float]], max_errors: MaxErrors | None = None,
-             current: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any], int, Any]:
-    """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan)."""
+             current: dict[str, Any] | None = None,
+             junit_runs: list[Any] | None = None) -> tuple[list[Any], dict[str, Any], int, Any]:
+    """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan). Its
+    --junit is written, or, given `junit_runs` (one run of --num-runs), added to them."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
 
@@ -316,7 +365,7 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
                                "dead_lettered": len(outcome.dead_letters)}
-    cli_analysis.apply_gates(args, results, summary, trait_ranges)
+    cli_analysis.apply_gates(args, results, summary, trait_ranges, junit_runs=junit_runs, run_id=plan.run_id)
     failed_gates = [g["label"] for g in summary.get("gates") or [] if not g["passed"]]
     verdict = judge(results, expected=plan.job_count, timed_out=outcome.timed_out, failed_gates=failed_gates,
                     max_errors=max_errors, run_ref=plan.run_name or plan.run_id)

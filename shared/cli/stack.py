@@ -11,10 +11,9 @@ from shared.cli.common import deployment_settings, err, resolve_run_arg, stale_s
 from shared.control import stack
 from shared.control.deployment import mask_url, select
 from shared.control.runref import format_runs, list_runs
-from shared.control.status import format_run_problems, run_problems
+from shared.control.status import format_run_problems, run_counts, run_problems
 from shared.core.config import Settings
 from shared.core.outcome import EXIT_BAD_INPUT, EXIT_OK, EXIT_RESULTS_MISSING
-from shared.core.verdict import SQL_PASSED
 from shared.store.reads import QueryError, format_json, format_table, run_query
 from shared.store.sql_guard import RESULT_TOO_LARGE
 
@@ -137,13 +136,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         # a run ClickHouse does not know is looked up in the stream: NotStored (exit 3) when only the
         # stream has it, RunNotFound (exit 2: "no run 'X'") when neither does
         run_id = resolve_run_arg(settings, args.run, stream=False)
-        res = run_query(settings, f"SELECT count() AS results, countIf({SQL_PASSED}) AS passed, "
-                                  "countIf(NOT completed_without_errors) AS errors FROM verification_results FINAL "
-                                  "WHERE run_id = {run:String}", {"run": run_id})
+        counts = run_counts(settings, run_id)
         row = next((r for r in list_runs(settings, limit=100000) if r["run_id"] == run_id), None)
         state = f"; {row['jobs']} jobs, {row['state']}, name {row['run_name'] or '-'}" if row else ""
-        print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in zip(res.columns, res.rows[0], strict=False))
-              + state)
+        print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in counts.items()) + state)
         print(format_run_problems(run_problems(settings, run_id)))
         behind = unstored(run_id)
         if behind:  # the counts above are ClickHouse's: say what the stream holds beyond them

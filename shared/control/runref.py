@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.core import events
 from shared.core.config import Settings
-from shared.core.verdict import SQL_PASSED
+from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED
 from shared.runtime import bus
 from shared.store.reads import run_query
 
@@ -92,17 +92,20 @@ def resolve(settings: Settings, ref: str, *, stream: bool) -> Picked:
     return pick(ref, runs)
 
 
-# `passed` as every output counts it (shared.core.verdict.SQL_PASSED: an error is never a pass)
+# `passed`, `failed` and `errors` as every output counts them (shared.core.verdict: an error is
+# never a pass nor a fail; a template whose verify() raised is an error)
 RUNS_SQL = """
 SELECT r.run_id, r.run_name, toString(r.requested_at) AS started, r.job_count AS jobs,
        count(v.result_id) AS done,
        countIf(v.result_id != '' AND v.is_pass) AS passed,
-       countIf(v.result_id != '' AND NOT v.completed_without_errors) AS errors,
+       countIf(v.result_id != '' AND v.is_fail) AS failed,
+       countIf(v.result_id != '' AND v.is_error) AS errors,
        countIf(positionCaseInsensitive(ifNull(v.error, ''), ': RunCancelled: ') > 0) AS cancelled,
        countIf(positionCaseInsensitive(ifNull(v.error, ''), ': BudgetExhausted: ') > 0) AS budget_stopped,
        any(r.parent_run_id) AS parent
 FROM (SELECT * FROM runs FINAL) AS r
-LEFT JOIN (SELECT run_id, result_id, """ + SQL_PASSED + """ AS is_pass, completed_without_errors, error
+LEFT JOIN (SELECT run_id, result_id, """ + SQL_PASSED + """ AS is_pass, """ + SQL_FAILED + """ AS is_fail,
+                  """ + SQL_ERRORED + """ AS is_error, error
            FROM verification_results FINAL) AS v ON v.run_id = r.run_id
 GROUP BY r.run_id, r.run_name, started, jobs
 ORDER BY started DESC
@@ -132,7 +135,7 @@ def list_runs(settings: Settings, limit: int | None = 50) -> list[dict[str, Any]
         res = run_query(settings, RUNS_SQL.replace("LIMIT {limit:UInt32}", ""))
     rows = [dict(zip(res.columns, r, strict=False)) for r in res.rows]
     for row in rows:
-        for k in ("jobs", "done", "passed", "errors", "cancelled", "budget_stopped"):
+        for k in ("jobs", "done", "passed", "failed", "errors", "cancelled", "budget_stopped"):
             row[k] = int(row[k] or 0)
         row["state"] = run_state(row)
     return rows

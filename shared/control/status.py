@@ -13,10 +13,20 @@ from nats.js.errors import NotFoundError
 from shared.control.streams import PROJECTOR_DURABLE, subject_counts
 from shared.core import events
 from shared.core.config import Settings
+from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED, SQL_VERIFY_RAISED
 from shared.runtime import bus
 from shared.store.reads import run_query
 
 log = logging.getLogger("veribus.status")
+
+
+def run_counts(settings: Settings, run_id: str) -> dict[str, int]:
+    """results, passed, failed and errors of a run's stored results, as every output counts them
+    (shared.core.verdict: a template whose verify() raised is an error, not a fail)."""
+    res = run_query(settings, f"SELECT count() AS results, countIf({SQL_PASSED}) AS passed, "
+                              f"countIf({SQL_FAILED}) AS failed, countIf({SQL_ERRORED}) AS errors "
+                              "FROM verification_results FINAL WHERE run_id = {run:String}", {"run": run_id})
+    return {c: int(v or 0) for c, v in zip(res.columns, res.rows[0], strict=False)}
 
 
 def run_problems(settings: Settings, run_id: str, limit: int = 20) -> dict[str, Any]:
@@ -31,9 +41,12 @@ def run_problems(settings: Settings, run_id: str, limit: int = 20) -> dict[str, 
                                f"AND event_type = 'dead.letter' ORDER BY occurred_at LIMIT {int(limit)}", p).rows
     n_dead = run_query(settings, "SELECT count() FROM events FINAL WHERE run_id = {run:String} "
                                  "AND event_type = 'dead.letter'", p).rows[0][0]
-    errors = run_query(settings, "SELECT substring(error, 1, 120) AS e, count() FROM verification_results FINAL "
-                                 "WHERE (run_id = {run:String} OR run_name = {run:String}) "
-                                 "AND NOT completed_without_errors GROUP BY e ORDER BY count() DESC "
+    # result errors as every output counts them (shared.core.verdict.SQL_ERRORED): a template whose
+    # verify() raised is listed by its field_verification_error
+    errors = run_query(settings, f"SELECT substring(if({SQL_VERIFY_RAISED} AND completed_without_errors, "
+                                 "field_verification_error, ifNull(error, '')), 1, 120) AS e, count() "
+                                 "FROM verification_results FINAL WHERE (run_id = {run:String} OR run_name = "
+                                 f"{{run:String}}) AND {SQL_ERRORED} GROUP BY e ORDER BY count() DESC "
                                  f"LIMIT {int(limit)}", p).rows
     budget_rows = run_query(settings, "SELECT JSONExtractInt(config_json, 'budget_tokens') FROM runs FINAL "
                                       "WHERE run_id = {run:String}", p).rows

@@ -10,6 +10,13 @@ true` beside a `failure` of a retry or system category (a timeout, say): it is a
 too (`completed_without_errors` is derived from the failure, see
 `VerificationResultMetadata._status_from_failure`), not a pass and not a fail. A result without
 a template verdict (rubric_only, a template that never ran) has no verdict either.
+
+A template whose `verify()` raised is a template error (`errored`, `SQL_ERRORED`): spec/003 stage
+8 keeps it non-fatal (`completed_without_errors` stays true, `field_verification_error` holds the
+message, `verify_result` false), so it keeps its verdict, false, and counts in a pass rate as a
+result that did not pass, as the console summary counts it; but it is counted in `errors`, never
+in `failed` (`failed`, `SQL_FAILED`), and never as a pass, even when the embedding check raised
+its verify_result to true (`shared.core.outcome.error_kind` and `judge` count it the same way).
 """
 
 from __future__ import annotations
@@ -20,20 +27,42 @@ if TYPE_CHECKING:
     from shared.core.models import VerificationResult
 
 
+def verify_raised(r: VerificationResult) -> bool:
+    """The template's verify() raised (`template.field_verification_error`)."""
+    t = r.template
+    return bool(t is not None and t.field_verification_error)
+
+
 def verdict_of(r: VerificationResult) -> bool | None:
-    """True passed, False failed, None no verdict (an error, or no template verdict)."""
+    """True passed, False did not pass (a fail, or verify() raised), None no verdict (an error,
+    or no template verdict)."""
     if not r.metadata.completed_without_errors:
         return None
     t = r.template
-    return t.verify_result if t is not None else None
+    if t is None:
+        return None
+    return False if verify_raised(r) else t.verify_result
 
 
 def passed(r: VerificationResult) -> bool:
     return verdict_of(r) is True
 
 
+def errored(r: VerificationResult) -> bool:
+    """An error: it did not complete without errors, or its template's verify() raised."""
+    return not r.metadata.completed_without_errors or verify_raised(r)
+
+
+def failed(r: VerificationResult) -> bool:
+    """A plain fail: a false verdict whose verify() did not raise (that is an error)."""
+    return verdict_of(r) is False and not verify_raised(r)
+
+
 # The same in ClickHouse, over `verification_results` columns (verify_result is Nullable(Bool)).
-SQL_VERDICT = "if(completed_without_errors, verify_result, NULL)"
+# infra/clickhouse/004_views.sql writes these expressions out verbatim (a unit test checks it).
+SQL_VERIFY_RAISED = "(ifNull(field_verification_error, '') != '')"
+SQL_VERDICT = f"if(completed_without_errors, if({SQL_VERIFY_RAISED}, false, verify_result), NULL)"
 SQL_PASSED = f"ifNull({SQL_VERDICT}, false)"
-SQL_FAILED = f"ifNull(NOT {SQL_VERDICT}, false)"
+SQL_FAILED = f"(ifNull(NOT {SQL_VERDICT}, false) AND NOT {SQL_VERIFY_RAISED})"
+SQL_ERRORED = f"(NOT completed_without_errors OR {SQL_VERIFY_RAISED})"
 SQL_VERIFIED = f"({SQL_VERDICT} IS NOT NULL)"

@@ -416,6 +416,16 @@ def flock_holders(path: Path) -> set[int]:
     return holders
 
 
+class FolderHeld(RuntimeError):
+    """The chdb folder is open in another process (one process per folder); `holders`: the
+    PIDs the lock names, when it can tell."""
+
+    def __init__(self, message: str, path: Path, holders: set[int] | frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.holders = frozenset(holders)
+
+
 def _held_message(path: Path) -> str:
     return (f"the chdb folder {path} is open in another process (one process per folder: the stack's projector, "
             "a `veribus view` reading it (it lets go after a few idle seconds), or another command); query "
@@ -459,14 +469,14 @@ def open_store(settings: Settings, migrate: bool = True) -> Store:
         path.mkdir(parents=True, exist_ok=True)
         holders = flock_holders(path / "status")
         if holders and os.getpid() not in holders:  # asked first: chdb would print its own line on stderr
-            raise RuntimeError(_held_message(path))
+            raise FolderHeld(_held_message(path), path, holders)
         try:
             client = _chdb_client(path)
         except Exception as exc:
             # chdb prints "Cannot lock file .../status" on stderr and raises "Error initializing
             # EmbeddedServer: . (BAD_ARGUMENTS)": the lock itself says whether another process has it
             if "lock" in str(exc).lower() or folder_held_elsewhere(path):
-                raise RuntimeError(_held_message(path)) from exc
+                raise FolderHeld(_held_message(path), path, flock_holders(path / "status")) from exc
             raise
         client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
         client.database = db

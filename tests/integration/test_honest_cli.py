@@ -47,12 +47,13 @@ from tests.support.stack import up_and_down
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "MISTRAL_API_KEY")
 
 
-def write_bench(path: Path, n: int = 3, *, raising: set[int] = frozenset(), finished: bool = True,
-                prefix: str = "Honest") -> Path:
-    """N int questions; those in `raising` have a verify() that raises ZeroDivisionError."""
+def write_bench(path: Path, n: int = 3, *, raising: set[int] = frozenset(), failing: set[int] = frozenset(),
+                finished: bool = True, prefix: str = "Honest") -> Path:
+    """N int questions; those in `raising` have a verify() that raises ZeroDivisionError, those in
+    `failing` one that returns False."""
     qs = []
     for i in range(n):
-        body = "return 1 / 0 == self.value" if i in raising else VERIFY
+        body = "return 1 / 0 == self.value" if i in raising else "return False" if i in failing else VERIFY
         qs.append({"id": f"h{i}", "question": f"{prefix} question {i}: what is {i} plus {i}?", "answer": str(2 * i),
                    "template": int_template(2 * i, body), "finished": finished})
     path.write_text(yaml.safe_dump({"name": f"{prefix.lower()}-{n}", "questions": qs}, sort_keys=False))
@@ -334,15 +335,41 @@ def test_a_hedged_model_above_temperature_zero_is_noted_before_the_run(live, tmp
 
 
 def test_verify_raising_is_counted_apart_and_fails_the_run(live, tmp_path: Path) -> None:
+    """h0 passes, h1's verify() returns False, h2's raises: every output counts h2 as an error
+    (never a fail, never a pass) and h1 as the one fail, as the run's verdict does: `run`,
+    `results`, `runs`, `status RUN` and the analyst views (shared.core.verdict)."""
     settings, _ = live
+    env = local_env(settings)
     out_dir = tmp_path / "out"
-    out = veribus(local_env(settings), "run", str(write_bench(tmp_path / "b.yaml", 3, raising={1}, prefix="Raise")),
-                  "--simulate", "--output", str(out_dir))
+    bench = write_bench(tmp_path / "b.yaml", 3, raising={2}, failing={1}, prefix="Raise")
+    out = veribus(env, "run", str(bench), "--simulate", "--output", str(out_dir), "--run-name", "raise-counts")
     assert out.returncode == 4, out.stdout + out.stderr
-    assert "verify() raised: 1" in out.stdout and "Failed: 0" in out.stdout and "Passed: 2" in out.stdout
+    assert "verify() raised: 1" in out.stdout and "Failed: 1" in out.stdout and "Passed: 1" in out.stdout
     assert "verify_template / verify() raised: ZeroDivisionError" in out.stdout
-    assert "(1 where the template's verify() raised)" in out.stdout
+    assert "1 of 3 job(s) ended in error (1 where the template's verify() raised)" in out.stdout
     assert summary_of(out_dir)["metrics"]["verify_raised"] == 1
+
+    res = veribus(env, "results", "raise-counts")
+    assert res.returncode == 0, res.stderr
+    assert "3 results, 1 errors (1 where verify() raised), 1 passed, 1 failed" in res.stdout, res.stdout
+    body = json.loads(veribus(env, "results", "raise-counts", "--format", "json").stdout)
+    s = body["summary"]
+    assert (s["num_passed"], s["num_failed"], s["num_errors"], s["num_verify_raised"]) == (1, 1, 1, 1)
+    run_id = body["run_id"]
+
+    runs = {r["run_id"]: r for r in json.loads(veribus(env, "runs", "--format", "json").stdout)}
+    row = runs[run_id]
+    assert (row["passed"], row["failed"], row["errors"], row["state"]) == (1, 1, 1, "done, errors"), row
+
+    status = veribus(env, "status", "raise-counts", timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert f"run {run_id}: results=3, passed=1, failed=1, errors=1" in status.stdout, status.stdout
+    assert "Field verification failed: ZeroDivisionError" in status.stdout  # listed among the result errors
+
+    view = veribus(env, "query", "SELECT passed, failed, errors, verified FROM v_model_pass_rate "
+                                 f"WHERE run_id = '{run_id}'", "--format", "json")
+    assert view.returncode == 0, view.stderr
+    assert [(r["passed"], r["failed"], r["errors"], r["verified"]) for r in json.loads(view.stdout)] == [(1, 1, 1, 3)]
 
 
 def test_runs_by_name_list_and_regrade(live, tmp_path: Path) -> None:
@@ -403,6 +430,70 @@ def test_simulator_options_a_running_deployment_does_not_take_are_said(live, tmp
     assert out.returncode == 0, out.stdout + out.stderr
     assert ("note: --sim-latency-ms 5.0 and --sim-error-rate 0.9 not applied: the --sim-* options set up a temporary "
             "stack's simulator, and this run goes to a running deployment") in out.stderr, out.stderr
+
+
+def test_bad_outputs_empty_models_and_gates_without_data_are_refused_before_anything_runs(live, tmp_path: Path) -> None:
+    """A user's report: `run --output FILE` made every model call, then `FileExistsError`, exit 3;
+    `report --html DIR/` and `export --output DIR` said `IsADirectoryError`, exit 3; `--simulate
+    --model ""` ran a model named `simulator:openai/`; `--gate "Clarity>=4"` in template_only mode
+    ran the whole benchmark to fail the gate with no data. Each is exit 2 now, naming what is
+    wrong, with no run published and nothing written."""
+    settings, _ = live
+    env = local_env(settings)
+    afile, adir = tmp_path / "afile", tmp_path / "adir"
+    afile.write_text("mine")
+    adir.mkdir()
+    done = veribus(env, "run", str(write_bench(tmp_path / "b.yaml", 1, prefix="Outpath")), "--simulate",
+                   "--run-name", "outpaths", "--quiet")
+    assert done.returncode == 0, done.stdout + done.stderr
+    before = run_requested(settings.nats_url, home=str(settings.home))
+    refusals = [
+        (("run", str(EXAMPLE), "--simulate", "--output", str(afile)),
+         f"--output {afile}: exists and is a file, where a folder is needed"),
+        (("run", str(EXAMPLE), "--simulate", "--junit", str(adir)), f"--junit {adir}: is a folder, where a file is"),
+        (("run", str(EXAMPLE), "--simulate", "--model", "", "--judge", " "),
+         "--model: model_name must not be empty; --judge: model_name must not be empty"),
+        (("run", str(EXAMPLE), "--simulate", "--gate", "Clarity>=4"),
+         "gate 'Clarity>=4': 'Clarity' is a rubric trait, and rubric traits are not evaluated in template_only mode"),
+        (("report", "outpaths", "--html", f"{adir}/"), f"--html {adir}/: is a folder, where a file is needed"),
+        (("report", "outpaths", "--output", str(afile)), f"--output {afile}: exists and is a file"),
+        (("export", "outpaths", "--format", "json", "--output", str(adir)), f"--output {adir}: is a folder"),
+    ]
+    for argv, says in refusals:
+        out = veribus(env, *argv)
+        assert out.returncode == 2, (argv, out.returncode, out.stdout, out.stderr)
+        assert says in out.stderr and "Error:" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert run_requested(settings.nats_url, home=str(settings.home)) == before
+    assert afile.read_text() == "mine" and list(adir.iterdir()) == []
+    rubric = veribus(env, "run", str(EXAMPLE), "--simulate", "--mode", "template_and_rubric", "--gate", "Clarity>=1",
+                     "--quiet")
+    assert rubric.returncode in (0, 1) and "gate Clarity >= " in rubric.stderr, rubric.stderr  # it has data there
+
+
+def test_num_runs_junit_holds_every_run(live, tmp_path: Path) -> None:
+    """`--num-runs 2 --junit FILE` wrote each run's JUnit over the one before: the file held the
+    last run only. It holds every run now, a gates and a samples testsuite per run, named as
+    --output names the runs' folders (run_1, run_2) and carrying the run's id."""
+    import xml.etree.ElementTree as ET
+
+    settings, _ = live
+    out_dir, junit = tmp_path / "out" / "nr", tmp_path / "out" / "j.xml"
+    out = veribus(local_env(settings), "run", str(write_bench(tmp_path / "b.yaml", 2, prefix="Junit")), "--simulate",
+                  "--num-runs", "2", "--output", str(out_dir), "--junit", str(junit), "--gate", "accuracy>=0.9")
+    assert out.returncode == 0, out.stdout + out.stderr
+    run_ids = json.loads((out_dir / "aggregate_stats.json").read_text())["run_ids"]
+    assert len(set(run_ids)) == 2
+    root = ET.parse(junit).getroot()
+    suites = root.findall("testsuite")
+    assert [s.get("name") for s in suites] == ["veribus.run_1.gates", "veribus.run_1.samples",
+                                               "veribus.run_2.gates", "veribus.run_2.samples"]
+    assert [s.find("properties/property[@name='run_id']").get("value") for s in suites] == [  # type: ignore[union-attr]
+        run_ids[0], run_ids[0], run_ids[1], run_ids[1]]
+    for gates, samples in (suites[0:2], suites[2:4]):
+        assert (gates.get("tests"), gates.get("failures")) == ("1", "0")
+        assert samples.get("tests") == "2" and len(samples.findall("testcase")) == 2
+        assert {tc.get("name").split(" ")[0] for tc in samples.findall("testcase")} == {"h0", "h1"}  # type: ignore[union-attr]
+    assert f"JUnit report of the 2 runs written to {junit}" in out.stdout
 
 
 def test_ctrl_c_says_what_keeps_running(live, tmp_path: Path) -> None:

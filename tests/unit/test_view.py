@@ -12,7 +12,7 @@ from shared.analysis.stats import Proportion
 from shared.cli.view import markup, pages, sample_page
 from shared.cli.view.filters import FilterError, Filters
 from shared.cli.view.queries import run_state
-from shared.core.verdict import SQL_FAILED
+from shared.core.verdict import SQL_ERRORED, SQL_FAILED
 from tests.support.results import make
 
 
@@ -35,7 +35,7 @@ def test_filter_values_never_enter_the_sql_text() -> None:
     assert set(params.values()) == {hostile} and len(params) == 4
     assert SQL_FAILED in sql  # the failed verdict, as every output counts it (shared.core.verdict)
     assert Filters().sql() == ("1", {})
-    assert Filters(status="errored").sql()[0] == "NOT completed_without_errors"
+    assert Filters(status="errored").sql()[0] == SQL_ERRORED  # verify() raising included
 
 
 def test_filters_round_trip_through_links() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlencode
 
-from shared.core.verdict import SQL_FAILED, SQL_PASSED
+from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED
 
 STATUSES = ("passed", "failed", "errored")
 MAX_VALUE = 500  # characters: a longer filter value is refused, not truncated silently
@@ -72,12 +72,13 @@ class Filters:
         if self.keyword:
             clauses.append(f"has(keywords, {{{prefix}_k:String}})")
             params[f"{prefix}_k"] = self.keyword
-        if self.status == "passed":  # an error is never a pass (nor a fail): shared.core.verdict
+        # an error (verify() raising included) is never a pass nor a fail: shared.core.verdict
+        if self.status == "passed":
             clauses.append(SQL_PASSED)
         elif self.status == "failed":
             clauses.append(SQL_FAILED)
         elif self.status == "errored":
-            clauses.append("NOT completed_without_errors")
+            clauses.append(SQL_ERRORED)
         if self.q:
             clauses.append(
                 f"(positionCaseInsensitiveUTF8(question_text, {{{prefix}_q:String}}) > 0 "

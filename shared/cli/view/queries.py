@@ -14,8 +14,9 @@ from typing import Any, Protocol
 from shared.analysis.stats import Proportion, mcnemar_exact, newcombe_paired_diff
 from shared.cli.view.filters import Filters
 from shared.core.config import config_uses_simulator
+from shared.core.outcome import VERIFY_RAISED
 from shared.core.usage import NOT_RECORDED, NOT_RECORDED_RUBRIC_ONLY
-from shared.core.verdict import SQL_FAILED, SQL_PASSED, SQL_VERDICT, SQL_VERIFIED
+from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED, SQL_VERDICT, SQL_VERIFIED
 from shared.store.engine import QueryResult
 from shared.store.event_usage import EVENTS_SOURCE, event_usage_sql, usage_from_rows
 
@@ -72,7 +73,7 @@ FROM (SELECT run_id, run_name, requested_at, job_count, benchmark_name, evaluati
       FROM runs FINAL) AS u
 FULL OUTER JOIN
      (SELECT run_id, any(run_name) AS run_name, count() AS done, countIf({passed}) AS passed,
-             countIf({verified}) AS verified, countIf(NOT completed_without_errors) AS errors,
+             countIf({verified}) AS verified, countIf({errored}) AS errors,
              groupUniqArray(10)(answering_model) AS models,
              countIf(answering_interface = 'simulator' OR parsing_interface = 'simulator') > 0 AS simulated
       FROM verification_results FINAL GROUP BY run_id) AS r
@@ -92,7 +93,8 @@ async def runs(src: AsyncSource, q: str = "", page: int = 0, page_size: int = PA
                 "positionCaseInsensitiveUTF8(ifNull(benchmark_name, ''), {q:String}) > 0)")
         params["q"] = q
     res = await src.query(RUNS_SQL.format(cond=cond, limit=int(page_size) + 1, offset=int(page) * int(page_size),
-                                          passed=SQL_PASSED, verified=SQL_VERIFIED), params)
+                                          passed=SQL_PASSED, verified=SQL_VERIFIED, errored=SQL_ERRORED),
+                          params)
     rows = res.as_dicts()
     more = len(rows) > page_size
     rows = rows[:page_size]
@@ -157,7 +159,7 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
                            "FROM runs FINAL WHERE run_id = {r:String} LIMIT 1", {"r": run_id})
     tot = await src.query(
         f"SELECT count(), countIf({SQL_PASSED}), countIf({SQL_FAILED}), "
-        f"countIf(NOT {SQL_VERIFIED}), countIf(NOT completed_without_errors), sum(input_tokens), "
+        f"countIf(NOT {SQL_VERIFIED}), countIf({SQL_ERRORED}), sum(input_tokens), "
         "sum(output_tokens), uniqExact(question_id), any(run_name), "
         "countIf(answering_interface = 'simulator' OR parsing_interface = 'simulator') > 0, "
         "groupUniqArray(50)(answering_model), groupUniqArray(50)(parsing_model), groupUniqArrayArray(200)(keywords), "
@@ -186,7 +188,7 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
              errors=int(errors), input_tokens=int(tin or 0), output_tokens=int(tout or 0), questions=int(questions),
              tokens_recorded=tokens_recorded,
              simulated=bool(sim), models=sorted(models), judges=sorted(judges),
-             keywords=sorted(k for k in kws if k), rate=_rate(passed, int(passed) + int(failed)),
+             keywords=sorted(k for k in kws if k), rate=_rate(passed, int(n) - int(no_verdict)),
              state=run_state(h["jobs"], int(n), age if n or h["jobs"] else None, bool(cancelled)))
     return h
 
@@ -197,7 +199,7 @@ async def rates_by(src: AsyncSource, run_id: str, column: str, f: Filters) -> li
         raise ValueError(f"cannot group by {column!r}")
     cond, params = f.sql()
     res = await src.query(
-        f"SELECT {column}, count(), countIf(NOT completed_without_errors), countIf({SQL_VERIFIED}), "
+        f"SELECT {column}, count(), countIf({SQL_ERRORED}), countIf({SQL_VERIFIED}), "
         f"countIf({SQL_PASSED}) FROM verification_results FINAL WHERE run_id = {{r:String}} AND {cond} "
         f"GROUP BY {column} ORDER BY {column} LIMIT 200", {"r": run_id, **params})
     return [{"name": r[0], "results": int(r[1]), "errors": int(r[2]), "rate": _rate(r[4], r[3])} for r in res.rows]
@@ -210,7 +212,7 @@ async def heatmap(src: AsyncSource, run_id: str, f: Filters, page: int = 0,
     p = {"r": run_id, **params}
     qs = await src.query(
         f"SELECT question_id, any(question_text), countIf({SQL_PASSED}), countIf({SQL_VERIFIED}), "
-        "countIf(NOT completed_without_errors) FROM verification_results FINAL "
+        f"countIf({SQL_ERRORED}) FROM verification_results FINAL "
         f"WHERE run_id = {{r:String}} AND {cond} GROUP BY question_id "
         f"ORDER BY if(countIf({SQL_VERIFIED}) = 0, 2, countIf({SQL_PASSED}) / "
         f"countIf({SQL_VERIFIED})), question_id "
@@ -224,7 +226,7 @@ async def heatmap(src: AsyncSource, run_id: str, f: Filters, page: int = 0,
     if ids:
         res = await src.query(
             f"SELECT question_id, answering_model, countIf({SQL_PASSED}), countIf({SQL_VERIFIED}), "
-            "count(), countIf(NOT completed_without_errors), any(result_id) FROM verification_results FINAL "
+            f"count(), countIf({SQL_ERRORED}), any(result_id) FROM verification_results FINAL "
             f"WHERE run_id = {{r:String}} AND {cond} AND question_id IN {{hq:Array(String)}} "
             "GROUP BY question_id, answering_model", {**p, "hq": ids})
         for q, m, ps, n, total_n, err, rid in res.rows:
@@ -236,13 +238,20 @@ async def heatmap(src: AsyncSource, run_id: str, f: Filters, page: int = 0,
             "more": len(qs.rows) > per_page}
 
 
+# result errors as every output counts them (shared.core.verdict.SQL_ERRORED), grouped as
+# shared.core.outcome.error_kind groups them: a template whose verify() raised (it completed
+# without errors) under verify_template / "verify() raised: <exception type>"
 ERRORS_SQL = """
-SELECT ifNull(failure_stage, '') AS stage,
-       if(length(splitByString(': ', ifNull(error, ''))) >= 3, splitByString(': ', ifNull(error, ''))[2],
-          ifNull(failure_category, 'error')) AS type,
-       count() AS n, any(error) AS example, any(result_id) AS example_id
+SELECT if(completed_without_errors, 'verify_template', ifNull(failure_stage, '')) AS stage,
+       if(completed_without_errors,
+          concat('""" + VERIFY_RAISED + """: ', if(extract(ifNull(field_verification_error, ''),
+                 'Field verification failed: ([A-Za-z0-9_]+):') AS raised = '', 'Exception', raised)),
+          if(length(splitByString(': ', ifNull(error, ''))) >= 3, splitByString(': ', ifNull(error, ''))[2],
+             ifNull(failure_category, 'error'))) AS type,
+       count() AS n, any(if(completed_without_errors, field_verification_error, error)) AS example,
+       any(result_id) AS example_id
 FROM verification_results FINAL
-WHERE run_id = {{r:String}} AND NOT completed_without_errors AND {cond}
+WHERE run_id = {{r:String}} AND """ + SQL_ERRORED + """ AND {cond}
 GROUP BY stage, type ORDER BY n DESC, stage, type LIMIT 50
 """
 
