@@ -27,6 +27,16 @@ def test_prices_come_from_litellms_map() -> None:
     assert mini == pytest.approx(1000 * 0.4e-6 + 1000 * 1.6e-6)
 
 
+def test_a_simulated_call_costs_nothing_unless_its_config_prices_it() -> None:
+    """`--simulate --model gpt-4.1-mini` reported gpt-4.1-mini's price for calls only the
+    simulator saw; a price given in the config still applies (budgets are tested that way)."""
+    sim = ModelSpec(model_name="openai/gpt-4.1-mini", interface="simulator", api_base="http://sim/v1")
+    assert pricing.call_cost(sim, 1000, 1000) == 0.0
+    priced = ModelConfig(model_name="openai/gpt-4.1-mini", interface="simulator", input_cost_per_million_tokens=1000.0,
+                         output_cost_per_million_tokens=2000.0).to_spec()
+    assert pricing.call_cost(priced, 1000, 1000) == pytest.approx(3.0)
+
+
 def test_a_provider_prefix_does_not_borrow_another_providers_price() -> None:
     assert pricing.prices_for(ModelSpec(model_name="openai/claude-haiku-4-5")) is None
     assert pricing.prices_for(ModelSpec(model_name="openai/qwen-private-7b")) is None

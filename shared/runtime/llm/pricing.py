@@ -58,11 +58,15 @@ def _map_prices(model_name: str) -> tuple[float, float] | None:
 
 def prices_for(model: Any) -> tuple[float, float] | None:
     """(USD per input token, USD per output token) of a ModelSpec/ModelConfig, or None (unknown).
-    Overrides in the config win over litellm's map."""
+    Overrides in the config win over litellm's map. A simulated model (`interface: simulator`)
+    costs nothing unless the config prices it: `--simulate --model gpt-4.1-mini` reported that
+    model's price from the map for calls no provider ever saw."""
     inp = getattr(model, "input_cost_per_million_tokens", None)
     out = getattr(model, "output_cost_per_million_tokens", None)
     if inp is not None or out is not None:
         return (float(inp or 0.0) / 1e6, float(out or 0.0) / 1e6)
+    if getattr(model, "interface", None) == "simulator":
+        return (0.0, 0.0)
     return _map_prices(str(getattr(model, "model_name", "")))
 
 
