@@ -98,6 +98,17 @@ def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Seq
             for table, names, attr in INSERT_ORDER if (rows := getattr(p, attr))]
 
 
+def query_error_text(exc: BaseException) -> str:
+    """What a failed query says to whoever asked: ClickHouse's own message ("Code: 47. DB::Exception:
+    Unknown expression identifier ...") as it is, since the client's exception class
+    (`StreamFailureError`, `DatabaseError`) names nothing the user wrote; any other failure with its
+    type, which is then the useful part."""
+    text = str(exc)
+    if text.startswith("Code: ") or "DB::Exception" in text:
+        return text
+    return f"{type(exc).__name__}: {text}"
+
+
 def preload_chdb() -> None:
     """Import chdb once, early, in the calling (main) thread: the import is slow (~0.3 s, ~226 MB)
     and may change the working directory, so it must not happen lazily inside a worker thread."""

@@ -29,7 +29,7 @@ from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT
 from shared.runtime import bus
 from shared.runtime.bus import server_reachable
-from shared.store.engine import QueryResult, Store, open_store
+from shared.store.engine import QueryResult, Store, open_store, query_error_text
 from shared.store.sql_guard import RESULT_TOO_LARGE, ReadOnlyError, read_only_refusal, reader_settings
 
 
@@ -103,7 +103,7 @@ def store_query(store: Store, sql: str, params: Mapping[str, Any] | None = None)
     except ReadOnlyError as exc:
         raise QueryError(str(exc)) from exc
     except Exception as exc:
-        raise QueryError(f"{type(exc).__name__}: {exc}") from exc
+        raise QueryError(query_error_text(exc)) from exc
 
 
 def _run_coro(coro: Any) -> Any:

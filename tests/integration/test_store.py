@@ -447,3 +447,25 @@ def test_a_writer_stopped_between_two_inserts_never_leaves_a_result_without_its_
     assert int(stored.rows[0][0]) == 2
     runs = store.query("SELECT job_count FROM runs FINAL WHERE run_id = {r:String}", {"r": run_id}).rows
     assert runs == [(2,)]
+
+
+def test_a_query_the_engine_rejects_says_the_engines_message_not_the_clients_class(
+        store: Store, settings: Settings) -> None:
+    """`veribus query 'SELECT nosuchcol ...'` said `StreamFailureError: Code: 47. ...`: the client's
+    class names nothing the user wrote. ClickHouse's message is said as it is, by the local read
+    and by the projector's reply, and the exit code still reads its (UNKNOWN_IDENTIFIER) as bad input."""
+    import json
+
+    from shared.cli.stack import query_error_code
+    from shared.store.projection import Projector
+    from shared.store.reads import store_query
+
+    with pytest.raises(QueryError) as caught:
+        store_query(store, "SELECT nosuchcol FROM verification_results")
+    said = str(caught.value)
+    assert said.startswith("Code: 47. DB::Exception: Unknown expression identifier `nosuchcol`"), said
+    assert query_error_code(said) == 2
+    projector = Projector(settings)
+    projector.store = store
+    reply = json.loads(projector.answer_query(b'{"sql": "SELECT nosuchcol FROM verification_results"}'))["error"]
+    assert reply.startswith("Code: 47. DB::Exception: Unknown expression identifier `nosuchcol`"), reply
