@@ -172,6 +172,9 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
     set_budget(plan.run_event, args.max_tokens_budget)
     set_cost_budget(plan.run_event, getattr(args, "max_cost_usd", None))
     if plan.job_count == 0:
+        if not benchmark.questions:  # nothing to include: the hint about unfinished questions would mislead
+            raise ValueError(f"{benchmark.name!r}: 0 jobs to run: the benchmark has no questions "
+                             f"(read from {args.benchmark})")
         raise ValueError(f"{benchmark.name!r}: {NO_JOBS_HINT}")
     problems = config_problems(config)
     if problems:

@@ -74,6 +74,15 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def _duration(seconds: float) -> str:
+    """2592000 -> '30 days', 3600 -> '1 h', 90 -> '90 s' (a bucket's max age as it was set)."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            n = int(seconds // size)
+            return f"{n} {'day' if unit == 'days' and n == 1 else unit}"
+    return f"{seconds:g} s"
+
+
 def cmd_cache_info(args: argparse.Namespace) -> int:
     # local import: shared.runtime.llm (client, caches) would slow every command's start-up
     from shared.runtime import response_cache
@@ -83,6 +92,9 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         for bucket, d in data.items():
-            age = f"max age {d['max_age_s']:g} s" if d.get("max_age_s") else "no max age (kept until cleared)"
+            if not d.get("exists", True):
+                print(f"{bucket}: not created yet (the first run that uses it creates it)")
+                continue
+            age = f"max age {_duration(d['max_age_s'])}" if d.get("max_age_s") else "no max age (kept until cleared)"
             print(f"{bucket}: {d['entries']} entries, {d['bytes']} bytes, {age}")
     return 0

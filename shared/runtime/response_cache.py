@@ -129,10 +129,10 @@ async def info(js: Any) -> dict[str, dict[str, Any]]:
         try:
             kv = await js.key_value(bucket)
         except (BucketNotFoundError, NotFoundError):
-            out[bucket] = {"entries": 0, "bytes": 0, "max_age_s": None}
+            out[bucket] = {"entries": 0, "bytes": 0, "max_age_s": None, "exists": False}
             continue
         status = await kv.status()
         si = await js.stream_info(f"KV_{bucket}")
         out[bucket] = {"entries": int(status.values or 0), "bytes": int(si.state.bytes or 0),
-                       "max_age_s": status.ttl}
+                       "max_age_s": status.ttl, "exists": True}
     return out

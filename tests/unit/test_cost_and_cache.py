@@ -238,3 +238,22 @@ def test_results_without_a_usage_section_never_claim_zero_calls(tmp_path, monkey
     text = "\n".join(cost.usage_lines(report.summarize([*results, paid])["usage"]))
     assert "Model calls: 1" in text and "Cost: $0.250000" in text
     assert "(3 results carry no usage section: not counted in the calls and cost above)" in text
+
+
+def test_cache_info_says_a_bucket_not_made_yet_and_its_max_age_in_days(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the first --cache run the shared bucket was said to have 'no max age (kept until
+    cleared)', and after it 'max age 2.592e+06 s': it did not exist yet, and it keeps 30 days."""
+    import argparse
+
+    from shared.cli import scale
+
+    info = {"vb_llm_cache_shared": {"entries": 4, "bytes": 900, "max_age_s": 2_592_000.0, "exists": True},
+            "vb_llm_cache": {"entries": 0, "bytes": 0, "max_age_s": None, "exists": False}}
+    monkeypatch.setattr(scale, "_settings", lambda: None)
+    monkeypatch.setattr(scale, "run_main", lambda coro: (coro.close(), info)[1])
+    assert scale.cmd_cache_info(argparse.Namespace(format="text")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["vb_llm_cache_shared: 4 entries, 900 bytes, max age 30 days",
+                   "vb_llm_cache: not created yet (the first run that uses it creates it)"]
+    assert [scale._duration(s) for s in (86400, 7200, 90, 1.5)] == ["1 day", "2 h", "90 s", "1.5 s"]

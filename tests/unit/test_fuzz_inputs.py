@@ -363,3 +363,15 @@ def test_a_model_named_twice_is_refused_before_anything_starts(argv: list[str], 
     assert err.startswith(f"veribus: error: {option}: entries 1 and 2 are the same model ("), err
     assert "overwrite each other's results" in err
     assert no_publish == []
+
+
+def test_a_benchmark_without_questions_says_so(tmp_path: Path, no_publish: list[str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A header-only CSV was told to pass --include-unfinished, which cannot help: it has no questions."""
+    empty = tmp_path / "empty.csv"
+    empty.write_text("Question,Answer\n")
+    code, err = _run_cli(["run", str(empty), "--simulate"], capsys)
+    assert code == 2, err
+    assert f"0 jobs to run: the benchmark has no questions (read from {empty})" in err, err
+    assert "--include-unfinished" not in err
+    assert no_publish == []
