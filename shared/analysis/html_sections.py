@@ -26,7 +26,7 @@ from shared.analysis.stats import Proportion, pass_at_k_from_outcomes
 from shared.analysis.stored import for_questions
 from shared.core.models import VerificationResult
 from shared.core.usage import NOT_RECORDED, format_usd, money, recorded
-from shared.core.verdict import verdict_of
+from shared.core.verdict import errored, verdict_of
 from shared.store.event_usage import EVENTS_SOURCE
 
 MAX_HEAT_COLUMNS = 120
@@ -105,7 +105,7 @@ def _json(v: Any) -> str:
 def _response(r: VerificationResult) -> str:
     m, t = r.metadata, r.template
     v = verdict_of(r)
-    verdict = "error" if not m.completed_without_errors else ("no verdict" if v is None else "pass" if v else "fail")
+    verdict = "error" if errored(r) else ("no verdict" if v is None else "pass" if v else "fail")
     body = f"<pre>{_esc((t.raw_llm_response if t else '') or '(no response)')}</pre>"
     if m.error:
         body += f"<p class='errtext'>{_esc(m.error)}</p>"

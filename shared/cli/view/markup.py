@@ -71,8 +71,10 @@ def _badge(text: str, kind: str) -> Raw:
     return Raw(f'<span class="badge {kind}">{_e(text)}</span>')
 
 
-def _verdict(v: Any, completed: Any = True) -> Raw:
-    if not completed:
+def _verdict(v: Any, completed: Any = True, raised: Any = False) -> Raw:
+    """A sample's verdict badge: an error (not completed, or its verify() raised) is never a fail
+    (`shared.core.verdict.errored`, as every count has it)."""
+    if not completed or raised:
         return _badge("error", "err")
     if v is None:
         return _badge("no verdict", "muted")

@@ -298,7 +298,7 @@ def _cost_section(cost: Mapping[str, Any] | None) -> str:
 def _samples_section(s: Mapping[str, Any], run_id: str, f: Filters, page_no: int) -> str:
     rows = [(_a(sample_url(run_id, r["result_id"], f), _short(r["question_text"] or r["question_id"], 70), "sample-link"),
              r["answering_model"], r["parsing_model"], r["replicate"],
-             _verdict(r["verify_result"], r["completed_without_errors"]),
+             _verdict(r["verify_result"], r["completed_without_errors"], r.get("verify_raised")),
              Raw(f"<span class='sub'>{_e(_short(r['error'] or r['response'], 110))}</span>"),
              r["execution_time"], r["total_tokens"]) for r in s["rows"]]
     table = _table(["question", "model", "judge", "rep", "verdict", "response / error", "time s", "tokens"], rows,

@@ -16,7 +16,14 @@ from shared.cli.view.filters import Filters
 from shared.core.config import config_uses_simulator
 from shared.core.outcome import VERIFY_RAISED
 from shared.core.usage import NOT_RECORDED, NOT_RECORDED_RUBRIC_ONLY
-from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED, SQL_VERDICT, SQL_VERIFIED
+from shared.core.verdict import (
+    SQL_ERRORED,
+    SQL_FAILED,
+    SQL_PASSED,
+    SQL_VERDICT,
+    SQL_VERIFIED,
+    SQL_VERIFY_RAISED,
+)
 from shared.store.engine import QueryResult
 from shared.store.event_usage import EVENTS_SOURCE, event_usage_sql, usage_from_rows
 
@@ -353,7 +360,8 @@ async def cost(src: AsyncSource, run_id: str, f: Filters) -> dict[str, Any]:
 
 
 SAMPLE_COLUMNS = ("result_id, question_id, question_text, answering_model, parsing_model, replicate, verify_result, "
-                  "completed_without_errors, substring(ifNull(error, ''), 1, 200) AS error, execution_time, "
+                  f"completed_without_errors, {SQL_VERIFY_RAISED} AS verify_raised, "
+                  "substring(ifNull(error, ''), 1, 200) AS error, execution_time, "
                   "total_tokens, substring(raw_llm_response, 1, 160) AS response")
 
 

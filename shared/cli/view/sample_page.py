@@ -120,7 +120,8 @@ def sample_page(run_id: str, s: Mapping[str, Any], f: Filters | None = None) -> 
     am = f"{answering.get('interface', '')}:{answering.get('model_name', '')}"
     pm = f"{parsing.get('interface', '')}:{parsing.get('model_name', '')}"
     sim = " " + _badge("SIMULATED", "sim") if "simulator" in (answering.get("interface"), parsing.get("interface")) else ""
-    verdict = _verdict(t.get("verify_result"), m.get("completed_without_errors", True))
+    verdict = _verdict(t.get("verify_result"), m.get("completed_without_errors", True),
+                       t.get("field_verification_error"))
     err = (f"<div class='error' id='error'><b>Error</b> {_e(m.get('error'))}</div>" if m.get("error") else "")
     trace = t.get("trace_messages") or []
     usage = t.get("usage_metadata") or {}

@@ -111,6 +111,21 @@ async def test_viewer_counts_the_raised_verify_as_an_error(stored: Store) -> Non
     groups = (await queries.errors(src, RUN, Filters()))["groups"]
     assert [(g["stage"], g["type"], g["count"], g["example"]) for g in groups] == [
         ("verify_template", "verify() raised: ValueError", 1, RAISED)]
+    # the samples table's badge and the sample page's say what the counts say (s3's was "fail")
+    from shared.cli.view import pages
+    from shared.cli.view.sample_page import sample_page
+
+    every = await queries.samples(src, RUN, Filters())
+    table = pages._samples_section(every, RUN, Filters(), 0)
+    for qid, badge in (("s1", ">pass<"), ("s2", ">fail<"), ("s3", ">error<")):
+        row = table[table.index(f"{qid}"):]
+        assert row[:row.index("</tr>")].count(badge) == 1, (qid, row[:row.index("</tr>")])
+    s3 = next(r for r in raise_bench() if r.metadata.question_id == "s3")
+    html = sample_page(RUN, {"result": s3.model_dump(mode="json"), "events": [], "siblings": [], "stages": []})
+    assert ">error<" in html and ">fail<" not in html
+    from shared.analysis.html_sections import _response  # the HTML report's appendix, the same badge
+
+    assert "<span class='v error'>error</span>" in _response(s3)
 
 
 def test_python_summaries_count_the_raised_verify_as_an_error(settings: Settings, stored: Store) -> None:
