@@ -39,7 +39,7 @@ from shared.runtime import bus
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import check_cost_budget
 from shared.runtime.runcontrol import STOP_ERROR_TYPES, check_budget
-from shared.templates.calls import answer_class_problem, compile_check
+from shared.templates.calls import compile_check, template_shape_problem
 
 PRODUCER = "cli/0.1.0"
 RESUME_PREFIX = "resume-"
@@ -367,7 +367,7 @@ def _template_problem(q: Any, mode: str) -> str | None:
     err = compile_check(q.template_code)
     if err:
         return f"question {q.id!r}: template does not compile: {err}"
-    missing = answer_class_problem(q.template_code)
+    missing = template_shape_problem(q.template_code)
     return f"question {q.id!r}: template: {missing}" if missing else None
 
 

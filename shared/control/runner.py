@@ -25,7 +25,7 @@ from shared.core.limits import MAX_EVENT_BYTES, question_problems
 from shared.core.models import VerificationResult
 from shared.runtime import bus
 from shared.runtime.content import ContentStore, lean_requests
-from shared.templates.calls import answer_class_problem, compile_check
+from shared.templates.calls import compile_check, template_shape_problem
 
 
 class RunInputError(ValueError):
@@ -83,7 +83,7 @@ def plan_run(
             err = compile_check(q.template_code)
             if err:
                 problems.append(f"question {q.id!r} ({q.text[:50]!r}): template does not compile: {err}")
-            elif missing := answer_class_problem(q.template_code):
+            elif missing := template_shape_problem(q.template_code):
                 problems.append(f"question {q.id!r} ({q.text[:50]!r}): template: {missing}")
     if problems:
         hint = []

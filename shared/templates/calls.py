@@ -88,13 +88,16 @@ def compile_check(code: str) -> str | None:
     return None
 
 
-def answer_class_problem(code: str) -> str | None:
+def template_shape_problem(code: str) -> str | None:
     """Why code that compiles cannot be an answer template, seen without running it: validation
-    needs `class Answer(BaseAnswer)` (or one BaseAnswer subclass), and code that never names
-    `Answer` defines neither; None otherwise (what it does define is the sandbox's to find)."""
-    if "Answer" in code:
-        return None
-    return "it defines no answer class: a template needs `class Answer(BaseAnswer)`"
+    needs `class Answer(BaseAnswer)` (or one BaseAnswer subclass) with a `verify()` method, and
+    code that never names `Answer`, or never names `verify`, has neither; None otherwise (what it
+    does define is the sandbox's to find). Found here, the run is refused before any model call."""
+    if "Answer" not in code:
+        return "it defines no answer class: a template needs `class Answer(BaseAnswer)`"
+    if "verify" not in code:
+        return "its answer class has no verify() method: a template needs `def verify(self) -> bool`"
+    return None
 
 
 async def validate_template(
@@ -600,6 +603,6 @@ def worker_callable(
 
 
 __all__ = [
-    "TemplateInfo", "VerifyOutcome", "CallableTraitError", "answer_class_problem", "compile_check", "validate_template", "run_verify",
+    "TemplateInfo", "VerifyOutcome", "CallableTraitError", "compile_check", "template_shape_problem", "validate_template", "run_verify",
     "run_callable_trait", "regex_trait_score", "run_regex_trait", "RegexTraitError",
 ]

@@ -82,6 +82,13 @@ def test_refusals_come_before_any_deployment_is_asked(tmp_path, monkeypatch: pyt
     "DatabaseError: Code: 60. DB::Exception: Unknown table expression identifier 'x'. (UNKNOWN_TABLE)",
     "DatabaseError: Code: 62. DB::Exception: Syntax error: failed at position 1. (SYNTAX_ERROR)",
     "DatabaseError: Code: 46. DB::Exception: Function with name `nosuch` does not exist. (UNKNOWN_FUNCTION)",
+    # the engine's own words for a query whose function refused its input (exit 3 before: "the store's fault")
+    "Code: 395. DB::Exception: Value passed to 'throwIf' function is non-zero: while executing 'FUNCTION "
+    "throwIf(1_UInt8 :: 1) -> throwIf(1_UInt8) UInt8 : 2'. (FUNCTION_THROW_IF_VALUE_IS_NON_ZERO)",
+    "Code: 131. DB::Exception: Too many times to repeat (100000000), maximum is: 1000000: In scope SELECT "
+    "repeat('a', 100000000). (TOO_LARGE_STRING_SIZE)",
+    "Code: 160. DB::Exception: The maximum sleep time is 3000000 microseconds. Requested: 5000000 microseconds: "
+    "while executing 'FUNCTION sleep(5_UInt8 :: 1) -> sleep(5_UInt8) UInt8 : 2'. (TOO_SLOW)",
     "result too large for a NATS reply (9000000 bytes, 100000 rows, limit 1047552): add a LIMIT or aggregate",
     "result too large: it passed 1,047,552 bytes of JSON within its first 8,192 rows and was stopped: add a LIMIT "
     "or aggregate",  # the byte budget of a streamed result (the projector's reply, VERIBUS_QUERY_RESULT_MB)

@@ -119,6 +119,12 @@ def test_a_template_that_defines_no_answer_class_is_refused_before_publishing(tm
     with pytest.raises(RunInputError, match=r"question 'noclass' .*template: it defines no answer class: a template "
                                             r"needs `class Answer\(BaseAnswer\)`"):
         plan_run(Benchmark.load(path), config())
-    bench = Benchmark.load(path)  # a BaseAnswer subclass of another name is the sandbox's to accept
-    bench.questions[0].template_code = "class Reply(BaseAnswer):\n    value: int = 0\n"
+    bench = Benchmark.load(path)  # without verify(): every job failed in validation after its model call
+    bench.questions[0].template_code = "class Answer(BaseAnswer):\n    value: int = 0\n"
+    with pytest.raises(RunInputError, match=r"question 'noclass' .*template: its answer class has no verify\(\) "
+                                            r"method: a template needs `def verify\(self\) -> bool`"):
+        plan_run(bench, config())
+    # a BaseAnswer subclass of another name is the sandbox's to accept
+    bench.questions[0].template_code = "class Reply(BaseAnswer):\n    value: int = 0\n    def verify(self):\n" \
+                                       "        return True\n"
     assert plan_run(bench, config()).job_count == 4
