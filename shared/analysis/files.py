@@ -86,13 +86,31 @@ def iter_results_from_file(path: str | Path) -> Iterator[VerificationResult]:
 
     Our export and the reference's write one result per line between a header line ending in
     `"results":[` and a closing `]}`; such files are read line by line (bounded memory). Other JSON
-    is parsed whole. Parquet is told by its magic bytes, CSV by its `.csv` suffix."""
+    is parsed whole. Parquet is told by its magic bytes, CSV by its `.csv` suffix. A file none of
+    whose items is a result (`{}`, JSON of something else) is refused (ValueError), never read as
+    0 results; an empty file or an export of none is 0 results."""
     p = Path(path)
     with p.open("rb") as bfh:
         magic = bfh.read(4)
     if magic == b"PAR1":
         yield from _iter_parquet(p)
         return
+    if p.suffix.lower() == ".parquet":  # read as JSON it was said to be "not JSON" on its line 1
+        raise ValueError(f"{p}: not a Parquet file (a Parquet file starts with the bytes PAR1)")
+    found = skipped = 0
+    for r in _iter_text_results(p):
+        if r is None:
+            skipped += 1
+            continue
+        found += 1
+        yield r
+    if skipped and not found:  # `{}` or any JSON without a result was read as 0 results, exit 0
+        raise ValueError(f"{p}: not a results file: {skipped} item(s), none of them a result (a result has "
+                         "'metadata'; expected an export with 'results', a list of results, JSONL or CSV)")
+
+
+def _iter_text_results(p: Path) -> Iterator[VerificationResult | None]:
+    """The results of a JSON, JSONL or CSV file, with None for each item that is not a result."""
     if p.suffix.lower() == ".csv":
         yield from _iter_csv(p)
         return
@@ -106,9 +124,7 @@ def iter_results_from_file(path: str | Path) -> Iterator[VerificationResult]:
                     continue
                 if line.startswith("]"):
                     break
-                r = _result_of(json.loads(line))
-                if r is not None:
-                    yield r
+                yield _result_of(json.loads(line))
             return
     text = p.read_text(encoding="utf-8")
     try:
@@ -124,8 +140,7 @@ def iter_results_from_file(path: str | Path) -> Iterator[VerificationResult]:
                 r = _result_of(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{p}:{n}: not JSON: {exc}") from exc
-            if r is not None:
-                yield r
+            yield r
         return
     items: Iterable[Any]
     if isinstance(data, list):
@@ -137,6 +152,4 @@ def iter_results_from_file(path: str | Path) -> Iterator[VerificationResult]:
     else:
         raise ValueError(f"{p}: not a results file (expected an export with 'results', a list, or JSONL)")
     for item in items:
-        r = _result_of(item)
-        if r is not None:
-            yield r
+        yield _result_of(item)

@@ -136,6 +136,9 @@ def load_run_arg(run: str) -> RunData:
     from shared.analysis.html_report import RunData, load_run
     from shared.analysis.report import from_simulator
 
+    if Path(run).suffix.lower() in RESULT_FILE_SUFFIXES and not Path(run).is_file():
+        # a results file's name, not a run's: "no run '/x/r.json': no run has that id or name" misled
+        raise ValueError(f"no results file {run}: {'it is a folder' if Path(run).is_dir() else 'no such file'}")
     if _is_file(run):
         results = list(iter_results_from_file(run))
         rubric = None
@@ -252,7 +255,7 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
     if behind:  # a verdict on the rows ClickHouse has would judge a run it has not seen whole
         raise NotStored(behind)
     if not data.results:
-        raise ValueError(f"run {args.run!r} has no results")
+        raise ValueError(f"{args.run} holds no results" if _is_file(args.run) else f"run {args.run!r} has no results")
     if gates:
         gates = check_gates(gates, *_gate_inputs(data))  # read on the traits' scales (off one: refused)
     for g in gates:
@@ -311,6 +314,8 @@ def cmd_results(args: argparse.Namespace) -> int:
     from shared.analysis.stats import percent
 
     data = load_run_arg(args.run)
+    if not data.results and _is_file(args.run):  # as `report FILE` says it (a stored run may be starting)
+        raise ValueError(f"{args.run} holds no results")
     rs = VerificationResultSet(data.results, run_ids=[data.run_id])
     table = rs.pass_rates(by=args.by)
     pak = rs.pass_at_k()

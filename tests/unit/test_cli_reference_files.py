@@ -71,3 +71,34 @@ def test_an_errored_result_is_never_a_pass_in_any_output(tmp_path: Path, monkeyp
     assert [(q["question_id"], q["n"]) for q in pass_at_k_report(rs.results).per_question] == [("q-unicode", 1)]
     d = RunDigest.of(rs.results)
     assert d.per_model["langchain:gpt-4o"][:4] == [1, 1, 2, 1]  # passed, verdicts, results, errors
+
+
+@pytest.mark.parametrize(("name", "content", "says"), [
+    ("bad.json", "{}\n", "not a results file: 1 item(s), none of them a result"),
+    ("other.jsonl", '{"a": 1}\n{"b": 2}\n', "not a results file: 2 item(s), none of them a result"),
+    ("list.json", '[{"x": 1}]', "not a results file: 1 item(s), none of them a result"),
+    ("bad.parquet", "not parquet at all", "not a Parquet file (a Parquet file starts with the bytes PAR1)"),
+    ("empty.jsonl", "", "holds no results"),
+])
+def test_a_file_that_holds_no_result_is_bad_input_for_results_as_for_report(
+        name: str, content: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`results bad.json` with `{}` in it said `0 results` and exit 0 (JSON without a result was
+    skipped item by item), where `report` said exit 2; a garbage .parquet was 'line 1: not JSON'."""
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    path = tmp_path / name
+    path.write_text(content)
+    for command in ("results", "report"):
+        assert main([command, str(path)]) == 2, command
+        err = capsys.readouterr().err
+        assert says in err, (command, err)
+
+
+def test_a_missing_results_file_is_named_as_a_file_not_as_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("VERIBUS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VERIBUS_NATS_URL", raising=False)
+    assert main(["results", str(tmp_path / "nofile.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"no results file {tmp_path / 'nofile.json'}: no such file" in err and "no run" not in err, err

@@ -373,8 +373,9 @@ def test_reads_jsonl_lists_and_report_lines(tmp_path: Path) -> None:
     report_lines.write_text("\n".join(json.dumps({"sample": {}, "result": r.model_dump(mode="json")}) for r in rs))
     assert VerificationResultSet.from_file(report_lines)[2] == rs[2]
     bad = tmp_path / "bad.json"
-    bad.write_text('{"not": "results"}')
-    assert len(VerificationResultSet.from_file(bad)) == 0
+    bad.write_text('{"not": "results"}')  # once read as 0 results: refused, naming why
+    with pytest.raises(ValueError, match=r"bad.json: not a results file: 1 item\(s\), none of them a result"):
+        VerificationResultSet.from_file(bad)
 
 
 def test_flat_dataframe_and_view_filters() -> None:
