@@ -12,6 +12,7 @@ read-only query may run is decided in `shared.store.sql_guard`.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import os
 import queue
@@ -96,6 +97,24 @@ def projection_columns(p: Projection) -> list[tuple[str, Sequence[str], list[Seq
     inserts and the rebuild's workers share this)."""
     return [(table, names, list(zip(*rows, strict=True)))
             for table, names, attr in INSERT_ORDER if (rows := getattr(p, attr))]
+
+
+NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}  # how JSON carries what it has no number for
+
+
+def _non_finite_as_text(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def json_safe_rows(rows: Sequence[Sequence[Any]]) -> Sequence[Sequence[Any]]:
+    """Rows with inf, -inf and nan as the strings "inf", "-inf", "nan": JSON has no number for
+    them, and the encoder wrote null, so `SELECT 1/0` read as NULL. The rows as they are when
+    they hold none (the common case costs one scan)."""
+    if not any(isinstance(v, float) and not math.isfinite(v) for row in rows for v in row):
+        return rows
+    return [[_non_finite_as_text(v) for v in row] for row in rows]
 
 
 def query_error_text(exc: BaseException) -> str:

@@ -20,7 +20,7 @@ import msgspec
 
 from shared.core.config import Settings
 from shared.core.events import decode
-from shared.store.engine import RESULT_JSON, Store, open_store, query_error_text
+from shared.store.engine import RESULT_JSON, Store, json_safe_rows, open_store, query_error_text
 from shared.store.rows import PROJECTION_FAILED, Projection, project_envelope, undecodable_row
 from shared.store.sql_guard import RESULT_TOO_LARGE, ReadOnlyError
 
@@ -231,7 +231,7 @@ class Projector:
             return RESULT_JSON.encode({"error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - database errors go back to the caller
             return RESULT_JSON.encode({"error": query_error_text(exc)[:4000]})
-        body = RESULT_JSON.encode({"columns": res.columns, "types": res.types, "rows": res.rows})
+        body = RESULT_JSON.encode({"columns": res.columns, "types": res.types, "rows": json_safe_rows(res.rows)})
         if len(body) > self.max_reply_bytes:
             return RESULT_JSON.encode({
                 "error": f"{RESULT_TOO_LARGE} for a NATS reply ({len(body)} bytes, {len(res.rows)} rows, "

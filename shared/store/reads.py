@@ -29,7 +29,7 @@ from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT
 from shared.runtime import bus
 from shared.runtime.bus import server_reachable
-from shared.store.engine import QueryResult, Store, open_store, query_error_text
+from shared.store.engine import NON_FINITE, QueryResult, Store, json_safe_rows, open_store, query_error_text
 from shared.store.sql_guard import RESULT_TOO_LARGE, ReadOnlyError, read_only_refusal, reader_settings
 
 
@@ -80,7 +80,12 @@ async def ask_projector(nc: Any, sql: str, params: Mapping[str, Any] | None, tim
     reply = _reply_dec.decode(msg.data)
     if reply.error is not None:
         raise QueryError(reply.error)
-    return QueryResult(columns=reply.columns, rows=[tuple(r) for r in reply.rows], types=reply.types)
+    rows = [tuple(r) for r in reply.rows]
+    floats = [i for i, t in enumerate(reply.types or ()) if "Float" in t]
+    if floats and any(isinstance(r[i], str) for r in rows for i in floats):  # inf/nan, sent as text
+        rows = [tuple(NON_FINITE.get(v, v) if i in floats and isinstance(v, str) else v for i, v in enumerate(r))
+                for r in rows]
+    return QueryResult(columns=reply.columns, rows=rows, types=reply.types)
 
 
 async def query_via_nats(
@@ -149,7 +154,7 @@ def _cell(v: Any) -> str:
     if v is None:
         return "NULL"
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return f"{v:.6g}"  # inf, -inf, nan as such
     if isinstance(v, _dt.datetime):
         return v.isoformat(sep=" ")
     if isinstance(v, dict | list | tuple):
@@ -184,8 +189,10 @@ def format_table(result: QueryResult, max_width: int = 60) -> str:
 
 
 def format_json(result: QueryResult) -> str:
-    """The rows as a JSON array of objects (column -> value)."""
-    return msgspec.json.format(_enc.encode(result.as_dicts()), indent=2).decode()
+    """The rows as a JSON array of objects (column -> value); inf, -inf and nan as the strings
+    "inf", "-inf", "nan" (JSON has no number for them; never null, which is NULL's)."""
+    safe = QueryResult(columns=result.columns, rows=list(json_safe_rows(result.rows)), types=result.types)
+    return msgspec.json.format(_enc.encode(safe.as_dicts()), indent=2).decode()
 
 
 class RowSource(Protocol):

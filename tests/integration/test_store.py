@@ -469,3 +469,31 @@ def test_a_query_the_engine_rejects_says_the_engines_message_not_the_clients_cla
     projector.store = store
     reply = json.loads(projector.answer_query(b'{"sql": "SELECT nosuchcol FROM verification_results"}'))["error"]
     assert reply.startswith("Code: 47. DB::Exception: Unknown expression identifier `nosuchcol`"), reply
+
+
+def test_inf_and_nan_are_said_as_such_never_as_null(store: Store, settings: Settings) -> None:
+    """`veribus query "SELECT 1/0, nan, -inf"` showed NULL NULL NULL, in the table and in JSON,
+    like a real NULL (JSON has no number for them and the encoder wrote null): through the
+    projector's reply and read back, the table says inf/nan and JSON the strings."""
+    import asyncio
+    import json
+
+    from shared.store.projection import Projector
+    from shared.store.reads import ask_projector, store_query
+
+    sql = "SELECT 1/0 AS a, nan AS b, -inf AS c, CAST(NULL AS Nullable(Float64)) AS d, 2.5 AS e"
+    projector = Projector(settings)
+    projector.store = store
+
+    class Reply:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+    class Bus:  # the projector's reply as the request returns it
+        async def request(self, subject: str, body: bytes, timeout: float) -> Reply:
+            return Reply(projector.answer_query(body))
+
+    for res in (store_query(store, sql), asyncio.run(ask_projector(Bus(), sql, None, 5.0))):
+        table = format_table(res)
+        assert table.splitlines()[2].split() == ["inf", "nan", "-inf", "NULL", "2.5"], table
+        assert json.loads(format_json(res)) == [{"a": "inf", "b": "nan", "c": "-inf", "d": None, "e": 2.5}]
