@@ -6,16 +6,20 @@ Wired into `shared.cli` by `register(sub)`; the work is in `shared.control.lifec
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import yaml
 
+from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli.aio import run_main
 from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg
 from shared.control import lifecycle, rebuild, retention, streams, wait
 from shared.control.credentials import base_reachable, missing_key
 from shared.control.runner import RunInputError
 from shared.control.runref import next_regrade_name, runs_in_stream
+from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
 from shared.core.config import ModelConfig
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
@@ -119,6 +123,30 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
     return problems
 
 
+def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path: str | None) -> list[str]:
+    """Give the simulator the regrade's judges go to (after `resolve_judges`) the script of the
+    benchmark the regrade grades with, as `run --simulate` does before it publishes: `--benchmark`'s
+    (with its `<name>.simulator.yaml` beside it, if any), else the stored run's questions as its jobs
+    carry them (`lifecycle.graded_benchmark`). A simulator that was restarted since the run holds
+    no script for them, and would parse every stored answer with made-up values. Returns the bases
+    posted to; raises RuntimeError when a simulator refuses the script."""
+    from shared.cli.run import _merge_scripts, _post_script  # what `run --simulate` posts, the same way
+
+    bases = sorted({ev.job.parsing.api_base for ev in plan.generated
+                    if ev.job.parsing.interface == "simulator" and ev.job.parsing.api_base})
+    if not bases:
+        return []
+    script = simulator_script_for(benchmark if benchmark is not None else lifecycle.graded_benchmark(plan))
+    if benchmark is not None and benchmark_path:
+        path = Path(benchmark_path)
+        extra = path.with_name(path.stem + ".simulator.yaml")
+        if extra.exists():
+            script = _merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
+    for base in bases:
+        _post_script(base, script)
+    return bases
+
+
 def cmd_regrade(args: argparse.Namespace) -> int:
     if _lone_rubric(args):
         return EXIT_INPUT
@@ -150,6 +178,11 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     if problems:
         err("regrade refused before publishing:\n  " + "\n  ".join(problems))
         return EXIT_INPUT
+    try:
+        load_simulator_script(plan, bench, args.benchmark)
+    except (RuntimeError, OSError, yaml.YAMLError) as exc:  # a simulator that refused it, a bad .simulator.yaml
+        err(f"regrade refused before publishing: {exc}")
+        return EXIT_INPUT
     run_main(lifecycle.submit_regrade(settings, plan))
     print(f"run {plan.run_id} ({plan.run_event.run_name}): regrade of {plan.parent_run_id}: {len(plan.generated)} "
           "jobs from stored answers (no answering-model calls)")
@@ -169,7 +202,9 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     cmp = lifecycle.compare_runs(old.values(), new.values())
     print(f"  {done}/{len(plan.generated)} finalized: {passed} passed, {errors} error(s)"
           + (" (timed out)" if timed_out else ""))
-    print(f"  verify_result changed for {len(cmp['changed'])} of {cmp['compared']} job(s)")
+    in_error = (f"; in error: {cmp['errors_before']} before, {cmp['errors_after']} now"
+                if cmp["errors_before"] or cmp["errors_after"] else "")
+    print(f"  verify_result changed for {len(cmp['changed'])} of {cmp['compared']} job(s){in_error}")
     for qid, before, after in cmp["changed"][:20]:
         print(f"    {qid}: {before} -> {after}")
     verdict = judge(list(new.values()), expected=len(plan.generated), timed_out=timed_out,

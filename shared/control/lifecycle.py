@@ -31,10 +31,12 @@ from shared.control.streams import (
 )
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
+from shared.core.benchmark.question import Question
 from shared.core.config import Settings, VerificationConfig
 from shared.core.ids import answer_id_for, compute_result_id, event_id_for, template_id_for
 from shared.core.models import VerificationResult
-from shared.core.verdict import verdict_of
+from shared.core.rubric import Rubric, RubricError
+from shared.core.verdict import errored, verdict_of
 from shared.runtime import bus
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import check_cost_budget
@@ -338,6 +340,27 @@ async def plan_regrade(
     return plan
 
 
+def graded_benchmark(plan: RegradePlan) -> Benchmark:
+    """The benchmark a regrade grades with, as its jobs carry it: each question of the stored
+    answers once (its text, ground-truth answer, the template and rubric of the new jobs), for the
+    LLM simulator's script (`infra.simulator.from_benchmark.simulator_script_for`) when the regrade
+    is not given a benchmark file. A question without text (nothing to match) is left out; a rubric
+    that does not decode leaves the question without one (the script then scripts no judge traits)."""
+    questions: dict[str, Question] = {}
+    for ev in plan.generated:
+        job = ev.job
+        if job.question_id in questions or not job.question_text:
+            continue
+        try:
+            rubric = Rubric.from_wire(job.rubric) if job.rubric else None
+        except (RubricError, ValueError):
+            rubric = None
+        questions[job.question_id] = Question(
+            id=job.question_id, text=job.question_text, raw_answer=job.raw_answer, template_code=job.template_code,
+            keywords=list(job.keywords or []), rubric=rubric)
+    return Benchmark(name=plan.run_event.benchmark_name or plan.parent_run_id, questions=list(questions.values()))
+
+
 async def submit_regrade(settings: Settings, plan: RegradePlan) -> int:
     """Publish the new run and its answer.generated events (the guards stage takes it from there)."""
     async with bus.session(settings) as nc:
@@ -371,18 +394,41 @@ def _template_problem(q: Any, mode: str) -> str | None:
     return f"question {q.id!r}: template: {missing}" if missing else None
 
 
+def outcome_label(r: VerificationResult) -> str:
+    """How a result ended, in words: `error` (it did not complete, or its verify() raised, as
+    `shared.core.verdict.errored` counts it), else `passed`, `failed` or `no verdict` (no template
+    verdict: rubric_only, a template that never ran)."""
+    if errored(r):
+        return "error"
+    verdict = verdict_of(r)
+    return "no verdict" if verdict is None else "passed" if verdict else "failed"
+
+
 def compare_runs(old: Iterable[VerificationResult], new: Iterable[VerificationResult]) -> dict[str, Any]:
-    """The verdict (`shared.core.verdict.verdict_of`: None for an error) per (question, answering
-    model, judge, replicate) in two runs."""
+    """The verdict (`shared.core.verdict.verdict_of`: None for an error or no template verdict)
+    per (question, answering model, judge, replicate) in two runs.
+
+    `changed`: `(question id, outcome before, outcome after)` (`outcome_label`: passed, failed,
+    error, no verdict) of each job present in both runs whose verdict differs (an error both times is
+    no change), sorted; `errors_before`
+    and `errors_after`: how many of the jobs in both runs are errors in each (an error never has a
+    verdict to compare, and a verdict, False, that turned into a verify() error is not a change of it)."""
 
     def key(r: VerificationResult) -> tuple[Any, ...]:
         m = r.metadata
         return (m.question_id, m.answering.model_name, m.parsing.model_name, m.replicate)
 
-    before = {key(r): verdict_of(r) for r in old}
-    after = {key(r): verdict_of(r) for r in new}
-    changed = sorted((k[0], before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k])
-    return {"compared": len(before.keys() & after.keys()), "changed": changed}
+    before = {key(r): r for r in old}
+    after = {key(r): r for r in new}
+    both = before.keys() & after.keys()
+    # labels, never the verdicts, are sorted: a verdict is a bool or None, and None < bool raises;
+    # an error that stays one (a verify() that raised, then a stage error) is no change either
+    changed = sorted((k[0], outcome_label(before[k]), outcome_label(after[k])) for k in both
+                     if verdict_of(before[k]) != verdict_of(after[k])
+                     and outcome_label(before[k]) != outcome_label(after[k]))
+    return {"compared": len(both), "changed": changed,
+            "errors_before": sum(1 for k in both if errored(before[k])),
+            "errors_after": sum(1 for k in both if errored(after[k]))}
 
 
 def load_benchmark(path: str | Path, rubric: str | Path | None = None) -> Benchmark:

@@ -405,6 +405,27 @@ def test_runs_by_name_list_and_regrade(live, tmp_path: Path) -> None:
     assert f"run {second_id}:" in latest.stdout  # the regrades did not take the name
 
 
+def test_regrade_simulate_scripts_a_simulator_that_was_restarted(live, tmp_path: Path) -> None:
+    """`regrade --simulate` against a simulator that holds no script for the run (restarted since:
+    here a fresh simulator process, the one VERIBUS_SIMULATOR_URL names) posts the script of what
+    it grades, as `run --simulate` does: the regrade grades as the run did. It parsed every stored
+    answer with made-up values, and said "verify_result changed" for them, exit 0."""
+    settings, _ = live
+    env = local_env(settings)
+    bench = write_bench(tmp_path / "b.yaml", 3, prefix="Rescripted")
+    run = veribus(env, "run", str(bench), "--simulate", "--run-name", "rescripted")
+    assert run.returncode == 0, run.stdout + run.stderr
+    with own_model_server(tmp_path / "simhome") as fresh:
+        before = httpx.get(fresh.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
+        regrade = veribus(local_env(settings, VERIBUS_SIMULATOR_URL=fresh), "regrade", "rescripted", "--simulate",
+                          "--timeout", "120")
+        assert regrade.returncode == 0, regrade.stdout + regrade.stderr
+        assert "3/3 finalized: 3 passed, 0 error(s)" in regrade.stdout, regrade.stdout
+        assert "verify_result changed for 0 of 3 job(s)" in regrade.stdout, regrade.stdout
+        stats = httpx.get(fresh.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
+        assert stats["judge"] - before["judge"] >= 3 and stats["unmatched"] == before["unmatched"], stats
+
+
 def test_simulate_on_a_configured_deployment(live, tmp_path: Path) -> None:
     settings, state = live
     # another machine's CLI: the deployment's URL and the cli role's credentials file (bus roles)

@@ -849,3 +849,190 @@ def test_regrade_and_resume_take_the_rubric_file_with_their_benchmark(monkeypatc
     for argv in (["regrade", "old", "--rubric", str(rubric)], ["resume", "old", "--rubric", str(rubric)]):
         assert getattr(cli_lifecycle, f"cmd_{argv[0]}")(build_parser().parse_args(argv)) == 2
         assert "--rubric adds traits to the benchmark given with --benchmark" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ regrade: simulator script, comparison
+
+
+def _fake_regrade_bus(monkeypatch: pytest.MonkeyPatch, plan_of: Any, calls: list[Any],
+                      old: dict[str, Any] | None = None, new: dict[str, Any] | None = None,
+                      settings: Settings | None = None) -> Any:
+    """`cmd_regrade` without a bus: the plan from `plan_of(benchmark)`, publishing and waiting recorded in
+    `calls`, the runs' results `old` / `new`."""
+    from shared.cli import lifecycle as cli_lifecycle
+    from shared.cli import run as cli_run
+
+    async def plan_regrade(settings: Settings, run_id: str, *, benchmark: Benchmark | None = None,
+                           **_: Any) -> lifecycle.RegradePlan:
+        return plan_of(benchmark)
+
+    async def submit_regrade(settings: Settings, plan: lifecycle.RegradePlan) -> int:
+        calls.append(("submit", plan.run_id))
+        return len(plan.generated)
+
+    async def wait_for_results(settings: Settings, run_id: str, *, result_ids: list[str], **_: Any) -> tuple[int, bool]:
+        return len(result_ids), False
+
+    async def run_results(settings: Settings, run_id: str) -> dict[str, Any]:
+        return (new if run_id == "new" else old) or {}
+
+    monkeypatch.setattr(cli_lifecycle, "deployment_settings", lambda: settings or Settings())
+    monkeypatch.setattr(cli_lifecycle, "resolve_run_arg", lambda settings, run, stream: run)
+    monkeypatch.setattr(cli_lifecycle, "base_reachable", lambda base: None)
+    monkeypatch.setattr(cli_lifecycle.lifecycle, "plan_regrade", plan_regrade)
+    monkeypatch.setattr(cli_lifecycle.lifecycle, "submit_regrade", submit_regrade)
+    monkeypatch.setattr(cli_lifecycle.lifecycle, "run_results", run_results)
+    monkeypatch.setattr(cli_lifecycle.wait, "wait_for_results", wait_for_results)
+    monkeypatch.setattr(cli_run, "_post_script", lambda base, script: calls.append(("script", base, script)))
+    return cli_lifecycle
+
+
+def test_regrade_simulate_posts_the_graded_benchmark_s_script_before_publishing(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`regrade --simulate` gives the simulator the script of what it grades, as `run --simulate`
+    does: a simulator restarted since the run (no script) parsed every stored answer with made-up
+    values and the regrade reported them as changed verdicts, exit 0. Without --benchmark the script
+    comes from the stored run's questions; with it, from that file and its .simulator.yaml."""
+    from infra.simulator.from_benchmark import simulator_script_for, template_ground_truth
+    from shared.cli.commands import build_parser
+
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=18, answer_count=18,
+                                 evaluation_mode="template_only", benchmark_name=bench.name)
+    calls: list[Any] = []
+    cli = _fake_regrade_bus(
+        monkeypatch, lambda b: lifecycle.regrade_jobs(parent, _answers(bench), benchmark=b, run_id="new"), calls,
+        settings=Settings(simulator_url="http://127.0.0.1:9/v1"))
+    args = build_parser().parse_args(["regrade", "old", "--simulate", "--run-name", "rg", "--no-wait"])
+    assert cli.cmd_regrade(args) == 0, capsys.readouterr().err
+    assert [c[0] for c in calls] == ["script", "submit"]  # before anything is published
+    _, base, script = calls[0]
+    assert base == "http://127.0.0.1:9/v1"
+    by_match = {e["match"]: e for e in script["questions"]}
+    finished = bench.finished_questions()
+    assert set(by_match) == {q.text for q in finished}
+    for q in finished:
+        assert by_match[q.text].get("parsed") == template_ground_truth(q.template_code), q.id
+
+    # --benchmark: that file's script, with the .simulator.yaml beside it merged in (as `run` does)
+    copy = tmp_path / "bench.yaml"
+    bench.save_yaml(copy)
+    first = finished[0]
+    (tmp_path / "bench.simulator.yaml").write_text(
+        f"questions:\n  - match: {first.text!r}\n    judge_errors: [500]\n")
+    calls.clear()
+    args = build_parser().parse_args(["regrade", "old", "--simulate", "--benchmark", str(copy), "--run-name", "rg",
+                                      "--no-wait"])
+    assert cli.cmd_regrade(args) == 0, capsys.readouterr().err
+    assert [c[0] for c in calls] == ["script", "submit"]
+    by_match = {e["match"]: e for e in calls[0][2]["questions"]}
+    assert set(by_match) == {e["match"] for e in simulator_script_for(Benchmark.load(copy))["questions"]}
+    assert by_match[first.text]["judge_errors"] == [500]
+    assert by_match[first.text]["parsed"] == template_ground_truth(first.template_code)
+
+    # judges not on the simulator: nothing is posted
+    calls.clear()
+    monkeypatch.setattr(cli, "missing_key", lambda cfg: [])
+    args = build_parser().parse_args(["regrade", "old", "--run-name", "rg", "--no-wait"])
+    assert cli.cmd_regrade(args) == 0, capsys.readouterr().err
+    assert [c[0] for c in calls] == ["submit"]
+
+
+def test_regrade_simulate_refuses_when_the_simulator_takes_no_script(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from shared.cli import run as cli_run
+    from shared.cli.commands import build_parser
+
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=18, answer_count=18,
+                                 evaluation_mode="template_only")
+    calls: list[Any] = []
+    cli = _fake_regrade_bus(monkeypatch, lambda b: lifecycle.regrade_jobs(parent, _answers(bench), run_id="new"),
+                            calls, settings=Settings(simulator_url="http://127.0.0.1:9/v1"))
+
+    def refuse(base: str, script: dict) -> None:
+        raise RuntimeError(f"cannot load the benchmark's script into the simulator at {base}: 500")
+
+    monkeypatch.setattr(cli_run, "_post_script", refuse)
+    args = build_parser().parse_args(["regrade", "old", "--simulate", "--run-name", "rg"])
+    assert cli.cmd_regrade(args) == 2
+    assert "regrade refused before publishing: cannot load the benchmark's script" in capsys.readouterr().err
+    assert calls == []  # nothing published
+
+
+def test_graded_benchmark_is_the_stored_questions_once_each() -> None:
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=36, answer_count=36,
+                                 evaluation_mode="template_only", benchmark_name="stored")
+    answers = _answers(bench)
+    twice = answers + [msgspec.structs.replace(ev, job=msgspec.structs.replace(ev.job, result_id=ev.job.result_id + "b",
+                                                                               replicate=2)) for ev in answers]
+    plan = lifecycle.regrade_jobs(parent, twice, run_id="new")
+    graded = lifecycle.graded_benchmark(plan)
+    assert graded.name == "stored"
+    assert [(q.id, q.text, q.template_code) for q in graded.questions] == [
+        (q.id, q.text, q.template_code) for q in bench.finished_questions()]
+    # a rubric the jobs carry is the script's judge traits
+    plan = lifecycle.regrade_jobs(parent, answers, benchmark=bench, mode="template_and_rubric", run_id="new")
+    graded = lifecycle.graded_benchmark(plan)
+    q = graded.questions[0]
+    assert graded.rubric_for(q) is not None
+    assert graded.rubric_for(q).trait_names() == bench.rubric_for(bench.get_question(q.id)).trait_names()
+
+
+def _result(qid: str, verdict: bool | None, *, error: bool = False, model: str = "openai/a",
+            raised: str | None = None) -> Any:
+    from shared.core.models import (
+        ModelIdentity,
+        VerificationResult,
+        VerificationResultMetadata,
+        VerificationResultTemplate,
+    )
+
+    meta = VerificationResultMetadata(
+        question_id=qid, answering=ModelIdentity(model_name=model), parsing=ModelIdentity(model_name="openai/j"),
+        result_id=f"{qid}-{model}", completed_without_errors=not error, error="boom" if error else None)
+    tmpl = VerificationResultTemplate(verify_result=verdict, template_verification_performed=verdict is not None,
+                                      field_verification_error=raised)
+    return VerificationResult(metadata=meta, template=tmpl)
+
+
+def test_compare_runs_with_errored_and_graded_results_of_one_question() -> None:
+    """A question with an errored result beside a graded one (two answering models): the changes
+    were sorted as (qid, verdict, verdict) tuples, and None < True raised TypeError after the
+    regrade was published (exit 3)."""
+    old = [_result("q1", True, model="openai/a"), _result("q1", None, error=True, model="openai/b"),
+           _result("q2", False), _result("q3", True), _result("q4", True),
+           _result("q6", False, raised="ZeroDivisionError")]
+    new = [_result("q1", None, error=True, model="openai/a"), _result("q1", True, model="openai/b"),
+           _result("q2", False, raised="ZeroDivisionError"), _result("q3", True), _result("q4", False),
+           _result("q5", True), _result("q6", None, error=True)]
+    cmp = lifecycle.compare_runs(old, new)
+    assert cmp["compared"] == 6
+    assert cmp["changed"] == [("q1", "error", "passed"), ("q1", "passed", "error"), ("q4", "passed", "failed")]
+    assert (cmp["errors_before"], cmp["errors_after"]) == (2, 3)  # q2's verify() raising is an error now
+    assert lifecycle.outcome_label(_result("q", None)) == "no verdict"
+
+
+def test_regrade_with_errored_and_graded_results_prints_the_changes(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI path of the above: the change summary, errors counted, and the regrade's own exit
+    code (4: a job in error), never 3."""
+    from shared.cli.commands import build_parser
+
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=2, answer_count=2,
+                                 evaluation_mode="template_only")
+    old = [_result("q1", True, model="openai/a"), _result("q1", None, error=True, model="openai/b")]
+    new = [_result("q1", None, error=True, model="openai/a"), _result("q1", True, model="openai/b")]
+    calls: list[Any] = []
+    cli = _fake_regrade_bus(monkeypatch, lambda b: lifecycle.regrade_jobs(parent, _answers(bench)[:2], run_id="new"),
+                            calls, old={r.metadata.result_id: r for r in old},
+                            new={r.metadata.result_id: r for r in new})
+    monkeypatch.setattr(cli, "missing_key", lambda cfg: [])
+    args = build_parser().parse_args(["regrade", "old", "--run-name", "rg", "--timeout", "5"])
+    assert cli.cmd_regrade(args) == 4
+    out = capsys.readouterr().out
+    assert "2/2 finalized: 1 passed, 1 error(s)" in out
+    assert "verify_result changed for 2 of 2 job(s); in error: 1 before, 1 now" in out
+    assert "    q1: error -> passed\n    q1: passed -> error\n" in out
