@@ -4,6 +4,8 @@ the expected values), escaped."""
 
 from __future__ import annotations
 
+import html
+from pathlib import Path
 from urllib.parse import parse_qs
 
 import pytest
@@ -12,7 +14,9 @@ from shared.analysis.stats import Proportion
 from shared.cli.view import markup, pages, sample_page
 from shared.cli.view.filters import FilterError, Filters
 from shared.cli.view.queries import run_state
+from shared.cli.view.source import StoreUnavailable
 from shared.core.verdict import SQL_ERRORED, SQL_FAILED
+from shared.store.engine import FolderHeld
 from tests.support.results import make
 
 
@@ -130,3 +134,41 @@ def test_a_port_in_use_is_one_line_of_bad_input(tmp_path, monkeypatch: pytest.Mo
     line = capsys.readouterr().err.strip()
     assert line == (f"veribus: error: cannot listen on 127.0.0.1:{port}: address already in use; another program "
                     "(a `veribus view`?) listens there; `--port 0` takes any free port"), line
+
+
+class _Failing:
+    """A source whose every query raises `exc`."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    async def query(self, sql: str, params: dict | None = None) -> object:
+        raise self.exc
+
+
+@pytest.mark.parametrize(("exc", "status", "says"), [
+    (FolderHeld("the chdb folder /h/chdb is open in another process (one process per folder)", Path("/h/chdb")),
+     503, ["the chdb folder /h/chdb is open in another process", "reload in a few seconds", "veribus status"]),
+    (StoreUnavailable("the local stack in /h runs but its projector did not answer; reload in a few seconds"),
+     503, ["its projector did not answer", "reload in a few seconds"]),
+    (RuntimeError("something unforeseen"), 500, ["RuntimeError: something unforeseen", "restart `veribus view`"]),
+])
+async def test_a_store_that_cannot_be_read_is_a_page_that_says_why(exc: BaseException, status: int,
+                                                                    says: list[str]) -> None:
+    """Whatever stops a read (the folder held by a starting stack's projector, a stack whose
+    projector does not answer, anything unforeseen) is an HTML page naming it and what to do, on
+    every page: never aiohttp's bare 500 ("Server got itself in trouble")."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from shared.cli.view import build_app
+
+    async with TestClient(TestServer(build_app(_Failing(exc)))) as client:
+        for path in ("/", "/run/r1", "/run/r1/sample/x", "/compare?run=r1", "/api/runs"):
+            resp = await client.get(path)
+            text = await resp.text()
+            assert resp.status == status, (path, resp.status, text[:300])
+            assert resp.content_type == "text/html", (path, resp.content_type)
+            assert "Server got itself in trouble" not in text and "Traceback" not in text, (path, text[:300])
+            page = html.unescape(text)
+            for words in says:
+                assert words in page, (path, words, page[:1000])

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
+import logging
 import sys
 import webbrowser
 from collections.abc import Awaitable, Callable
@@ -23,8 +24,9 @@ from aiohttp import web
 from shared.cli.aio import run_main
 from shared.cli.view import markup, pages, queries, sample_page
 from shared.cli.view.filters import FilterError, Filters
-from shared.cli.view.source import ViewSource
+from shared.cli.view.source import StoreUnavailable, ViewSource
 from shared.core.config import Settings
+from shared.store.engine import FolderHeld
 from shared.store.reads import QueryError
 
 STATIC = {"view.css": "text/css", "view.js": "application/javascript"}
@@ -33,6 +35,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline';
 
 SOURCE: web.AppKey[Any] = web.AppKey("source", Any)
 HOSTS: web.AppKey[set[str]] = web.AppKey("hosts", set)
+log = logging.getLogger("veribus.view")
 
 
 def _html(text: str, status: int = 200) -> web.Response:
@@ -65,6 +68,18 @@ async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable
         resp = _html(markup.error_page(400, str(exc)), 400)
     except QueryError as exc:
         resp = _html(markup.error_page(502, f"the store refused or failed the query: {exc}"), 502)
+    except FolderHeld as exc:  # no projector answered and another process has the folder
+        resp = _html(markup.error_page(503, f"cannot read the results: {exc}. If a stack is starting, reload in a "
+                                            "few seconds; `veribus status` shows whether one runs from this "
+                                            "VERIBUS_HOME and which of its processes are dead (`veribus up` "
+                                            "restarts them)"), 503)
+    except StoreUnavailable as exc:
+        resp = _html(markup.error_page(503, f"cannot read the results: {exc}"), 503)
+    except Exception as exc:  # noqa: BLE001 - a page that says what failed, never a bare 500
+        log.exception("veribus view: %s %s failed", request.method, request.path_qs)
+        resp = _html(markup.error_page(500, f"the viewer failed to answer: {type(exc).__name__}: {exc}. Reload the "
+                                            "page; if it keeps failing, restart `veribus view` (its terminal shows "
+                                            "the traceback)"), 500)
     resp.headers["Content-Security-Policy"] = CSP
     resp.headers["X-Content-Type-Options"] = "nosniff"
     resp.headers["Referrer-Policy"] = "no-referrer"
