@@ -172,3 +172,18 @@ async def test_a_store_that_cannot_be_read_is_a_page_that_says_why(exc: BaseExce
             page = html.unescape(text)
             for words in says:
                 assert words in page, (path, words, page[:1000])
+
+
+async def test_a_compare_parameter_too_long_is_named_as_itself() -> None:
+    """`/compare?run=<5,000 characters>` answered "filter 'q': longer than 500 characters": the
+    compare form's parameters were checked as if they were the text filter."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from shared.cli.view import build_app
+
+    async with TestClient(TestServer(build_app(_Failing(RuntimeError("not reached"))))) as client:
+        for name in ("run", "a", "run_b", "b"):
+            resp = await client.get("/compare", params={name: "x" * 5000})
+            text = html.unescape(await resp.text())
+            assert resp.status == 400, (name, resp.status)
+            assert f"parameter '{name}': longer than 500 characters" in text and "filter 'q'" not in text, text[:500]

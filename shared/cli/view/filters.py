@@ -20,6 +20,19 @@ class FilterError(ValueError):
     """A filter value the viewer refuses (names the parameter and the problem)."""
 
 
+def checked_value(name: str, raw: object, what: str = "filter") -> str:
+    """A query parameter's value, stripped; FilterError naming the parameter when it is not text,
+    too long or holds a NUL (a page's parameters and the filters share these checks)."""
+    if not isinstance(raw, str):
+        raise FilterError(f"{what} {name!r}: expected text")
+    raw = raw.strip()
+    if len(raw) > MAX_VALUE:
+        raise FilterError(f"{what} {name!r}: longer than {MAX_VALUE} characters")
+    if "\x00" in raw:
+        raise FilterError(f"{what} {name!r}: contains a NUL character")
+    return raw
+
+
 @dataclass(frozen=True)
 class Filters:
     """What the run, sample and compare pages narrow results by."""
@@ -34,15 +47,7 @@ class Filters:
     def from_query(cls, query: Mapping[str, str]) -> Filters:
         values: dict[str, str] = {}
         for f in fields(cls):
-            raw = query.get(f.name, "")
-            if not isinstance(raw, str):
-                raise FilterError(f"filter {f.name!r}: expected text")
-            raw = raw.strip()
-            if len(raw) > MAX_VALUE:
-                raise FilterError(f"filter {f.name!r}: longer than {MAX_VALUE} characters")
-            if "\x00" in raw:
-                raise FilterError(f"filter {f.name!r}: contains a NUL character")
-            values[f.name] = raw
+            values[f.name] = checked_value(f.name, query.get(f.name, ""))
         if values["status"] and values["status"] not in STATUSES:
             raise FilterError(f"filter 'status': {values['status']!r} is not one of {', '.join(STATUSES)}")
         return cls(**values)

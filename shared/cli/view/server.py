@@ -23,7 +23,7 @@ from aiohttp import web
 
 from shared.cli.aio import run_main
 from shared.cli.view import markup, pages, queries, sample_page
-from shared.cli.view.filters import FilterError, Filters
+from shared.cli.view.filters import FilterError, Filters, checked_value
 from shared.cli.view.source import StoreUnavailable, ViewSource
 from shared.core.config import Settings
 from shared.store.engine import FolderHeld
@@ -145,10 +145,9 @@ async def sample_handler(request: web.Request) -> web.Response:
 
 async def compare_handler(request: web.Request) -> web.Response:
     src = request.app[SOURCE]
-    form = {k: request.query.get(k, "").strip() for k in ("run", "a", "run_b", "b")}
+    # the same length / NUL checks as every filter, naming this parameter (not the filter 'q')
+    form = {k: checked_value(k, request.query.get(k, ""), "parameter") for k in ("run", "a", "run_b", "b")}
     f = Filters.from_query({k: v for k, v in request.query.items() if k in ("judge", "keyword", "q")})
-    for v in form.values():
-        Filters.from_query({"q": v})  # same length / NUL checks as every filter
     runs = (await queries.runs(src, "", 0, page_size=200))["runs"]
     models: list[str] = []
     problem, result = "", None
