@@ -86,8 +86,9 @@ def _attack_fn(attack: str) -> str:
 
 def _template(n: int, attack: str, *, where: str) -> str:
     head = "from karenina.schemas.entities import BaseAnswer\nfrom pydantic import Field\n" + _attack_fn(attack)
-    if where == "class":  # runs while the class body executes, at validation
-        return head + ("\nclass Answer(BaseAnswer):\n    value: int = Field(description='The number asked for')\n"
+    if where == "class":  # runs while the class body executes, at validation (a verify() to be published)
+        return head + ("\nclass Answer(BaseAnswer):\n    value: int = Field(description='The number asked for')\n\n"
+                       "    def verify(self) -> bool:\n        return True\n\n"
                        "    raise RuntimeError('ATTACK ' + json.dumps(attack()))\n")
     return head + (f"\nclass Answer(BaseAnswer):\n    value: int = Field(description='The number asked for')\n\n"
                    f"    def model_post_init(self, __context):\n        self.correct = {{'value': {n}}}\n\n"
