@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--script", help="YAML or JSON script: {defaults: {...}, questions: [...]}")
+    ap.add_argument("--keep-script", metavar="FILE",
+                    help="keep every script posted in FILE, and start from it when it exists (after --script): "
+                         "a simulator started again answers as before (the local stack's, `veribus up`)")
     ap.add_argument("--latency-ms", type=float, default=0.0)
     ap.add_argument("--latency-dist", choices=LATENCY_DISTS, default="fixed")
     ap.add_argument("--latency-sigma", type=float, default=0.5, help="lognormal sigma")
@@ -43,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         script = Script.load(args.script) if args.script else Script()
+        kept = Path(args.keep_script) if args.keep_script else None
+        if kept is not None and kept.exists():
+            try:
+                script.merge(Script.load(kept).raw())
+            except (OSError, ValueError) as exc:  # a kept script never keeps the simulator from starting
+                print(f"simulator: ignoring the kept script {kept}: {exc}", file=sys.stderr)
         config = SimConfig(
             latency_ms=args.latency_ms, latency_dist=args.latency_dist, latency_sigma=args.latency_sigma,
             error_rate=args.error_rate, error_mix=args.error_mix, retry_after_s=args.retry_after,
@@ -53,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"veribus LLM simulator on http://{args.host}:{args.port}/v1 "
           f"({len(script.entries)} scripted questions, seed {args.seed})", flush=True)
-    web.run_app(create_app(script, config), host=args.host, port=args.port, access_log=None,
+    web.run_app(create_app(script, config, kept), host=args.host, port=args.port, access_log=None,
                 print=None, handle_signals=True)
     return 0
 

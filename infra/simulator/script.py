@@ -114,6 +114,7 @@ class Script:
     def __init__(self, raw: dict[str, Any] | None = None) -> None:
         self.defaults: dict[str, Any] = {}
         self._by_match: dict[str, Entry] = {}
+        self._raw_by_match: dict[str, dict[str, Any]] = {}  # each entry as given (`raw()`)
         self._index: dict[str, list[Entry]] = {}
         self._linear: list[Entry] = []
         self._next_index = 0
@@ -152,10 +153,16 @@ class Script:
             raise ValueError("script 'questions' must be a list")
         parsed = [Entry.from_dict(self._next_index + i, q) for i, q in enumerate(questions)]
         self._next_index += len(parsed)
-        for entry in parsed:
+        for entry, q in zip(parsed, questions, strict=True):
             self._by_match[entry.match] = entry
+            self._raw_by_match[entry.match] = q
         self._reindex()
         return len(self._by_match)
+
+    def raw(self) -> dict[str, Any]:
+        """The script as one mapping (defaults and every entry as given, a replaced one as it was
+        last given): `Script(script.raw())` answers as `script` does."""
+        return {"defaults": dict(self.defaults), "questions": list(self._raw_by_match.values())}
 
     def _reindex(self) -> None:
         interiors: list[tuple[Entry, set[str]]] = []

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
@@ -48,8 +50,10 @@ def _tokens(chars: int) -> int:
 class Simulator:
     """State of one simulator process: script, config, counters."""
 
-    def __init__(self, script: Script | None = None, config: SimConfig | None = None) -> None:
+    def __init__(self, script: Script | None = None, config: SimConfig | None = None,
+                 keep_script: Path | None = None) -> None:
         self.script = script or Script()
+        self.keep_script = keep_script  # where every script posted is kept (`--keep-script`)
         self.config = config or SimConfig()
         self._seed_bytes = str(self.config.seed).encode()
         self._seen: dict[bytes, int] = {}
@@ -380,6 +384,8 @@ class Simulator:
             count = self.script.merge(raw)
         except (ValueError, msgspec.DecodeError) as exc:
             return _error(400, str(exc), "invalid_request_error")
+        if self.keep_script is not None:
+            save_script(self.script, self.keep_script)
         return web.Response(body=_encode({"entries": count}), content_type="application/json")
 
     async def handle_stats(self, request: web.Request) -> web.Response:
@@ -402,6 +408,16 @@ class Simulator:
         return web.Response(body=b'{"reset":true}', content_type="application/json")
 
 
+def save_script(script: Script, path: Path) -> None:
+    """Write the script as it stands to `path` (atomically, private to the user), so a simulator
+    started again with `--keep-script path` answers as this one does."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(_encode(script.raw()))
+    tmp.replace(path)
+
+
 def _body_hash(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
@@ -414,9 +430,10 @@ def _error(status: int, message: str, typ: str, headers: dict[str, str] | None =
 SIMULATOR = web.AppKey("simulator", Simulator)
 
 
-def create_app(script: Script | None = None, config: SimConfig | None = None) -> web.Application:
+def create_app(script: Script | None = None, config: SimConfig | None = None,
+               keep_script: Path | None = None) -> web.Application:
     """The aiohttp application; `app[SIMULATOR]` is the `Simulator` state."""
-    sim = Simulator(script, config)
+    sim = Simulator(script, config, keep_script)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[SIMULATOR] = sim
     app.router.add_post("/v1/chat/completions", sim.handle_chat)

@@ -7,7 +7,7 @@ import argparse
 import json
 import re
 
-from shared.cli.common import deployment_settings, err, resolve_run_arg, stale_store, unstored
+from shared.cli.common import deployment_settings, err, resolve_run_arg, say, stale_store, unstored
 from shared.control import stack
 from shared.control.deployment import mask_url, select
 from shared.control.runref import format_runs, list_runs
@@ -56,6 +56,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      simulator_args=sim_args, nats_cluster=args.nats_cluster or 1,
                      extra_env={"VERIBUS_LOG_FORMAT": args.log_format} if args.log_format else None)
     print(f"stack up: nats {state.nats_url}" + (f", simulator {state.simulator_url}" if state.simulator_url else ""))
+    for note in state.notes:  # a port the stack had before `down` that another program has taken
+        print(f"  note: {note}")
     restarted = set(state.restarted)
     if len(restarted) < len(state.procs):  # a stack that ran already: what was asked and is not so
         for line in _not_applied(args, replicas, sim_args, state):
@@ -109,9 +111,42 @@ def simulator_args(args: argparse.Namespace) -> list[str]:
 
 def cmd_down(args: argparse.Namespace) -> int:
     _refuse_nats_url(args)
-    stopped = stack.down(deployment_settings())
+    dep = select()
+    if dep.kind == "local":  # its NATS runs: say what is in flight (a few stream reads, never a refusal)
+        for line in in_flight_lines(stack.in_flight(dep.settings), dep.settings.consumer_ack_wait_s):
+            say(line)
+    stopped = stack.down(dep.settings)
     print("stack down: " + (", ".join(stopped) if stopped else "nothing was running"))
     return EXIT_OK
+
+
+def in_flight_lines(flight: stack.InFlight | None, ack_wait_s: float) -> list[str]:
+    """What `down` says (on stderr) before it stops a stack with work in flight: which runs
+    have jobs without a result, and what becomes of them. Nothing when nothing is in flight."""
+    if flight is None:
+        return ["note: could not tell whether runs are in flight (the stack's NATS did not answer in time); "
+                "stopping anyway"]
+    if not flight.queued:
+        return []
+    shown = [f"{r.run_name or r.run_id} ({r.done} of {r.jobs} jobs have a result; run {r.run_id})"
+             for r in flight.runs[:5]]
+    more = len(flight.runs) - len(shown)
+    if shown:
+        head = (f"warning: {len(flight.runs)} run(s) still in flight: " + "; ".join(shown)
+                + (f"; and {more} more" if more else "") + f"; {flight.queued} message(s) queued for the services")
+    else:
+        head = f"warning: work still in flight: {flight.queued} message(s) queued for the services"
+    if flight.partial:
+        head += " (not every run was looked at in time: `veribus runs` lists them)"
+    return [
+        head,
+        "  stopping anyway: their jobs stay in the event stream (in VERIBUS_HOME), and `veribus up` from this home "
+        "takes them up where they stopped. Model calls cut off now are made again once their messages come back "
+        f"(after the consumers' ack wait, {ack_wait_s:g} s); the simulator comes back on the same port with its "
+        "script. No `veribus resume` is needed.",
+        "  a `veribus run` following one of them stops waiting now (exit 3): after `veribus up`, `veribus status "
+        "RUN` shows its progress",
+    ]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -42,6 +42,22 @@ def free_port() -> int:
     raise RuntimeError("no free port that this process has not handed out already")
 
 
+def claim_port(port: int) -> bool:
+    """Whether `port` on loopback is free for a server to bind now (nothing listens on it, and
+    a bind with SO_REUSEADDR, as servers bind, succeeds: a closed connection's TIME_WAIT does
+    not count). A free one is never handed out by `free_port` afterwards."""
+    if listening(port):
+        return False
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    _GIVEN_PORTS.add(port)
+    return True
+
+
 def is_nats(name: str) -> bool:
     """A NATS node: `nats` (one server) or `nats-1` .. `nats-N` (a cluster)."""
     return name == "nats" or (name.startswith("nats-") and name[5:].isdigit())

@@ -9,6 +9,12 @@ starts carries `VERIBUS_STACK=<home>` in its environment, which finds orphans th
 is gone (every NATS node dead), it stops the stale services (the projector first releases the
 chdb folder) and brings the whole stack back on the same ports and stores.
 
+`down` leaves the ports it stopped in `<home>/ports.json`, and `up` starts the stack again on
+them when they are free (a new one for a port another program took, said in `state.notes`): the
+jobs of a run in flight name the simulator by its URL (`api_base`), and come back after `up`
+from the stream. The simulator keeps every script posted to it in `<home>/simulator-script.json`
+and starts from it, so it answers them as before. `in_flight` is what `down` warns about.
+
 The processes themselves (identity, start, stop, orphans) are `shared.control.processes`; the
 NATS nodes' configuration and health, `shared.control.nats_nodes`.
 """
@@ -36,6 +42,7 @@ from shared.control.nats_nodes import (
 from shared.control.processes import (
     STACK_MARKER,
     Proc,
+    claim_port,
     free_port,
     is_nats,
     is_service,
@@ -48,10 +55,12 @@ from shared.control.processes import (
     wait_proc_ready,
 )
 from shared.core.config import Settings
-from shared.runtime import bus_auth
+from shared.runtime import bus, bus_auth
 from shared.runtime.bus import wait_for_port
 
 SERVICES = ["projector", "generation", "guards", "parsing", "verification", "rubric", "finalization"]
+PORTS_FILE = "ports.json"  # the ports of the stack `down` stopped, which the next `up` takes again
+SIMULATOR_SCRIPT = "simulator-script.json"  # what was posted to the stack's simulator (`--keep-script`)
 
 
 @dataclass
@@ -63,6 +72,7 @@ class StackState:
     started_at: float = 0.0
     nats_cluster: int = 1  # number of NATS nodes
     restarted: list[str] = field(default_factory=list)  # what the last `up` (re)started
+    notes: list[str] = field(default_factory=list)  # what the last `up` could not do as before (a port taken)
 
     def save(self) -> None:
         path = Path(self.home) / "stack.json"
@@ -169,7 +179,24 @@ def up(
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(home, 0o700)  # stack.json, credentials, logs, NATS store, chdb: the stack's user only
     (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
+    # the ports the stack had before (`down`, or a stack nothing of which runs), claimed before
+    # any new one is handed out; an explicit `nats_port` wins for NATS
+    previous = {**_load_ports(home), **(_ports_of(existing) if existing is not None else {})}
+    claimed = {(name, key): (port if claim_port(port) else None)
+               for name, ports in previous.items() for key, port in ports.items()
+               if (name == "simulator" and simulator) or (is_nats(name) and nats_port is None)}
+    notes: list[str] = []
     nodes = plan_nats_nodes(home, nats_cluster, nats_port)
+    for node in nodes:
+        for key in ("port", "http_port"):
+            if (node.name, key) not in claimed:
+                continue
+            again = claimed[(node.name, key)]
+            if again is not None:
+                setattr(node, key, again)
+            elif key == "port":
+                notes.append(f"{node.name}'s port {previous[node.name][key]} is taken by another program: it "
+                             f"listens on {node.port} now (the commands find it in {home / 'stack.json'})")
     for node in nodes:
         node.store.mkdir(parents=True, exist_ok=True, mode=0o700)
     # the configured user/password or token; else per-role users and subject permissions (bus_auth)
@@ -180,7 +207,8 @@ def up(
     base_env[STACK_MARKER] = str(home)
     procs: list[Proc] = []
     state = StackState(home=str(home), nats_url=",".join(f"nats://127.0.0.1:{n.port}" for n in nodes),
-                       simulator_url=None, procs=procs, started_at=time.time(), nats_cluster=nats_cluster)
+                       simulator_url=None, procs=procs, started_at=time.time(), nats_cluster=nats_cluster,
+                       notes=notes)
     for node in nodes:
         procs.append(spawn(node.name, [str(nats_server_binary()), "-c", str(confs[node.name])], base_env,
                             home / "logs", port=node.port, http_port=node.http_port))
@@ -190,9 +218,14 @@ def up(
         # created here, as the operator's role, before any service (whose role may not create it)
         create_stream(settings.model_copy(update={"home": home}), state.nats_url)
         if simulator:
-            sport = free_port()
+            sport = claimed.get(("simulator", "port")) or free_port()
+            if ("simulator", "port") in claimed and claimed[("simulator", "port")] is None:
+                old = previous["simulator"]["port"]
+                notes.append(f"the simulator's port {old} is taken by another program: it listens on {sport} now; "
+                             f"jobs of runs sent before to http://127.0.0.1:{old}/v1 (--simulate) end with "
+                             "connection errors")
             cmd = [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(sport),
-                   *(simulator_args or [])]
+                   "--keep-script", str(home / SIMULATOR_SCRIPT), *(simulator_args or [])]
             procs.append(spawn("simulator", cmd, base_env, home / "logs", port=sport))
             state.simulator_url = f"http://127.0.0.1:{sport}/v1"
             wait_for_port("127.0.0.1", sport, 20)
@@ -226,6 +259,7 @@ def heal(state: StackState, *, extra_env: dict[str, str] | None = None, timeout:
     env = _stack_env(state)  # read from a live sibling before anything is stopped
     env.update(extra_env or {})
     dead = state.dead()
+    state.notes = []
     if not dead:
         state.restarted = []
         return state
@@ -295,13 +329,51 @@ def _accounted_pids(state: StackState) -> set[int]:
     return out
 
 
+def _ports_of(state: StackState) -> dict[str, dict[str, int]]:
+    """The ports of the stack's NATS nodes (client, monitoring) and simulator, by process."""
+    out: dict[str, dict[str, int]] = {}
+    for p in state.procs:
+        if is_nats(p.name) or p.name == "simulator":
+            ports = {key: port for key, port in (("port", p.port), ("http_port", p.http_port)) if port}
+            if ports:
+                out[p.name] = ports
+    return out
+
+
+def _load_ports(home: Path) -> dict[str, dict[str, int]]:
+    """What `down` left in `<home>/ports.json`; {} when there is none or it does not read."""
+    try:
+        data = json.loads((home / PORTS_FILE).read_text())
+        return {str(name): {str(k): int(v) for k, v in ports.items() if 0 < int(v) < 65536}
+                for name, ports in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _save_ports(state: StackState) -> None:
+    """Add the stack's ports to `<home>/ports.json` (a process it did not have this time, e.g.
+    the simulator of a `--no-simulator` stack, keeps the port it had before). Never fails `down`."""
+    home = Path(state.home)
+    path = home / PORTS_FILE
+    try:
+        tmp = path.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps({**_load_ports(home), **_ports_of(state)}, indent=2))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def down(settings: Settings) -> list[str]:
     """Stop what `up` started (services first, NATS last), each by its identity, with its
-    process group, then any orphans of this stack; returns the names stopped."""
+    process group, then any orphans of this stack; returns the names stopped. The NATS and
+    simulator ports are left in `<home>/ports.json` for the next `up`."""
     home = settings.home.resolve()
     state = StackState.load(home)
     stopped: list[str] = []
     if state is not None:
+        _save_ports(state)
         services = state.service_procs()
         stopped = [p.name for p in state.procs if p.alive()]
         for group in (services, [p for p in state.procs if p.name == "simulator"], state.nats_procs()):
@@ -309,6 +381,80 @@ def down(settings: Settings) -> list[str]:
     stopped += stop_orphans(home)
     (home / "stack.json").unlink(missing_ok=True)
     return stopped
+
+
+@dataclass
+class RunInFlight:
+    run_id: str
+    run_name: str | None
+    done: int  # jobs with a result.finalized in the stream
+    jobs: int
+
+
+@dataclass
+class InFlight:
+    """Work the stack has not finished: `queued` messages its stage services still have to
+    handle (pending + unacknowledged, summed over their durable consumers), and the runs with
+    jobs that have no result in the stream, newest first. `partial`: the time ran out before
+    every run was looked at."""
+
+    queued: int
+    runs: list[RunInFlight] = field(default_factory=list)
+    partial: bool = False
+
+
+IN_FLIGHT_S = 3.0  # what `down` spends at most on asking
+
+
+def in_flight(settings: Settings, timeout: float = IN_FLIGHT_S) -> InFlight | None:
+    """What is in flight on the stack `settings` point at (see InFlight), from the stream alone
+    (consumer counts, then per run its run.requested and result.finalized subjects; nothing is
+    read message by message), in at most about `timeout` seconds; None when it cannot be read.
+    Runs are only looked for when something is queued: a stack whose services have nothing
+    left to handle has nothing in flight."""
+    import asyncio  # local imports: only `down` asks
+
+    if not bus.server_reachable(settings.nats_url):
+        return None
+    deadline = time.monotonic() + timeout
+    try:
+        return asyncio.run(asyncio.wait_for(_in_flight(settings, deadline), timeout=timeout + 2.0))
+    except Exception:  # noqa: BLE001 - not knowing is said by the caller, never an error of `down`
+        return None
+
+
+async def _in_flight(settings: Settings, deadline: float) -> InFlight:
+    from shared.control.streams import queued_for_services, subject_counts
+    from shared.core import events
+
+    async with bus.session(settings, name="veribus-down", connect_timeout=2, within=2.0, **bus.ONE_TRY) as nc:
+        js = nc.jetstream(timeout=2.0)
+        queued = sum((await queued_for_services(js)).values())
+        if not queued:
+            return InFlight(0)
+        info = await js.stream_info(events.STREAM, subjects_filter=events.subject(events.RUN_REQUESTED, "*"))
+        requested: list[events.RunRequested] = []
+        partial = False
+        for subj in info.state.subjects or {}:
+            if time.monotonic() > deadline:
+                partial = True
+                break
+            env = await bus.last_event(js, subj)
+            if env is None:
+                continue
+            try:
+                requested.append(events.payload_as(env, events.RunRequested))
+            except Exception:  # noqa: BLE001, S112 - a foreign message on the subject
+                continue
+        runs = []
+        for run in sorted(requested, key=lambda r: r.timestamp, reverse=True):
+            if time.monotonic() > deadline:
+                partial = True
+                break
+            done = len(await subject_counts(js, events.subject(events.RESULT_FINALIZED, run.run_id, "*")))
+            if done < run.job_count:
+                runs.append(RunInFlight(run.run_id, run.run_name, done, run.job_count))
+        return InFlight(queued, runs, partial)
 
 
 def status(settings: Settings) -> dict[str, Any]:
