@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,9 +36,12 @@ def readme_snippet() -> str:
     return block.group(1)
 
 
-def python(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+def python_json(env: dict[str, str], code: str) -> tuple[Any, str]:
+    """Run `code` (whose last line of output is JSON) as a user's own script: (that JSON, stderr)."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +65,9 @@ def test_the_readme_snippet_reads_a_running_local_stack(demo_run: tuple[dict[str
         "\nimport json\nprint(json.dumps({'n': len(rs.results), 'run_ids': rs.run_ids, "
         "'questions': sorted(r.metadata.question_id for r in rs.results), "
         "'streamed': len(VerificationResultSet.stream(settings, run_name='demo'))}))\n")
-    out = python(env, code)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got, stderr = python_json(env, code)
     assert got == {"n": 2, "run_ids": [run_id], "questions": ["h0", "h1"], "streamed": 2}, got
-    assert "Cannot lock file" not in out.stderr, out.stderr
+    assert "Cannot lock file" not in stderr, stderr
 
 
 def test_settings_that_miss_the_stack_say_what_to_do(demo_run: tuple[dict[str, str], Settings, str]) -> None:
@@ -76,13 +78,11 @@ def test_settings_that_miss_the_stack_say_what_to_do(demo_run: tuple[dict[str, s
             "             lambda: len(VerificationResultSet.stream(Settings.from_env(), run_name='demo'))):\n"
             "    try:\n        read()\n    except RuntimeError as exc:\n        said.append([type(exc).__name__, str(exc)])\n"
             "print(json.dumps(said))\n")
-    out = python(env, code)
-    assert out.returncode == 0, out.stderr
-    said = json.loads(out.stdout.strip().splitlines()[-1])
+    said, stderr = python_json(env, code)
     assert len(said) == 2, said
     chdb = Path(settings.chdb_path).resolve()
     for kind, text in said:
         assert kind == "FolderHeld", (kind, text)
         assert f"the chdb folder {chdb} is open in another process" in text, text
         assert "shared.control.deployment.select().settings" in text and "VERIBUS_NATS_URL" in text, text
-    assert "Cannot lock file" not in out.stderr and "BAD_ARGUMENTS" not in out.stderr, out.stderr
+    assert "Cannot lock file" not in stderr and "BAD_ARGUMENTS" not in stderr, stderr

@@ -30,16 +30,7 @@ from shared.core.config import Settings
 from shared.store.engine import flock_holders
 from tests.conftest import REPO, NatsServer
 from tests.integration.test_honest_cli import cli_env, veribus, write_bench
-
-
-def _stop(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+from tests.support.procs import stop_process
 
 
 @pytest.fixture
@@ -64,7 +55,7 @@ def viewer(tmp_path: Path) -> Iterator[dict[str, object]]:
     finally:
         proc = box.get("proc")
         if isinstance(proc, subprocess.Popen):
-            _stop(proc)
+            stop_process(proc)
 
 
 def _get(url: str, path: str) -> tuple[int, str]:
@@ -151,4 +142,4 @@ async def test_a_starting_stack_is_followed_and_its_folder_left_alone(tmp_path: 
         finally:
             await src.close()
     finally:
-        _stop(starting)
+        stop_process(starting)

@@ -4,8 +4,11 @@ write them are in `tests/integration/analysis/conftest.py`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from shared.core import events
 from shared.core.models import VerificationResult
+from shared.store.engine import QueryResult, Store
 
 RUN_A, RUN_B = "20260101T000000-grid0001", "20260101T000000-spec0001"
 RUBRIC_WIRE = {"traits": [
@@ -41,3 +44,14 @@ def stage_events(results: list[VerificationResult], run_id: str, t0: float = 1_7
             out.append(events.make_envelope(event_type, run_id, r.metadata.result_id,
                                             events.StageEvent(job=job_for(r, run_id), state=state), "test/1"))
     return out
+
+
+class AsyncStoreSource:
+    """The viewer's async source (`shared.cli.view.queries`) over an open store, as the projector
+    answers it: read-only queries."""
+
+    def __init__(self, st: Store) -> None:
+        self.store = st
+
+    async def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
+        return self.store.query_read_only(sql, params)

@@ -3,26 +3,18 @@ replicate 1 of a run of several, as `veribus compare` does (shared.analysis.stat
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp.test_utils import TestClient, TestServer
 
 from shared.cli.view import build_app, queries
 from shared.cli.view.filters import Filters
-from shared.store.engine import QueryResult, Store
+from shared.store.engine import Store
 from shared.store.rows import result_to_row
+from tests.support.analysis_store import AsyncStoreSource
 from tests.support.results import make
 
 SINGLE = "20260422T100000-single01"
 MULTI = "20260422T110000-multi001"
 
-
-class Src:
-    def __init__(self, st: Store) -> None:
-        self.store = st
-
-    async def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
-        return self.store.query_read_only(sql, params)
 
 
 async def test_a_one_replicate_run_pairs_with_replicate_1(store: Store) -> None:
@@ -30,7 +22,7 @@ async def test_a_one_replicate_run_pairs_with_replicate_1(store: Store) -> None:
     multi = [make(q, "gpt-x", rep != 2, replicate=rep) for q in ("q1", "q2") for rep in (1, 2, 3)]
     store.insert_results([result_to_row(r, SINGLE, version=1) for r in single])
     store.insert_results([result_to_row(r, MULTI, version=1) for r in multi])
-    src = Src(store)
+    src = AsyncStoreSource(store)
     got = await queries.compare(src, queries.Side(SINGLE), queries.Side(MULTI), Filters())
     assert (got["pairs"], got["unpaired_a"], got["unpaired_b"]) == (2, 0, 4)
     assert (got["both_pass"], got["a_only"], got["b_only"], got["both_fail"]) == (1, 0, 1, 0)

@@ -18,23 +18,15 @@ from shared.cli.view.filters import Filters
 from shared.control.runref import list_runs
 from shared.core import events
 from shared.core.config import Settings
-from shared.store.engine import QueryResult, Store
+from shared.store.engine import Store
 from shared.store.rows import result_to_row
 from tests.conftest import REFERENCE
+from tests.support.analysis_store import AsyncStoreSource
 
 FULL = REFERENCE / "export_format" / "results_export_full.json"
 RUN = "20260421T120000-refexp01"
 MODEL = "langchain:gpt-4o"
 
-
-class Src:
-    """The viewer's async source over the open store."""
-
-    def __init__(self, st: Store) -> None:
-        self.store = st
-
-    async def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
-        return self.store.query_read_only(sql, params)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +63,7 @@ def test_analyst_views_count_the_error_as_an_error(stored: Store) -> None:
 
 
 async def test_viewer_counts_the_error_as_an_error(stored: Store) -> None:
-    src = Src(stored)
+    src = AsyncStoreSource(stored)
     listed = {r["run_id"]: r for r in (await queries.runs(src))["runs"]}
     assert (listed[RUN]["rate"].successes, listed[RUN]["rate"].n, listed[RUN]["errors"]) == (1, 1, 1)
     h = await queries.run_header(src, RUN)

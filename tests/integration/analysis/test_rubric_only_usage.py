@@ -21,7 +21,7 @@ from shared.core.config import Settings
 from shared.core.models import VerificationResult
 from shared.store.engine import QueryResult, Store
 from shared.store.rows import result_to_row
-from tests.support.analysis_store import job_for
+from tests.support.analysis_store import AsyncStoreSource, job_for
 from tests.support.results import make
 
 RUN = "20260423T100000-rubric01"
@@ -32,13 +32,6 @@ ANSWER = {"input_tokens": 100, "output_tokens": 40, "total_tokens": 140, "model"
 RUBRIC = {"input_tokens": 60, "output_tokens": 10, "total_tokens": 70, "model": "judge-x", "model_calls": 2,
           "cached_replies": 0, "cost_usd": 0.0001}
 
-
-class Src:
-    def __init__(self, st: Store) -> None:
-        self.store = st
-
-    async def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
-        return self.store.query_read_only(sql, params)
 
 
 def _results() -> list[VerificationResult]:
@@ -116,7 +109,7 @@ def test_report_from_the_store_shows_the_real_calls_and_cost(settings: Settings,
 
 
 async def test_the_viewer_shows_the_real_calls_and_cost(stored: Store) -> None:
-    src = Src(stored)
+    src = AsyncStoreSource(stored)
     cost = await queries.cost(src, RUN, Filters())
     assert (cost["source"], cost["calls"], round(cost["total_usd"], 6)) == ("events", 9, 0.001209)
     narrowed = await queries.cost(src, RUN, Filters(q="q1"))

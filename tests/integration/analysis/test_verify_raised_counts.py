@@ -25,8 +25,9 @@ from shared.core.config import Settings
 from shared.core.models import VerificationResult
 from shared.core.outcome import judge
 from shared.core.verdict import SQL_ERRORED, SQL_FAILED
-from shared.store.engine import QueryResult, Store
+from shared.store.engine import Store
 from shared.store.rows import result_to_row
+from tests.support.analysis_store import AsyncStoreSource
 from tests.support.results import GPT, make
 
 RUN = "20260501T090000-raise001"
@@ -38,15 +39,6 @@ def raise_bench() -> list[VerificationResult]:
     return [make("s1", GPT, True, run_name="raise"), make("s2", GPT, False, run_name="raise"),
             make("s3", GPT, False, run_name="raise", regex={"field_verification_error": RAISED})]
 
-
-class Src:
-    """The viewer's async source over the open store."""
-
-    def __init__(self, st: Store) -> None:
-        self.store = st
-
-    async def query(self, sql: str, params: dict[str, Any] | None = None) -> QueryResult:
-        return self.store.query_read_only(sql, params)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +88,7 @@ def test_runs_and_status_count_the_raised_verify_as_an_error(settings: Settings,
 
 
 async def test_viewer_counts_the_raised_verify_as_an_error(stored: Store) -> None:
-    src = Src(stored)
+    src = AsyncStoreSource(stored)
     listed = {r["run_id"]: r for r in (await queries.runs(src))["runs"]}
     assert (listed[RUN]["rate"].successes, listed[RUN]["rate"].n, listed[RUN]["errors"]) == (1, 3, 1)
     h = await queries.run_header(src, RUN)
