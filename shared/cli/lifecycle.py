@@ -15,6 +15,7 @@ import yaml
 from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli.aio import run_main
 from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg
+from shared.cli.simulator_script import merge_scripts, post_script
 from shared.control import lifecycle, rebuild, retention, streams, wait
 from shared.control.credentials import base_reachable, missing_key
 from shared.control.runner import RunInputError
@@ -130,8 +131,6 @@ def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path
     carry them (`lifecycle.graded_benchmark`). A simulator that was restarted since the run holds
     no script for them, and would parse every stored answer with made-up values. Returns the bases
     posted to; raises RuntimeError when a simulator refuses the script."""
-    from shared.cli.run import _merge_scripts, _post_script  # what `run --simulate` posts, the same way
-
     bases = sorted({ev.job.parsing.api_base for ev in plan.generated
                     if ev.job.parsing.interface == "simulator" and ev.job.parsing.api_base})
     if not bases:
@@ -141,9 +140,9 @@ def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path
         path = Path(benchmark_path)
         extra = path.with_name(path.stem + ".simulator.yaml")
         if extra.exists():
-            script = _merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
+            script = merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
     for base in bases:
-        _post_script(base, script)
+        post_script(base, script)
     return bases
 
 

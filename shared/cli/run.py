@@ -19,6 +19,7 @@ from shared.cli import scale as cli_scale
 from shared.cli.aio import run_main
 from shared.cli.common import err, say, validation_text
 from shared.cli.progress import ProgressPrinter, RunProgress, StackWatch
+from shared.cli.simulator_script import merge_scripts, post_script
 from shared.cli.stack import simulator_args
 from shared.control import deployment, runner, stack, wait
 from shared.control.credentials import config_problems
@@ -283,10 +284,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             script = simulator_script_for(benchmark)
             extra = bench_path.with_name(bench_path.stem + ".simulator.yaml")
             if extra.exists():
-                script = _merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
+                script = merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
             for base in sorted({m.api_base for m in config.answering_models + config.parsing_models
                                 if m.interface == "simulator" and m.api_base}):
-                _post_script(base, script)
+                post_script(base, script)
         trait_ranges = report.trait_ranges_from_benchmark(benchmark)
         runs: list[tuple[list[Any], dict[str, Any]]] = []
         run_ids: list[str] = []
@@ -393,24 +394,6 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     else:
         report.print_results(summary, summary.get("gate_lines") or [], simulated=simulated, run_id=plan.run_id)
     return results, summary, verdict.code, plan
-
-
-def _merge_scripts(base: dict, extra: dict) -> dict:
-    by_match = {q["match"]: q for q in base.get("questions", [])}
-    for q in extra.get("questions", []):
-        by_match[q["match"]] = {**by_match.get(q["match"], {}), **q}
-    return {**base, **{k: v for k, v in extra.items() if k != "questions"}, "questions": list(by_match.values())}
-
-
-def _post_script(simulator_url: str, script: dict) -> None:
-    import httpx  # local import: httpx loads click, rich, pygments (~0.4 s); only --simulate posts
-
-    base = simulator_url.removesuffix("/v1")
-    try:
-        resp = httpx.post(f"{base}/simulator/script", json=script, timeout=10)
-        resp.raise_for_status()
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"cannot load the benchmark's script into the simulator at {simulator_url}: {exc}") from exc
 
 
 async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: ANN001, ANN202

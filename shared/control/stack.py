@@ -21,6 +21,7 @@ NATS nodes' configuration and health, `shared.control.nats_nodes`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -54,6 +55,8 @@ from shared.control.processes import (
     stop_procs,
     wait_proc_ready,
 )
+from shared.control.streams import queued_for_services, subject_counts
+from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus, bus_auth
 from shared.runtime.bus import wait_for_port
@@ -412,8 +415,6 @@ def in_flight(settings: Settings, timeout: float = IN_FLIGHT_S) -> InFlight | No
     read message by message), in at most about `timeout` seconds; None when it cannot be read.
     Runs are only looked for when something is queued: a stack whose services have nothing
     left to handle has nothing in flight."""
-    import asyncio  # local imports: only `down` asks
-
     if not bus.server_reachable(settings.nats_url):
         return None
     deadline = time.monotonic() + timeout
@@ -424,9 +425,6 @@ def in_flight(settings: Settings, timeout: float = IN_FLIGHT_S) -> InFlight | No
 
 
 async def _in_flight(settings: Settings, deadline: float) -> InFlight:
-    from shared.control.streams import queued_for_services, subject_counts
-    from shared.core import events
-
     async with bus.session(settings, name="veribus-down", connect_timeout=2, within=2.0, **bus.ONE_TRY) as nc:
         js = nc.jetstream(timeout=2.0)
         queued = sum((await queued_for_services(js)).values())

@@ -860,7 +860,6 @@ def _fake_regrade_bus(monkeypatch: pytest.MonkeyPatch, plan_of: Any, calls: list
     """`cmd_regrade` without a bus: the plan from `plan_of(benchmark)`, publishing and waiting recorded in
     `calls`, the runs' results `old` / `new`."""
     from shared.cli import lifecycle as cli_lifecycle
-    from shared.cli import run as cli_run
 
     async def plan_regrade(settings: Settings, run_id: str, *, benchmark: Benchmark | None = None,
                            **_: Any) -> lifecycle.RegradePlan:
@@ -883,7 +882,7 @@ def _fake_regrade_bus(monkeypatch: pytest.MonkeyPatch, plan_of: Any, calls: list
     monkeypatch.setattr(cli_lifecycle.lifecycle, "submit_regrade", submit_regrade)
     monkeypatch.setattr(cli_lifecycle.lifecycle, "run_results", run_results)
     monkeypatch.setattr(cli_lifecycle.wait, "wait_for_results", wait_for_results)
-    monkeypatch.setattr(cli_run, "_post_script", lambda base, script: calls.append(("script", base, script)))
+    monkeypatch.setattr(cli_lifecycle, "post_script", lambda base, script: calls.append(("script", base, script)))
     return cli_lifecycle
 
 
@@ -940,7 +939,7 @@ def test_regrade_simulate_posts_the_graded_benchmark_s_script_before_publishing(
 
 def test_regrade_simulate_refuses_when_the_simulator_takes_no_script(monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from shared.cli import run as cli_run
+    from shared.cli import lifecycle as cli_lifecycle
     from shared.cli.commands import build_parser
 
     bench = Benchmark.load(EXAMPLE)
@@ -953,7 +952,7 @@ def test_regrade_simulate_refuses_when_the_simulator_takes_no_script(monkeypatch
     def refuse(base: str, script: dict) -> None:
         raise RuntimeError(f"cannot load the benchmark's script into the simulator at {base}: 500")
 
-    monkeypatch.setattr(cli_run, "_post_script", refuse)
+    monkeypatch.setattr(cli_lifecycle, "post_script", refuse)
     args = build_parser().parse_args(["regrade", "old", "--simulate", "--run-name", "rg"])
     assert cli.cmd_regrade(args) == 2
     assert "regrade refused before publishing: cannot load the benchmark's script" in capsys.readouterr().err
