@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
     traits = _trait_names(benchmark)
     # read on the scales the run's scores are normalised by (a trait's 4 on 1..5 is 0.75; 6 is refused)
     gates = check_gates(gates, known_metrics(traits), _models_of(config), trait_ranges_from_benchmark(benchmark))
-    _check_gates_have_data(gates, traits, config.evaluation_mode, _mode_source(args))
+    _check_gates_have_data(gates, traits, config.evaluation_mode, lambda: _mode_source(args))
     return config, gates, MaxErrors.parse(getattr(args, "max_errors", None))
 
 
@@ -200,7 +201,7 @@ def _mode_source(args: argparse.Namespace) -> str:
     return "the default mode"
 
 
-def _check_gates_have_data(gates: list[Any], traits: set[str], mode: str, source: str) -> None:
+def _check_gates_have_data(gates: list[Any], traits: set[str], mode: str, source: Callable[[], str]) -> None:
     """Refuse a gate the run's mode leaves without data (it could only fail, `no data`, after every
     model call was made): a rubric trait in template_only mode, which evaluates no rubric, and
     accuracy (the template's verdict) in rubric_only mode, which runs no template."""
@@ -212,15 +213,15 @@ def _check_gates_have_data(gates: list[Any], traits: set[str], mode: str, source
     for g in gates:
         base = g.metric if g.metric in known else g.metric.split(":", 1)[0]
         said = f"gate {g.text or g.label()!r}"
-        if mode == "template_only" and base in traits:
+        if mode == "template_only" and base in traits:  # `source` reads the config again: refusals only
             raise ValueError(
                 f"{said}: {base!r} is a rubric trait, and rubric traits are not evaluated in template_only mode "
-                f"({source}), so the gate could only fail with no data: a rubric trait gate needs a mode that "
+                f"({source()}), so the gate could only fail with no data: a rubric trait gate needs a mode that "
                 "evaluates rubrics: --mode template_and_rubric or --mode rubric_only")
         if mode == "rubric_only" and base == ACCURACY and base not in traits:
             raise ValueError(
                 f"{said}: accuracy is the answer template's verdict, and templates are not run in rubric_only mode "
-                f"({source}), so the gate could only fail with no data: gate on the rubric's traits, on pass_rate "
+                f"({source()}), so the gate could only fail with no data: gate on the rubric's traits, on pass_rate "
                 "or avg_score (a sample's score is the mean of its traits), or use --mode template_only or "
                 "template_and_rubric")
 

@@ -41,7 +41,7 @@ from shared.runtime import bus
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import check_cost_budget
 from shared.runtime.runcontrol import STOP_ERROR_TYPES, check_budget
-from shared.templates.calls import compile_check, template_shape_problem
+from shared.templates.static_checks import compile_check, template_shape_problem
 
 PRODUCER = "cli/0.1.0"
 RESUME_PREFIX = "resume-"

@@ -25,7 +25,7 @@ from shared.core.limits import MAX_EVENT_BYTES, question_problems
 from shared.core.models import VerificationResult
 from shared.runtime import bus
 from shared.runtime.content import ContentStore, lean_requests
-from shared.templates.calls import compile_check, template_shape_problem
+from shared.templates.static_checks import compile_check, template_shape_problem
 
 
 class RunInputError(ValueError):

@@ -2,8 +2,8 @@
 
 Each async function sends its user-code part to the sandbox (`shared.templates.sandbox`) and gets plain
 data back; the `worker_*` functions are what runs inside the sandbox workers (they import user
-code, so never call them in a service process). `compile_check` is pure and runs in-process
-(it only compiles, no execution). `regex_trait_score` runs no user code but a benchmark's pattern,
+code, so never call them in a service process); what checks template code without running
+it is `shared.templates.static_checks`. `regex_trait_score` runs no user code but a benchmark's pattern,
 which can backtrack for hours on a short answer: services call it in the sandbox
 (`run_regex_trait`), under its wall time.
 """
@@ -29,6 +29,7 @@ from pydantic_core import to_jsonable_python
 
 from shared.templates.answer import INTERNAL_FIELDS, BaseAnswer, template_namespace
 from shared.templates.sandbox import Sandbox, get_sandbox
+from shared.templates.static_checks import syntax_message
 
 # =========================================================================== results
 
@@ -75,29 +76,6 @@ class CallableTraitError(RuntimeError):
 
 
 # =========================================================================== service side
-
-
-def compile_check(code: str) -> str | None:
-    """Syntax check without executing anything (usable by the CLI before publishing)."""
-    try:
-        compile(code, "<template>", "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        return _syntax_message(exc)
-    except (ValueError, MemoryError, RecursionError) as exc:  # NUL bytes, absurd nesting
-        return f"template cannot be compiled: {type(exc).__name__}: {exc}"
-    return None
-
-
-def template_shape_problem(code: str) -> str | None:
-    """Why code that compiles cannot be an answer template, seen without running it: validation
-    needs `class Answer(BaseAnswer)` (or one BaseAnswer subclass) with a `verify()` method, and
-    code that never names `Answer`, or never names `verify`, has neither; None otherwise (what it
-    does define is the sandbox's to find). Found here, the run is refused before any model call."""
-    if "Answer" not in code:
-        return "it defines no answer class: a template needs `class Answer(BaseAnswer)`"
-    if "verify" not in code:
-        return "its answer class has no verify() method: a template needs `def verify(self) -> bool`"
-    return None
 
 
 async def validate_template(
@@ -226,12 +204,6 @@ _CACHE_MAX = 256
 _FILENAME = "<template>"
 
 
-def _syntax_message(exc: SyntaxError) -> str:
-    where = f" at line {exc.lineno}" if exc.lineno else ""
-    text = (exc.text or "").strip()
-    return f"syntax error{where}: {exc.msg}" + (f" ({text[:80]})" if text else "")
-
-
 def _user_line(exc: BaseException, filename: str) -> str:
     tb, line = exc.__traceback__, None
     while tb is not None:
@@ -264,7 +236,7 @@ def _compile_template(code: str, module_name: str) -> Any:
     try:
         compiled = compile(code, _FILENAME, "exec", dont_inherit=True)
     except SyntaxError as exc:
-        raise TemplateError(_syntax_message(exc)) from None
+        raise TemplateError(syntax_message(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise TemplateError(f"template cannot be compiled: {type(exc).__name__}: {exc}") from None
     module = types.ModuleType(module_name)
@@ -566,7 +538,7 @@ def _load_callable(code: str | bytes) -> Callable[[str], Any]:
     try:
         compiled = compile(source, "<callable trait>", "exec", dont_inherit=True)
     except SyntaxError as exc:
-        raise CallableTraitError(f"callable trait source: {_syntax_message(exc)}") from None
+        raise CallableTraitError(f"callable trait source: {syntax_message(exc)}") from None
     ns: dict[str, Any] = {"__name__": "veribus_callable"}
     exec(compiled, ns)
     fn = ns.get("evaluate")
@@ -603,6 +575,6 @@ def worker_callable(
 
 
 __all__ = [
-    "TemplateInfo", "VerifyOutcome", "CallableTraitError", "compile_check", "template_shape_problem", "validate_template", "run_verify",
+    "TemplateInfo", "VerifyOutcome", "CallableTraitError", "validate_template", "run_verify",
     "run_callable_trait", "regex_trait_score", "run_regex_trait", "RegexTraitError",
 ]

@@ -19,13 +19,13 @@ from shared.templates.calls import (
     CallableTraitError,
     TemplateInfo,
     VerifyOutcome,
-    compile_check,
     regex_trait_score,
     run_callable_trait,
     run_verify,
     validate_template,
 )
 from shared.templates.sandbox import Sandbox
+from shared.templates.static_checks import compile_check
 from tests.support.pools import reaped_pool
 
 CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "karenina" / "checkpoints"
