@@ -141,9 +141,10 @@ def in_flight_lines(flight: stack.InFlight | None, ack_wait_s: float) -> list[st
     return [
         head,
         "  stopping anyway: their jobs stay in the event stream (in VERIBUS_HOME), and `veribus up` from this home "
-        "takes them up where they stopped. Model calls cut off now are made again once their messages come back "
-        f"(after the consumers' ack wait, {ack_wait_s:g} s); the simulator comes back on the same port with its "
-        "script. No `veribus resume` is needed.",
+        "takes them up where they stopped. Jobs the services are still working on get a few seconds to finish; "
+        "the rest are handed back and made again after `up` (those of a service that cannot hand them back, "
+        f"killed or cut off from NATS, after the consumers' ack wait, {ack_wait_s:g} s); the simulator comes back "
+        "on the same port with its script. No `veribus resume` is needed.",
         "  a `veribus run` following one of them stops waiting now (exit 3): after `veribus up`, `veribus status "
         "RUN` shows its progress",
     ]

@@ -283,6 +283,9 @@ class Settings(BaseModel):
     simulator_url: str | None = None
     consumer_max_ack_pending: int = 512
     consumer_ack_wait_s: float = 120.0
+    # a stopping stage service lets its handlers in flight finish this long, then hands the rest
+    # back to the stream (nak: redelivered at once, not after the ack wait); under `down`'s 10 s
+    shutdown_grace_s: float = Field(default=5.0, ge=0, le=8)
     consumer_max_deliver: int = 5
     llm_cache: bool = True
     llm_transport: Literal["auto", "litellm", "direct"] = "auto"

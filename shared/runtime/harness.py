@@ -115,6 +115,8 @@ class Delivery:
         self.committed = "nacked"
 
 
+HAND_BACK_S = 1.0  # at shutdown: for the cancelled handlers' naks to be written and flushed
+HAND_BACK_DELAY_S = 0.01  # a handed-back message's nak delay (`_hand_back`: it must not be 0)
 PULL_EXPIRES_S = 5.0  # an open pull request waits on the server this long for messages, then is renewed
 PULL_GRACE_S = 1.0  # one the server has not ended this long after its expiry was lost (a reconnect)
 RETRY_FETCH_S = 0.5  # after a pull request the server refused (reconnecting, stream leader moving)
@@ -226,8 +228,12 @@ class _Pump:
 
     async def stop(self, grace_s: float) -> None:
         """Stop asking for messages, hand what has arrived to handlers, let handlers in flight
-        finish (up to `grace_s`; what is cut off is not acked and comes back), then drop the
-        subscriptions (the durable consumer stays; the server drops requests nobody listens to)."""
+        finish for up to `grace_s` in all, then cancel the rest, each of which hands its message
+        back (`_on_message`: a nak, redelivered at once to whichever replica pulls next, or after
+        `veribus up`, instead of after the ack wait), and drop the subscriptions (the durable
+        consumer stays; the server drops requests nobody listens to)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         self._stopping = True
         if self.task is not None:
             self.task.cancel()
@@ -235,14 +241,37 @@ class _Pump:
         pending, self.open = list(self.open.values()), {}
         try:
             await asyncio.wait_for(asyncio.gather(*(req[2].drain() for req in pending), return_exceptions=True),
-                                   grace_s)
+                                   max(0.5, deadline - loop.time()))
         except Exception:  # noqa: BLE001 - the connection may already be gone
             pass
         if self.inflight:
-            await asyncio.wait(set(self.inflight), timeout=grace_s)
-        for task in list(self.inflight):
+            await asyncio.wait(set(self.inflight), timeout=max(0.0, deadline - loop.time()))
+        cut = list(self.inflight)
+        for task in cut:
             task.cancel()
+        if cut:
+            await asyncio.wait(cut, timeout=HAND_BACK_S)  # their naks written
+            try:
+                await self.nc.flush(timeout=HAND_BACK_S)  # and sent before the connection closes
+            except Exception:  # noqa: BLE001 - the connection is gone: they come back after the ack wait
+                pass
+            log.info("%s: %d message(s) of %s handed back unfinished (redelivered at once)",
+                     self.service.name, len(cut), self.sub.durable)
         await self._unsubscribe_ended()
+
+
+async def _hand_back(msg: Delivery) -> None:
+    """Nak a message whose handler was cut off, for redelivery at once (a delivery counts, as
+    one after the ack wait would); a connection already gone leaves it to the ack wait.
+
+    With a delay, however short: nats-server keeps a plain nak's redelivery in memory only, so
+    after `down` stopped it too the message came back only after the ack wait; a delayed nak is
+    written to the consumer's state (measured on nats-server 2.15: redelivered at once after a
+    restart, a plain nak not)."""
+    try:
+        await msg.nack(delay=HAND_BACK_DELAY_S)
+    except Exception as exc:  # noqa: BLE001
+        log.debug("could not hand back a message: %r", exc)
 
 
 def broker_auth_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
@@ -289,7 +318,6 @@ class StageService:
         self._js: JetStreamContext | None = None
         self.subscriptions: dict[str, Subscription] = {}
         self._pumps: list[_Pump] = []
-        self.graceful_timeout = float(kwargs["graceful_timeout"])
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
         # one cached read of each run's state (config, cancel) for both budgets' gates
         run_states = RunStates(lambda: self.js)
@@ -356,7 +384,7 @@ class StageService:
 
     async def _stop_pumps(self) -> None:
         pumps, self._pumps = self._pumps, []
-        await asyncio.gather(*(p.stop(self.graceful_timeout) for p in pumps))
+        await asyncio.gather(*(p.stop(self.settings.shutdown_grace_s) for p in pumps))
 
     async def _on_message(self, sub: Subscription, raw: Msg) -> None:
         """One fetched message through `deliver`, counted in the service's metrics."""
@@ -365,7 +393,13 @@ class StageService:
         msg = Delivery(raw)
         with observability.METRICS.handling(self.name, sub.event_type, meta.num_delivered if meta else 1) as m, \
                 tracing.handling(self.name, sub.event_type, raw):
-            await self.deliver(sub.event_type, raw.data, msg)  # type: ignore[arg-type]
+            try:
+                await self.deliver(sub.event_type, raw.data, msg)  # type: ignore[arg-type]
+            except asyncio.CancelledError:  # the service stops (`_Pump.stop`): the message goes back
+                m["outcome"] = "handed_back"
+                if msg.committed is None:
+                    await _hand_back(msg)
+                raise
             m["outcome"] = OUTCOME.get() or ("failed" if msg.committed == "nacked" else "handled")
 
     async def _stop_observer(self) -> None:

@@ -68,7 +68,8 @@ class Metrics:
         try:
             yield box
         except BaseException:
-            box["outcome"] = "failed"
+            if box["outcome"] == "handled":  # not set by the caller (which may say "handed_back")
+                box["outcome"] = "failed"
             raise
         finally:
             dt = time.perf_counter() - t0

@@ -117,11 +117,18 @@ def test_a_run_in_flight_across_down_and_up_finishes_without_errors(
     results `connection: ... failed after 5 attempt(s)` (the simulator came back on a new port),
     and `down` had said nothing. Now `down` names the run and says it resumes; after `up` the run
     finishes with every result, no errors, and the scripted verdicts (the simulator kept its
-    script)."""
+    script).
+
+    And at once: the ack wait is 10 minutes here, and the run must finish within 2 after `up`.
+    The jobs `down` cut off (generation's, waiting for their model's one slot) were left unacked
+    and came back only after the ack wait (120 s by default); a stopping service now hands them
+    back (a nak) once its grace (1 s here) is over."""
     _cli(monkeypatch, started.home)
-    monkeypatch.setenv("VERIBUS_CONSUMER_ACK_WAIT_S", "3")  # what `down` cut off comes back soon after `up`
+    env = {"VERIBUS_CONSUMER_ACK_WAIT_S": "600", "VERIBUS_SHUTDOWN_GRACE_S": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # for the services `veribus up` starts
     sim_args = ["--latency-ms", "400"]
-    st = start_stack(started.home, simulator_args=sim_args, extra_env={"VERIBUS_CONSUMER_ACK_WAIT_S": "3"})
+    st = start_stack(started.home, simulator_args=sim_args, extra_env=env)
     try:
         before = started.note()
         path, script = generated_benchmark(tmp_path / "bench.yaml", N, prefix="Downup")
@@ -148,7 +155,10 @@ def test_a_run_in_flight_across_down_and_up_finishes_without_errors(
         st.state = after
         st.settings.nats_url, st.settings.simulator_url = after.nats_url, after.simulator_url
         assert after.simulator_url == before.simulator_url
-        wait_results(st, plan.run_id, N, timeout=180)
+        handed_back = [line for log in (started.home / "logs").glob("generation*.log") for line in log.read_text().splitlines()
+                       if "handed back unfinished" in line]
+        assert handed_back, "generation stopped with nothing in flight: the test did not cut anything off"
+        wait_results(st, plan.run_id, N, timeout=120)  # << the ack wait: nothing was left to it
         res = results_of(st, plan.run_id)
         assert [r.metadata.error for r in res.values() if not r.metadata.completed_without_errors] == []
         assert verdicts(res) == expected_verdicts(N)
