@@ -19,6 +19,7 @@ from shared.core.config import Settings
 from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED
 from shared.runtime import bus
 from shared.store.reads import run_query
+from shared.store.resumed import RESULTS_SQL as RESUMED_RESULTS_SQL
 
 
 class RunNotFound(LookupError, ValueError):
@@ -93,20 +94,23 @@ def resolve(settings: Settings, ref: str, *, stream: bool) -> Picked:
 
 
 # `passed`, `failed` and `errors` as every output counts them (shared.core.verdict: an error is
-# never a pass nor a fail; a template whose verify() raised is an error)
+# never a pass nor a fail; a template whose verify() raised is an error); a stopped result that a
+# `resume` runs again (`shared.store.resumed`) is not done, and counts as `resumed` only
 RUNS_SQL = """
 SELECT r.run_id, r.run_name, toString(r.requested_at) AS started, r.job_count AS jobs,
-       count(v.result_id) AS done,
+       countIf(v.result_id != '' AND NOT v.rerun) AS done,
        countIf(v.result_id != '' AND v.is_pass) AS passed,
        countIf(v.result_id != '' AND v.is_fail) AS failed,
-       countIf(v.result_id != '' AND v.is_error) AS errors,
-       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': RunCancelled: ') > 0) AS cancelled,
-       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': BudgetExhausted: ') > 0) AS budget_stopped,
+       countIf(v.result_id != '' AND v.is_error AND NOT v.rerun) AS errors,
+       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': RunCancelled: ') > 0 AND NOT v.rerun) AS cancelled,
+       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': BudgetExhausted: ') > 0 AND NOT v.rerun)
+           AS budget_stopped,
+       countIf(v.result_id != '' AND v.rerun) AS resumed,
        any(r.parent_run_id) AS parent
 FROM (SELECT * FROM runs FINAL) AS r
 LEFT JOIN (SELECT run_id, result_id, """ + SQL_PASSED + """ AS is_pass, """ + SQL_FAILED + """ AS is_fail,
-                  """ + SQL_ERRORED + """ AS is_error, error
-           FROM verification_results FINAL) AS v ON v.run_id = r.run_id
+                  """ + SQL_ERRORED + """ AS is_error, error, rerun
+           FROM """ + RESUMED_RESULTS_SQL + """) AS v ON v.run_id = r.run_id
 GROUP BY r.run_id, r.run_name, started, jobs
 ORDER BY started DESC
 LIMIT {limit:UInt32}
@@ -114,7 +118,10 @@ LIMIT {limit:UInt32}
 
 
 def run_state(row: dict[str, Any]) -> str:
-    """running | cancelled | budget-stopped | done with errors | done."""
+    """running | cancelled | budget-stopped | done with errors | done. A run a `resume` is
+    running again is running until its re-run jobs have results (whatever stopped it before)."""
+    if row.get("resumed"):
+        return "running"
     if row["cancelled"]:
         return "cancelled"
     if row["budget_stopped"]:
@@ -135,7 +142,7 @@ def list_runs(settings: Settings, limit: int | None = 50) -> list[dict[str, Any]
         res = run_query(settings, RUNS_SQL.replace("LIMIT {limit:UInt32}", ""))
     rows = [dict(zip(res.columns, r, strict=False)) for r in res.rows]
     for row in rows:
-        for k in ("jobs", "done", "passed", "failed", "errors", "cancelled", "budget_stopped"):
+        for k in ("jobs", "done", "passed", "failed", "errors", "cancelled", "budget_stopped", "resumed"):
             row[k] = int(row[k] or 0)
         row["state"] = run_state(row)
     return rows

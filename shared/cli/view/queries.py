@@ -26,6 +26,8 @@ from shared.core.verdict import (
 )
 from shared.store.engine import QueryResult
 from shared.store.event_usage import EVENTS_SOURCE, event_usage_sql, usage_from_rows
+from shared.store.resumed import RESULTS_SQL as RESUMED_RESULTS_SQL
+from shared.store.resumed import STOPPED_SQL
 
 PAGE_SIZE = 50
 HEAT_QUESTIONS = 40
@@ -79,11 +81,11 @@ SELECT
 FROM (SELECT run_id, run_name, requested_at, job_count, benchmark_name, evaluation_mode, config_json
       FROM runs FINAL) AS u
 FULL OUTER JOIN
-     (SELECT run_id, any(run_name) AS run_name, count() AS done, countIf({passed}) AS passed,
-             countIf({verified}) AS verified, countIf({errored}) AS errors,
+     (SELECT run_id, any(run_name) AS run_name, countIf(NOT rerun) AS done, countIf({passed}) AS passed,
+             countIf({verified}) AS verified, countIf({errored} AND NOT rerun) AS errors,
              groupUniqArray(10)(answering_model) AS models,
              countIf(answering_interface = 'simulator' OR parsing_interface = 'simulator') > 0 AS simulated
-      FROM verification_results FINAL GROUP BY run_id) AS r
+      FROM {results} GROUP BY run_id) AS r
 ON u.run_id = r.run_id
 WHERE {cond}
 ORDER BY ifNull(toFloat64(u.requested_at), 0) DESC, run_id DESC
@@ -100,7 +102,8 @@ async def runs(src: AsyncSource, q: str = "", page: int = 0, page_size: int = PA
                 "positionCaseInsensitiveUTF8(ifNull(benchmark_name, ''), {q:String}) > 0)")
         params["q"] = q
     res = await src.query(RUNS_SQL.format(cond=cond, limit=int(page_size) + 1, offset=int(page) * int(page_size),
-                                          passed=SQL_PASSED, verified=SQL_VERIFIED, errored=SQL_ERRORED),
+                                          passed=SQL_PASSED, verified=SQL_VERIFIED, errored=SQL_ERRORED,
+                                          results=RESUMED_RESULTS_SQL),
                           params)
     rows = res.as_dicts()
     more = len(rows) > page_size
@@ -109,9 +112,10 @@ async def runs(src: AsyncSource, q: str = "", page: int = 0, page_size: int = PA
     last: dict[str, Any] = {}
     stopped: set[str] = set()
     if ids:
+        # stopped: the newest run control stops the run (a `resume` publishes one that lifts it)
         ev = await src.query("SELECT run_id, max(occurred_at), dateDiff('second', max(occurred_at), now64(6)), "
-                             "countIf(event_type = 'run.cancelled') FROM events WHERE run_id IN {ids:Array(String)} "
-                             "GROUP BY run_id", {"ids": ids})
+                             f"{STOPPED_SQL} FROM events WHERE run_id IN {{ids:Array(String)}} GROUP BY run_id",
+                             {"ids": ids})
         last = {r[0]: (r[1], r[2]) for r in ev.rows}
         stopped = {r[0] for r in ev.rows if r[3]}
     out = []
@@ -189,14 +193,19 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
             h["config"] = None
         sim = bool(sim) or _simulated_config(cfg)
     ev = await src.query("SELECT dateDiff('second', max(occurred_at), now64(6)), "
-                         "countIf(event_type = 'run.cancelled') FROM events WHERE run_id = {r:String}", {"r": run_id})
+                         f"{STOPPED_SQL} FROM events WHERE run_id = {{r:String}}", {"r": run_id})
     age, cancelled = ev.rows[0] if ev.rows else (None, 0)
+    done = int(n)
+    if done and not cancelled:  # a resume may be running stopped jobs again: those are not done
+        rerun = await src.query(f"SELECT countIf(rerun) FROM {RESUMED_RESULTS_SQL} WHERE run_id = {{r:String}}",
+                                {"r": run_id})
+        done -= int(rerun.rows[0][0] or 0) if rerun.rows else 0
     h.update(results=int(n), passed=int(passed), failed=int(failed), no_verdict=int(no_verdict),
              errors=int(errors), input_tokens=int(tin or 0), output_tokens=int(tout or 0), questions=int(questions),
              tokens_recorded=tokens_recorded,
              simulated=bool(sim), models=sorted(models), judges=sorted(judges),
              keywords=sorted(k for k in kws if k), rate=_rate(passed, int(n) - int(no_verdict)),
-             state=run_state(h["jobs"], int(n), age if n or h["jobs"] else None, bool(cancelled)))
+             state=run_state(h["jobs"], done, age if n or h["jobs"] else None, bool(cancelled)))
     return h
 
 

@@ -1,0 +1,40 @@
+"""Which stored results a `resume` is running again, in SQL over the veribus tables.
+
+A `resume` that re-runs a run's cancelled or budget-stopped jobs first lifts the stop (a
+`run.cancelled` event with `cancelled: false`, `shared.control.lifecycle.resume`), then publishes
+them again. Until each has a newer result, its newest row in `verification_results` is still the
+stopped one, so a count of stopped rows called a resumed run "cancelled" while it ran, and a count
+of rows called it finished. The stream's side of the same rule is `lifecycle.run_finished`.
+
+`RESULTS_SQL` is `verification_results FINAL` with one more column, `rerun`: a stopped result
+older than the run's newest control event, when that event lifted the stop. A stop published
+after the lift (a cancel again) ends the re-run: its rows are stopped again, not re-running.
+"""
+
+from __future__ import annotations
+
+from shared.runtime.runcontrol import STOP_ERROR_TYPES
+
+
+def stopped_sql(error: str = "error") -> str:
+    """A result that only records that its run stopped dispatching (cancel / budget), by its
+    `error` column, as `shared.control.lifecycle._stopped` reads it from the stream."""
+    return "(" + " OR ".join(f"positionCaseInsensitive(ifNull({error}, ''), ': {t}: ') > 0"
+                             for t in sorted(STOP_ERROR_TYPES)) + ")"
+
+
+# a run-control event's payload stops the run (its payload omits `cancelled` when true, the default)
+_STOPS = "ifNull(JSONExtract(payload, 'cancelled', 'Nullable(Bool)'), true)"
+
+# an aggregate over a run's `events` rows: its newest run-control event stops it (a cancel, or a
+# budget change that keeps a cancel), where a resume's lifts it
+STOPPED_SQL = f"(countIf(event_type = 'run.cancelled') > 0 AND argMaxIf({_STOPS}, occurred_at, event_type = 'run.cancelled'))"
+
+# per run: the time (µs, as `verification_results.version`) of its newest run-control event when
+# that event lifts a stop, else 0
+LIFTS_SQL = f"""(SELECT run_id, if(argMax({_STOPS}, occurred_at), 0, toUnixTimestamp64Micro(max(occurred_at))) AS lifted_us
+   FROM events FINAL WHERE event_type = 'run.cancelled' GROUP BY run_id)"""
+
+RESULTS_SQL = f"""(SELECT res.*, {stopped_sql("res.error")} AND res.version < lifts.lifted_us AS rerun
+   FROM (SELECT * FROM verification_results FINAL) AS res
+   LEFT JOIN {LIFTS_SQL} AS lifts ON lifts.run_id = res.run_id)"""
