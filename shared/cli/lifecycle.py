@@ -51,19 +51,22 @@ def cmd_resume(args: argparse.Namespace) -> int:
             check_cost_budget(args.max_cost_usd)  # refused with --dry-run too
         if args.dry_run:
             plan = run_main(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
-                                                  benchmark=bench))
+                                                  include_errors=args.errors, benchmark=bench))
         else:
             before = run_main(wait.finalized_counts(settings, args.run))
             plan = run_main(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
-                                             force=args.force, budget_tokens=args.max_tokens_budget,
+                                             include_errors=args.errors, force=args.force, budget_tokens=args.max_tokens_budget,
                                              budget_cost_usd=args.max_cost_usd,
                                              benchmark=bench))
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
         err(exc)
         return EXIT_INPUT
     print(f"run {plan.run_id}: {plan.job_count} jobs, {plan.finalized} with a result (skipped, no model calls), "
-          f"{plan.stopped} cancelled/over budget, {plan.jobs} job(s) in {len(plan.requests)} answer request(s) "
+          f"{plan.stopped} cancelled/over budget, " + (f"{plan.errored} errored, " if args.errors else "")
+          + f"{plan.jobs} job(s) in {len(plan.requests)} answer request(s) "
           f"{'to publish' if args.dry_run else 'published again'}")
+    if plan.errored and not args.errors:
+        print(f"  {plan.errored} job(s) ended in an error and stay as they are: `--errors` runs them again")
     if plan.replanned:
         print(f"  {plan.replanned} answer request(s) were never published and were planned again from the benchmark")
     if plan.never_published:
@@ -268,6 +271,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--benchmark", help="the run's benchmark file, to plan answers that were never published")
     r.add_argument("--rubric", metavar="FILE", help="with --benchmark: the rubric file the run was started with")
     r.add_argument("--no-stopped", action="store_true", help="do not re-run cancelled / over-budget jobs")
+    r.add_argument("--errors", action="store_true",
+                   help="also re-run jobs whose result is an error (a model call that failed after its retries, a "
+                        "stage's give-up); a template whose verify() raised is not re-run: its template decides the same")
     r.add_argument("--max-tokens-budget", type=number_arg(int, low=1), help="a new token budget for the run")
     r.add_argument("--max-cost-usd", type=float, metavar="USD",
                    help="a new money budget for the run (what it has spent counts against it)")

@@ -100,12 +100,40 @@ async def run_finished(js: JetStreamContext, run_id: str) -> bool:
                 env = events.decode(m.data, m.subject)
             except Exception:  # noqa: BLE001
                 continue
-            if _stopped(env):
-                return False  # stopped before the resume, and not finalized since: it runs again
+            if reruns(change, env):
+                return False  # ended before the resume, and not finalized since: it runs again
     return True
 
 
+def reruns(lift: events.RunControlChange, env: events.Envelope) -> bool:
+    """Whether a resume that published `lift` runs the job of an earlier result `env` again."""
+    if _stopped(env):
+        return not lift.skips_stopped
+    return lift.reruns_errors and _failed(env)
+
+
+async def newest_control(js: JetStreamContext, run_id: str) -> events.RunControlChange | None:
+    """The run-control change in force for a run (None: none was published)."""
+    subject = events.subject(events.RUN_CANCELLED, run_id)
+    try:
+        msg = await js.get_last_msg(events.STREAM, subject)
+        return events.payload_as(events.decode(msg.data, subject), events.RunControlChange)
+    except NotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a foreign message on the subject
+        return None
+
+
 async def publish_control(js: JetStreamContext, run_id: str, payload: events.RunControlChange) -> None:
+    """Publish a run-control change. A budget it leaves unset keeps the one in force: the newest
+    control's budgets replace the config's, and one without them put the config's (perhaps spent)
+    back (a `resume --max-cost-usd 8` then `cancel` and `resume --errors` stopped every job again)."""
+    before = await newest_control(js, run_id)
+    if before is not None:
+        if payload.budget_tokens is None:
+            payload.budget_tokens = before.budget_tokens
+        if payload.budget_cost_usd is None:
+            payload.budget_cost_usd = before.budget_cost_usd
     env = events.make_envelope(events.RUN_CANCELLED, run_id, events.RUN_KEY, payload, PRODUCER)
     env.event_id = event_id_for(run_id, events.RUN_CANCELLED, uuid.uuid4().hex[:12])  # never deduplicated
     await bus.publish(js, env)
@@ -121,6 +149,8 @@ class ResumePlan:
     finalized: int  # jobs with a result that stays
     requests: list[events.AnswerRequested]  # what is published again (only the missing jobs)
     stopped: int = 0  # results that were cancelled / over budget, re-run
+    errored: int = 0  # results that ended in an error (not a stop)
+    errors_rerun: bool = False  # and they are run again (`resume --errors`)
     never_published: int = 0  # answers of the run missing from the stream (and not re-planned)
     replanned: int = 0  # of the requests, how many came from the benchmark file
     queued: dict[str, int] = field(default_factory=dict)
@@ -131,20 +161,33 @@ class ResumePlan:
         return sum(len(r.jobs) for r in self.requests)
 
 
+def _metadata(env: events.Envelope) -> dict[str, Any]:
+    try:
+        return events.payload_as(env, events.ResultFinalized).result.get("metadata") or {}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
 def _stopped(env: events.Envelope) -> bool:
     """A result that only records that the run stopped dispatching (cancel / budget)."""
-    try:
-        result = events.payload_as(env, events.ResultFinalized).result
-    except Exception:  # noqa: BLE001
-        return False
-    err = ((result.get("metadata") or {}).get("error")) or ""
+    err = _metadata(env).get("error") or ""
     return any(f": {t}: " in err for t in STOP_ERROR_TYPES)
 
 
+def _failed(env: events.Envelope) -> bool:
+    """A result that did not complete without errors, not by a stop: a model call that failed after
+    its retries, a stage's give-up, a dead letter. (A template whose verify() raised completed: its
+    template decides that again, the same way.)"""
+    meta = _metadata(env)
+    return meta.get("completed_without_errors") is False and not _stopped(env)
+
+
 async def plan_resume(
-    settings: Settings, run_id: str, *, include_stopped: bool = True, benchmark: Benchmark | None = None,
+    settings: Settings, run_id: str, *, include_stopped: bool = True, include_errors: bool = False,
+    benchmark: Benchmark | None = None,
 ) -> ResumePlan:
-    """What `resume` would publish: each answer request reduced to its jobs without a result."""
+    """What `resume` would publish: each answer request reduced to its jobs without a result (and
+    those whose result was stopped, or with `include_errors` ended in an error)."""
     async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
@@ -156,7 +199,8 @@ async def plan_resume(
     for env in finals:
         last_final[env.result_id] = env
     stopped = {rid for rid, env in last_final.items() if include_stopped and _stopped(env)}
-    done = set(last_final) - stopped
+    failed = {rid for rid, env in last_final.items() if _failed(env)}
+    done = set(last_final) - stopped - (failed if include_errors else set())
     by_answer: dict[str, events.AnswerRequested] = {}
     for env in requested:
         try:
@@ -178,7 +222,7 @@ async def plan_resume(
             todo.append(events.AnswerRequested(jobs=missing))
     return ResumePlan(
         run_id=run_id, job_count=run.job_count, finalized=len(done), requests=todo,
-        stopped=len(stopped), never_published=max(0, run.answer_count - len(by_answer)),
+        stopped=len(stopped), errored=len(failed), errors_rerun=include_errors, never_published=max(0, run.answer_count - len(by_answer)),
         replanned=replanned, queued=queued,
     )
 
@@ -192,17 +236,25 @@ def _replan(run: events.RunRequested, benchmark: Benchmark) -> list[events.Answe
 
 
 async def resume(
-    settings: Settings, run_id: str, *, include_stopped: bool = True, force: bool = False,
-    budget_tokens: int | None = None, budget_cost_usd: float | None = None, benchmark: Benchmark | None = None,
+    settings: Settings, run_id: str, *, include_stopped: bool = True, include_errors: bool = False,
+    force: bool = False, budget_tokens: int | None = None, budget_cost_usd: float | None = None,
+    benchmark: Benchmark | None = None,
 ) -> ResumePlan:
     """Publish again the answer requests of the run's jobs that have no result (and, by default,
-    those that were cancelled or stopped by a budget). Finished jobs cost nothing. A new token or
-    money budget replaces the run's (a run stopped by its spent budget needs a larger one)."""
+    those that were cancelled or stopped by a budget; with `include_errors`, those that ended in
+    an error). Finished jobs cost nothing. A new token or money budget replaces the run's (a run
+    stopped by its spent budget needs a larger one).
+
+    A resume that runs earlier results again, or sets a budget, or publishes jobs of a cancelled
+    run, first publishes a lift (`run.cancelled` with cancelled=False) that says which results it
+    runs again: until each has a newer result the run is not over (`run_finished`,
+    `shared.store.resumed`)."""
     if budget_tokens is not None:
         budget_tokens = check_budget(budget_tokens)
     if budget_cost_usd is not None:
         budget_cost_usd = check_cost_budget(budget_cost_usd)
-    plan = await plan_resume(settings, run_id, include_stopped=include_stopped, benchmark=benchmark)
+    plan = await plan_resume(settings, run_id, include_stopped=include_stopped, include_errors=include_errors,
+                             benchmark=benchmark)
     if plan.queued and not force:
         total = sum(plan.queued.values())
         detail = ", ".join(f"{k} {v}" for k, v in sorted(plan.queued.items()))
@@ -212,10 +264,13 @@ async def resume(
     plan.attempt_key = RESUME_PREFIX + uuid.uuid4().hex[:8]
     async with bus.session(settings) as nc:
         js = nc.jetstream()
-        if plan.stopped or budget_tokens is not None or budget_cost_usd is not None:
+        in_force = await newest_control(js, run_id)
+        reruns_errors = plan.errors_rerun and plan.errored > 0
+        if (plan.stopped or reruns_errors or budget_tokens is not None or budget_cost_usd is not None
+                or (plan.requests and in_force is not None and in_force.cancelled)):
             await publish_control(js, run_id, events.RunControlChange(
                 cancelled=False, reason="resumed", budget_tokens=budget_tokens, budget_cost_usd=budget_cost_usd,
-                at=time.time()))
+                at=time.time(), skips_stopped=not include_stopped, reruns_errors=reruns_errors))
         envs = []
         for req in plan.requests:
             envs.append(events.make_envelope(events.ANSWER_REQUESTED, run_id, req.jobs[0].answer_id, req, PRODUCER,

@@ -239,14 +239,18 @@ class RunControlChange(msgspec.Struct, omit_defaults=True):
     """Payload of `run.cancelled` (`vb.run.cancelled.<run>._`), the run-control event: the newest
     message on that subject is in force. `cancelled=True` cancels the run; `cancelled=False`
     (published by `resume`) lifts an earlier cancel; `budget_tokens` and `budget_cost_usd` replace
-    the token and money budgets of the run's config. The subject keeps its first name so stored
-    events read back unchanged."""
+    the token and money budgets of the run's config. A lift also says which earlier results the
+    resume runs again: the stopped ones (cancelled, over budget) unless `skips_stopped`, and the
+    errored ones with `reruns_errors` (`resume --errors`). The subject keeps its first name so
+    stored events read back unchanged."""
 
     cancelled: bool = True
     reason: str = ""
     budget_tokens: int | None = None
     at: float = 0.0
     budget_cost_usd: float | None = None
+    skips_stopped: bool = False
+    reruns_errors: bool = False
 
     @property
     def action(self) -> Literal["cancel", "resume", "budget"]:

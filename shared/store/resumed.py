@@ -1,14 +1,15 @@
 """Which stored results a `resume` is running again, in SQL over the veribus tables.
 
-A `resume` that re-runs a run's cancelled or budget-stopped jobs first lifts the stop (a
-`run.cancelled` event with `cancelled: false`, `shared.control.lifecycle.resume`), then publishes
-them again. Until each has a newer result, its newest row in `verification_results` is still the
-stopped one, so a count of stopped rows called a resumed run "cancelled" while it ran, and a count
-of rows called it finished. The stream's side of the same rule is `lifecycle.run_finished`.
+A `resume` that re-runs a run's cancelled or budget-stopped jobs (or, with `--errors`, its
+errored ones) first lifts the stop (a `run.cancelled` event with `cancelled: false`,
+`shared.control.lifecycle.resume`), then publishes them again. Until each has a newer result,
+its newest row in `verification_results` is still the old one, so a count of stopped rows called
+a resumed run "cancelled" while it ran, and a count of rows called it finished. The stream's side of the same rule is `lifecycle.run_finished`.
 
-`RESULTS_SQL` is `verification_results FINAL` with one more column, `rerun`: a stopped result
-older than the run's newest control event, when that event lifted the stop. A stop published
-after the lift (a cancel again) ends the re-run: its rows are stopped again, not re-running.
+`RESULTS_SQL` is `verification_results FINAL` with one more column, `rerun`: a result older than
+the run's newest control event, when that event is a resume's lift that runs it again (a stopped
+result, unless `--no-stopped`; an errored one with `--errors`). A stop published after the lift
+(a cancel again) ends the re-run: its rows are what they were, not re-running.
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ _STOPS = "ifNull(JSONExtract(payload, 'cancelled', 'Nullable(Bool)'), true)"
 STOPPED_SQL = f"(countIf(event_type = 'run.cancelled') > 0 AND argMaxIf({_STOPS}, occurred_at, event_type = 'run.cancelled'))"
 
 # per run: the time (µs, as `verification_results.version`) of its newest run-control event when
-# that event lifts a stop, else 0
-LIFTS_SQL = f"""(SELECT run_id, if(argMax({_STOPS}, occurred_at), 0, toUnixTimestamp64Micro(max(occurred_at))) AS lifted_us
+# that event lifts a stop, else 0; and what that lift runs again (`events.RunControlChange`)
+LIFTS_SQL = f"""(SELECT run_id, if(argMax({_STOPS}, occurred_at), 0, toUnixTimestamp64Micro(max(occurred_at))) AS lifted_us,
+          argMax(JSONExtractBool(payload, 'skips_stopped'), occurred_at) AS skips_stopped,
+          argMax(JSONExtractBool(payload, 'reruns_errors'), occurred_at) AS reruns_errors
    FROM events FINAL WHERE event_type = 'run.cancelled' GROUP BY run_id)"""
 
-RESULTS_SQL = f"""(SELECT res.*, {stopped_sql("res.error")} AND res.version < lifts.lifted_us AS rerun
+# as `shared.control.lifecycle.reruns`: a stopped result unless the lift skips them, an errored one
+# (not a stop; a verify() that raised completed) when it re-runs errors
+_RERUN = (f"res.version < lifts.lifted_us AND if({stopped_sql('res.error')}, NOT lifts.skips_stopped, "
+          "lifts.reruns_errors AND NOT res.completed_without_errors)")
+
+RESULTS_SQL = f"""(SELECT res.*, {_RERUN} AS rerun
    FROM (SELECT * FROM verification_results FINAL) AS res
    LEFT JOIN {LIFTS_SQL} AS lifts ON lifts.run_id = res.run_id)"""

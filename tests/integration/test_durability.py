@@ -22,6 +22,7 @@ import yaml
 
 from bench.workload import expected_verdicts, int_template
 from shared.control import lifecycle, processes, rebuild, runner, stack, streams, wait
+from shared.control.runref import list_runs
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
 from shared.core.config import Settings
@@ -246,6 +247,65 @@ def test_cancel_then_resume(dstack: Stack, tmp_path: Path) -> None:
     assert len(res) == n
     bad = [r.metadata.result_id for r in res.values() if r.metadata.error and "RunCancelled" in r.metadata.error]
     assert not bad
+
+
+def test_resume_errors_runs_only_the_errored_jobs_again(dstack: Stack, tmp_path: Path) -> None:
+    """`resume --errors`: a run with jobs that ended in errors (the answer model failed every
+    retry for three questions, the judge for two) is not finished by a plain resume, which
+    names them; with --errors exactly those five run again, the two whose answers were made
+    get them from the run's cache (no answer call), and every job ends passing. While they
+    run, the run is not over (`run_finished`) and `runs` says running."""
+    n = 12
+    path, script = generated_benchmark(tmp_path / "errors.yaml", n, prefix="Errorful", wrong_every=0)
+    broken = dict(script)
+    broken["questions"] = [
+        {**q, "answer_errors": ["500"] * 3} if i < 3 else {**q, "judge_errors": ["500"] * 3} if i < 5 else q
+        for i, q in enumerate(script["questions"])]
+    dstack.post_script(broken)
+    config = dstack.config("template_only", answer_kw={"max_retries": 2, "timeout": 3.0}, judge_kw={"max_retries": 2})
+    plan = plan_and_submit(dstack, path, config)
+    wait_results(dstack, plan.run_id, n, timeout=90)
+    wait_services_idle(dstack)
+    first = results_of(dstack, plan.run_id)
+    errored = sorted(r.metadata.result_id for r in first.values() if not r.metadata.completed_without_errors)
+    assert len(errored) == 5, [r.metadata.error for r in first.values()]
+
+    plain = sync(lifecycle.plan_resume(dstack.settings, plan.run_id))
+    assert (plain.jobs, plain.errored) == (0, 5)  # errors stay unless asked for
+    # the provider is well again, but slow to give the three answers (each first call times out
+    # after 3 s, and its retry answers): the re-run is still going when it is looked at
+    dstack.post_script({**script, "questions": [{**q, "answer_errors": ["slow"]} if i < 3 else q
+                                                for i, q in enumerate(script["questions"])]})
+    stats = dstack.sim_stats()
+    again = sync(lifecycle.resume(dstack.settings, plan.run_id, include_errors=True))
+    assert (again.jobs, again.errored) == (5, 5)
+    assert sorted(j.result_id for r in again.requests for j in r.jobs) == errored
+    assert not sync(_run_finished(dstack.settings, plan.run_id))  # its errored results are not its end
+    wait_projector_idle(dstack)  # the resume's lift is in ClickHouse
+    (row,) = [r for r in list_runs(dstack.settings, limit=0) if r["run_id"] == plan.run_id]
+    assert row["state"] == "running" and row["resumed"] >= 3, row
+    before = {rid: 1 for rid in errored}
+    done, timed_out = sync(wait.wait_for_results(dstack.settings, plan.run_id, result_ids=errored,
+                                                 baseline=before, timeout=90))
+    assert not timed_out, f"{done}/5 re-run"
+    assert sync(_run_finished(dstack.settings, plan.run_id))
+    res = results_of(dstack, plan.run_id)
+    assert [r.metadata.error for r in res.values() if not r.metadata.completed_without_errors] == []
+    assert all(r.template.verify_result for r in res.values())
+    after = dstack.sim_stats()
+    # three answers (each asked twice: the slow call, which the simulator does not count as an answer,
+    # and its retry) and five parses; the judge-errored two had their answers in the run's cache
+    assert (after["answer"] - stats["answer"], after["judge"] - stats["judge"]) == (3, 5)
+    assert after["requests"] - stats["requests"] == 3 * 2 + 5
+    wait_projected(dstack, plan.run_id, n)
+    wait_projector_idle(dstack)
+    (row,) = [r for r in list_runs(dstack.settings, limit=0) if r["run_id"] == plan.run_id]
+    assert (row["state"], row["done"], row["errors"], row["passed"]) == ("done", n, 0, n)
+
+
+async def _run_finished(settings: Settings, run_id: str) -> bool:
+    async with bus.session(settings) as nc:
+        return await lifecycle.run_finished(nc.jetstream(), run_id)
 
 
 def test_regrade_uses_stored_answers(dstack: Stack, finished_run, tmp_path: Path) -> None:

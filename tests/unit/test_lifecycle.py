@@ -1035,3 +1035,52 @@ def test_regrade_with_errored_and_graded_results_prints_the_changes(monkeypatch:
     assert "2/2 finalized: 1 passed, 1 error(s)" in out
     assert "verify_result changed for 2 of 2 job(s); in error: 1 before, 1 now" in out
     assert "    q1: error -> passed\n    q1: passed -> error\n" in out
+
+
+# ------------------------------------------------------------------------------ what a resume runs again
+
+
+async def test_a_control_that_leaves_a_budget_unset_keeps_the_one_in_force() -> None:
+    """`resume --max-cost-usd 8` raised a spent budget; a later `cancel`, or a `resume --errors`
+    without a budget, published a control without one, and the run's config's spent budget was
+    in force again (the next jobs were stopped at once). What a control leaves unset now keeps
+    what the newest control had; what it sets replaces it."""
+    js = FakeJS()
+    js.put_event(_control(cancelled=False, reason="resumed", budget_cost_usd=8.0, budget_tokens=900))
+    await lifecycle.publish_control(js, "run1", events.RunControlChange(cancelled=True, reason="stop"))
+    await lifecycle.publish_control(js, "run1", events.RunControlChange(cancelled=False, budget_tokens=1200))
+    cancel, lift = (events.payload_as(e, events.RunControlChange) for e in js.published)
+    assert (cancel.cancelled, cancel.budget_cost_usd, cancel.budget_tokens) == (True, 8.0, 900)
+    assert (lift.cancelled, lift.budget_cost_usd, lift.budget_tokens) == (False, 8.0, 1200)
+    ctl = costcontrol.CostControl(lambda: js, ttl_s=0.0, usage_ttl_s=0.0)
+    js.put_event(events.make_envelope(events.RUN_REQUESTED, "run1", events.RUN_KEY, events.RunRequested(
+        run_id="run1", timestamp="t", job_count=1, answer_count=1, config={"budget_cost_usd": 0.01}), "test"))
+    assert await ctl.budget("run1") == 8_000_000  # micro-dollars: the raised budget, not the config's
+    await ctl.close()
+
+
+def _final(error: str | None, ok: bool) -> events.Envelope:
+    meta = {"completed_without_errors": ok, "error": error}
+    return events.make_envelope(events.RESULT_FINALIZED, "run1", "r1",
+                                events.ResultFinalized(result={"metadata": meta}), "test")
+
+
+def test_what_a_resume_runs_again() -> None:
+    """A lift runs stopped results again unless it skips them (`--no-stopped`), errored ones only
+    with `--errors`; a result that completed (a template whose verify() raised included) never."""
+    cancelled = _final("generate_answer: RunCancelled: cancelled: run run1 was cancelled", False)
+    over = _final("generate_answer: BudgetExhausted: budget exhausted: run run1 has used 9 of its 5", False)
+    failed = _final("generate_answer: ServerError: simulated server error 500 after 3 attempt(s)", False)
+    completed = _final(None, True)
+    plain = events.RunControlChange(cancelled=False)
+    errors = events.RunControlChange(cancelled=False, reruns_errors=True)
+    only_errors = events.RunControlChange(cancelled=False, reruns_errors=True, skips_stopped=True)
+    table = {(name, lift): lifecycle.reruns(c, env)
+             for name, env in (("cancelled", cancelled), ("over", over), ("failed", failed), ("completed", completed))
+             for lift, c in (("plain", plain), ("errors", errors), ("only_errors", only_errors))}
+    assert [k for k, v in table.items() if v] == [
+        ("cancelled", "plain"), ("cancelled", "errors"), ("over", "plain"), ("over", "errors"),
+        ("failed", "errors"), ("failed", "only_errors")]
+    # an old lift, published before these fields, reads as it meant: stopped results run again
+    old = events.payload_as(_control(cancelled=False, reason="resumed"), events.RunControlChange)
+    assert lifecycle.reruns(old, cancelled) and not lifecycle.reruns(old, failed)
