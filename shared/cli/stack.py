@@ -175,6 +175,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         counts = run_counts(settings, run_id)
         row = next((r for r in list_runs(settings, limit=100000) if r["run_id"] == run_id), None)
         state = f"; {row['jobs']} jobs, {row['state']}, name {row['run_name'] or '-'}" if row else ""
+        if row and row.get("resumed"):
+            state += f"; {row['resumed']} job(s) being run again by a resume (counted above by their earlier results until they end)"
         print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in counts.items()) + state)
         print(format_run_problems(run_problems(settings, run_id)))
         behind = unstored(run_id)
