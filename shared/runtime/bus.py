@@ -262,7 +262,7 @@ def desired_replicas(nc: NATS, settings: Settings | None = None) -> int:
     return min(MAX_REPLICAS, size)
 
 
-def _cluster_not_ready(exc: BaseException) -> bool:
+def cluster_not_ready(exc: BaseException) -> bool:
     """Errors a forming or failing-over cluster gives for a while (no meta leader yet, too few
     peers, a request lost on a node that went away): worth retrying, not reporting."""
     if isinstance(exc, js_errors.ServiceUnavailableError | js_errors.NoStreamResponseError
@@ -283,7 +283,7 @@ async def retry_cluster(op: Any, what: str, timeout: float = CLUSTER_READY_TIMEO
         try:
             return await op()
         except Exception as exc:  # noqa: BLE001 - filtered below
-            if not _cluster_not_ready(exc) or time.monotonic() + delay > deadline:
+            if not cluster_not_ready(exc) or time.monotonic() + delay > deadline:
                 raise
             log.info("%s: the cluster is not ready (%r); retrying", what, exc)
             await asyncio.sleep(delay)
@@ -375,7 +375,7 @@ async def ensure_kv(js: JetStreamContext, config: Any, settings: Settings | None
         try:
             return await _create_placed(create, replicas, "bucket " + config.bucket, result=lambda _, kv: kv)
         except Exception as exc:  # noqa: BLE001 - lost the creation race, or the cluster is not ready
-            if _cluster_not_ready(exc):
+            if cluster_not_ready(exc):
                 raise
             return await js.key_value(config.bucket)
 
@@ -478,7 +478,7 @@ async def publish(js: JetStreamContext, env: events.Envelope) -> bool:
     try:  # the first try outside the retry loop: every handled message publishes (issue 12)
         ack = await _publish_one(js, env)
     except Exception as exc:  # noqa: BLE001 - filtered: only what a failing-over cluster says is retried
-        if not _cluster_not_ready(exc):
+        if not cluster_not_ready(exc):
             raise
         ack = await retry_cluster(lambda: _publish_one(js, env), "publish", PUBLISH_RETRY_S)
     return not ack.duplicate
@@ -495,7 +495,7 @@ async def publish_many(js: JetStreamContext, envs: Iterable[events.Envelope], wi
         count = 0
         for (env, _), ack in zip(pending, acks, strict=True):
             if isinstance(ack, BaseException):
-                if not _cluster_not_ready(ack):
+                if not cluster_not_ready(ack):
                     raise ack
                 count += int(await publish(js, env))
             else:

@@ -32,7 +32,7 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from shared.core import events
 from shared.core.limits import check_job
-from shared.runtime.bus import ensure_kv
+from shared.runtime.bus import cluster_not_ready, ensure_kv, retry_cluster
 
 log = logging.getLogger("veribus.content")
 
@@ -123,6 +123,18 @@ def fill(job: events.Job, contents: dict[str, dict[str, Any]], refs: dict[str, s
     return filled
 
 
+async def _put(kv: Any, key: str, data: bytes) -> None:
+    """One content written, retried while the cluster is not ready: a bucket just created on a
+    three-node cluster has no stream leader for a moment, and a put then found no responders
+    (a run's submit failed in the fresh-clone CI, `test_cluster_stack`'s first run)."""
+    try:
+        await kv.put(key, data)
+    except Exception as exc:  # noqa: BLE001 - filtered: only what a forming cluster says is retried
+        if not cluster_not_ready(exc):
+            raise
+        await retry_cluster(lambda: kv.put(key, data), f"content put {key}")
+
+
 class ContentStore:
     """Contents by key on JetStream KV, with an in-process LRU cache (contents never change)."""
 
@@ -157,7 +169,7 @@ class ContentStore:
         todo = list({k: d for k, d in items if k not in self.cache}.items())
         for i in range(0, len(todo), window):  # pipelined: a run of 10,000 questions is one burst
             chunk = todo[i:i + window]
-            await asyncio.gather(*(kv.put(k, d) for k, d in chunk))
+            await asyncio.gather(*(_put(kv, k, d) for k, d in chunk))
             for k, d in chunk:
                 self._remember(k, msgspec.json.decode(d))
         return len(todo)

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+from nats import errors as nats_errors
+from nats.js import errors as js_errors
 from pydantic import ValidationError
 
 from shared.control import nats_nodes, processes, stack
 from shared.core.config import Settings
 from shared.runtime import bus
+from shared.runtime.content import ContentStore
 
 
 def test_nats_url_takes_a_comma_separated_server_list() -> None:
@@ -81,14 +84,11 @@ def test_a_cluster_still_forming_gets_the_replicas_of_the_nodes_listed() -> None
 
 
 def test_transient_cluster_errors_are_retried_and_others_are_not() -> None:
-    from nats import errors as nats_errors
-    from nats.js import errors as js_errors
-
-    assert bus._cluster_not_ready(nats_errors.TimeoutError())
-    assert bus._cluster_not_ready(js_errors.ServiceUnavailableError(code=503, description="JetStream not ready"))
-    assert bus._cluster_not_ready(js_errors.APIError(code=500, description="insufficient resources"))
-    assert not bus._cluster_not_ready(js_errors.BadRequestError(code=400, description="stream name in use"))
-    assert not bus._cluster_not_ready(ValueError("bad"))
+    assert bus.cluster_not_ready(nats_errors.TimeoutError())
+    assert bus.cluster_not_ready(js_errors.ServiceUnavailableError(code=503, description="JetStream not ready"))
+    assert bus.cluster_not_ready(js_errors.APIError(code=500, description="insufficient resources"))
+    assert not bus.cluster_not_ready(js_errors.BadRequestError(code=400, description="stream name in use"))
+    assert not bus.cluster_not_ready(ValueError("bad"))
 
 
 def test_cluster_node_configs(tmp_path: Path) -> None:
@@ -215,3 +215,32 @@ async def test_creation_steps_down_replicas_only_when_placement_fails(monkeypatc
 
     with pytest.raises(js_errors.BadRequestError, match="already in use"):
         await bus._create_placed(refused, 3, "stream t", result=lambda n, made: made)
+
+
+class _FlakyBucket:
+    """A content bucket just created on a three-node cluster: its first puts find no stream leader."""
+
+    def __init__(self, failures: list[BaseException]) -> None:
+        self.failures, self.puts, self.data = failures, 0, {}
+
+    async def put(self, key: str, value: bytes) -> int:
+        self.puts += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        self.data[key] = value
+        return self.puts
+
+
+async def test_a_content_put_waits_for_a_forming_cluster_and_refuses_the_rest() -> None:
+    """The fresh-clone CI's first cluster run failed to submit: `nats: no response from stream` on
+    the content bucket it had just created. A put is retried while the cluster is not ready; any
+    other error is raised at once."""
+    store = ContentStore(lambda: None)
+    store._kv = _FlakyBucket([js_errors.NoStreamResponseError(), nats_errors.NoRespondersError()])
+    assert await store.put_many([("c_key", b'{"question_text": "2+2?"}')]) == 1
+    assert (store._kv.puts, list(store._kv.data)) == (3, ["c_key"])
+    store = ContentStore(lambda: None)
+    store._kv = _FlakyBucket([js_errors.BadRequestError(code=400, description="invalid key")])
+    with pytest.raises(js_errors.BadRequestError):
+        await store.put_many([("c_key", b"{}")])
+    assert store._kv.puts == 1
