@@ -120,7 +120,7 @@ async def newest_control(js: JetStreamContext, run_id: str) -> events.RunControl
         return events.payload_as(events.decode(msg.data, subject), events.RunControlChange)
     except NotFoundError:
         return None
-    except Exception:  # noqa: BLE001 - a foreign message on the subject
+    except (msgspec.MsgspecError, ValueError):  # a foreign message on the subject; a bus error is raised
         return None
 
 
@@ -222,8 +222,8 @@ async def plan_resume(
             todo.append(events.AnswerRequested(jobs=missing))
     return ResumePlan(
         run_id=run_id, job_count=run.job_count, finalized=len(done), requests=todo,
-        stopped=len(stopped), errored=len(failed), errors_rerun=include_errors, never_published=max(0, run.answer_count - len(by_answer)),
-        replanned=replanned, queued=queued,
+        stopped=len(stopped), errored=len(failed), errors_rerun=include_errors,
+        never_published=max(0, run.answer_count - len(by_answer)), replanned=replanned, queued=queued,
     )
 
 
