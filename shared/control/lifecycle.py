@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 import msgspec
@@ -73,21 +74,14 @@ async def cancel(settings: Settings, run_id: str, reason: str = "") -> CancelOut
 
 async def run_finished(js: JetStreamContext, run_id: str) -> bool:
     """Whether a run whose every job has a `result.finalized` is really over: no `resume` is
-    running jobs again. A resume that re-runs cancelled or budget-stopped jobs first lifts the
-    stop (a `run.cancelled` with cancelled=False), then publishes them again; until each of them
-    has a result newer than that lift, its newest result is still the stopped one, and the run
-    is not over."""
-    try:
-        msg = await js.get_last_msg(events.STREAM, events.subject(events.RUN_CANCELLED, run_id))
-    except NotFoundError:
+    running jobs again. A resume that re-runs earlier results (stopped ones; errored ones with
+    `--errors`) first publishes a lift (a `run.cancelled` with cancelled=False) that says which
+    (`reruns`), then publishes them again; until each of them has a result newer than that lift,
+    its newest result is still the earlier one, and the run is not over."""
+    got = await _newest_control(js, run_id)
+    if got is None:
         return True  # never stopped, never resumed
-    control = events.decode(msg.data, msg.subject) if msg.data else None
-    if control is None:
-        return True
-    try:
-        change = events.payload_as(control, events.RunControlChange)
-    except Exception:  # noqa: BLE001 - a foreign message on the subject
-        return True
+    msg, change = got
     if change.cancelled:
         return True  # the newest control stops the run: nothing of it runs again
     lifted_at = int(msg.seq or 0)
@@ -112,23 +106,33 @@ def reruns(lift: events.RunControlChange, env: events.Envelope) -> bool:
     return lift.reruns_errors and _failed(env)
 
 
-async def newest_control(js: JetStreamContext, run_id: str) -> events.RunControlChange | None:
-    """The run-control change in force for a run (None: none was published)."""
+async def _newest_control(js: JetStreamContext, run_id: str) -> tuple[Any, events.RunControlChange] | None:
+    """The run's newest run-control message and its change (None: none was published, or a
+    foreign message is on the subject); a bus error is raised."""
     subject = events.subject(events.RUN_CANCELLED, run_id)
     try:
         msg = await js.get_last_msg(events.STREAM, subject)
-        return events.payload_as(events.decode(msg.data, subject), events.RunControlChange)
     except NotFoundError:
         return None
-    except (msgspec.MsgspecError, ValueError):  # a foreign message on the subject; a bus error is raised
+    try:
+        return msg, events.payload_as(events.decode(msg.data, subject), events.RunControlChange)
+    except (msgspec.MsgspecError, ValueError):
         return None
 
 
-async def publish_control(js: JetStreamContext, run_id: str, payload: events.RunControlChange) -> None:
+async def newest_control(js: JetStreamContext, run_id: str) -> events.RunControlChange | None:
+    """The run-control change in force for a run (None: none was published)."""
+    got = await _newest_control(js, run_id)
+    return None if got is None else got[1]
+
+
+async def publish_control(js: JetStreamContext, run_id: str, payload: events.RunControlChange,
+                          in_force: events.RunControlChange | None | EllipsisType = ...) -> None:
     """Publish a run-control change. A budget it leaves unset keeps the one in force: the newest
     control's budgets replace the config's, and one without them put the config's (perhaps spent)
-    back (a `resume --max-cost-usd 8` then `cancel` and `resume --errors` stopped every job again)."""
-    before = await newest_control(js, run_id)
+    back (a `resume --max-cost-usd 8` then `cancel` and `resume --errors` stopped every job again).
+    `in_force`: the newest control as the caller has just read it (`...`: read it here)."""
+    before = await newest_control(js, run_id) if in_force is ... else in_force
     if before is not None:
         if payload.budget_tokens is None:
             payload.budget_tokens = before.budget_tokens
@@ -270,7 +274,7 @@ async def resume(
                 or (plan.requests and in_force is not None and in_force.cancelled)):
             await publish_control(js, run_id, events.RunControlChange(
                 cancelled=False, reason="resumed", budget_tokens=budget_tokens, budget_cost_usd=budget_cost_usd,
-                at=time.time(), skips_stopped=not include_stopped, reruns_errors=reruns_errors))
+                at=time.time(), skips_stopped=not include_stopped, reruns_errors=reruns_errors), in_force)
         envs = []
         for req in plan.requests:
             envs.append(events.make_envelope(events.ANSWER_REQUESTED, run_id, req.jobs[0].answer_id, req, PRODUCER,

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared.core import events
+from shared.control.streams import run_requests
 from shared.core.config import Settings
 from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED
 from shared.runtime import bus
 from shared.store.reads import run_query
 from shared.store.resumed import RESULTS_SQL as RESUMED_RESULTS_SQL
+from shared.store.resumed import stopped_sql
 
 
 class RunNotFound(LookupError, ValueError):
@@ -68,18 +69,8 @@ async def runs_in_stream(settings: Settings) -> list[RunRef]:
     async with bus.session(settings, connect_timeout=2, within=10.0, **bus.ONE_TRY) as nc:  # never a hang
         js = nc.jetstream()
         await bus.ensure_stream(js)
-        info = await js.stream_info(events.STREAM, subjects_filter=events.subject(events.RUN_REQUESTED, "*"))
-        out = []
-        for subj in (info.state.subjects or {}):
-            env = await bus.last_event(js, subj)
-            if env is None:
-                continue
-            try:
-                run = events.payload_as(env, events.RunRequested)
-            except Exception:  # noqa: BLE001 - a foreign message on the subject
-                continue
-            out.append(RunRef(run.run_id, run.run_name, run.timestamp))
-        return out
+        runs, _ = await run_requests(js)
+        return [RunRef(run.run_id, run.run_name, run.timestamp) for run in runs]
 
 
 def runs_in_store(settings: Settings) -> list[RunRef]:
@@ -102,9 +93,8 @@ SELECT r.run_id, r.run_name, toString(r.requested_at) AS started, r.job_count AS
        countIf(v.result_id != '' AND v.is_pass) AS passed,
        countIf(v.result_id != '' AND v.is_fail) AS failed,
        countIf(v.result_id != '' AND v.is_error AND NOT v.rerun) AS errors,
-       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': RunCancelled: ') > 0 AND NOT v.rerun) AS cancelled,
-       countIf(positionCaseInsensitive(ifNull(v.error, ''), ': BudgetExhausted: ') > 0 AND NOT v.rerun)
-           AS budget_stopped,
+       countIf(""" + stopped_sql("v.error", frozenset({"RunCancelled"})) + """ AND NOT v.rerun) AS cancelled,
+       countIf(""" + stopped_sql("v.error", frozenset({"BudgetExhausted"})) + """ AND NOT v.rerun) AS budget_stopped,
        countIf(v.result_id != '' AND v.rerun) AS resumed,
        any(r.parent_run_id) AS parent
 FROM (SELECT * FROM runs FINAL) AS r

@@ -55,7 +55,7 @@ from shared.control.processes import (
     stop_procs,
     wait_proc_ready,
 )
-from shared.control.streams import queued_for_services, subject_counts
+from shared.control.streams import queued_for_services, run_requests, subject_counts
 from shared.core import events
 from shared.core.config import Settings
 from shared.runtime import bus, bus_auth
@@ -430,20 +430,7 @@ async def _in_flight(settings: Settings, deadline: float) -> InFlight:
         queued = sum((await queued_for_services(js)).values())
         if not queued:
             return InFlight(0)
-        info = await js.stream_info(events.STREAM, subjects_filter=events.subject(events.RUN_REQUESTED, "*"))
-        requested: list[events.RunRequested] = []
-        partial = False
-        for subj in info.state.subjects or {}:
-            if time.monotonic() > deadline:
-                partial = True
-                break
-            env = await bus.last_event(js, subj)
-            if env is None:
-                continue
-            try:
-                requested.append(events.payload_as(env, events.RunRequested))
-            except Exception:  # noqa: BLE001, S112 - a foreign message on the subject
-                continue
+        requested, partial = await run_requests(js, deadline)
         runs = []
         for run in sorted(requested, key=lambda r: r.timestamp, reverse=True):
             if time.monotonic() > deadline:

@@ -16,6 +16,7 @@ from shared.core.config import Settings
 from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED, SQL_VERIFY_RAISED
 from shared.runtime import bus
 from shared.store.reads import run_query
+from shared.store.resumed import stopped_sql
 
 log = logging.getLogger("veribus.status")
 
@@ -53,9 +54,9 @@ def run_problems(settings: Settings, run_id: str, limit: int = 20) -> dict[str, 
     budget = int(budget_rows[0][0]) if budget_rows and budget_rows[0][0] else None
     spent = stopped = 0
     if budget is not None:
-        spent, stopped = run_query(settings, "SELECT sum(total_tokens), countIf(positionCaseInsensitive(ifNull("
-                                             "error, ''), ': BudgetExhausted: ') > 0) FROM verification_results FINAL "
-                                             "WHERE run_id = {run:String}", p).rows[0]
+        over = stopped_sql("error", frozenset({"BudgetExhausted"}))
+        spent, stopped = run_query(settings, f"SELECT sum(total_tokens), countIf({over}) FROM verification_results "
+                                             "FINAL WHERE run_id = {run:String}", p).rows[0]
     return {
         "budget_tokens": budget,
         "tokens_spent": int(spent or 0),

@@ -141,6 +141,24 @@ async def run_event(js: JetStreamContext, run_id: str) -> events.RunRequested:
     return events.payload_as(env, events.RunRequested)
 
 
+async def run_requests(js: JetStreamContext, deadline: float | None = None) -> tuple[list[events.RunRequested], bool]:
+    """Every run's `run.requested` in the stream (the newest message of each run's subject; a
+    foreign message there is left out), and whether `deadline` (monotonic) cut the reading short."""
+    info = await js.stream_info(events.STREAM, subjects_filter=events.subject(events.RUN_REQUESTED, "*"))
+    out: list[events.RunRequested] = []
+    for subj in info.state.subjects or {}:
+        if deadline is not None and time.monotonic() > deadline:
+            return out, True
+        env = await bus.last_event(js, subj)
+        if env is None:
+            continue
+        try:
+            out.append(events.payload_as(env, events.RunRequested))
+        except Exception:  # noqa: BLE001, S112 - a foreign message on the subject
+            continue
+    return out, False
+
+
 async def consumer_lags_leader(js: JetStreamContext, ci: Any) -> bool:
     """Whether the stream's leader holds a message on the consumer's filter past its ack floor.
     A consumer's counts are its own member's copy, which may lag the leader, so counts that say

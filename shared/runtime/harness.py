@@ -2,7 +2,7 @@
 consumer, call the stage, publish what it returns, ack after publishing.
 
 FastStream runs the app (connection, auth, start-up and shutdown hooks); the stage consumers
-are pulled by `_Pump`, a lean loop on nats-py: pull requests held open for as many messages as
+are pulled by `shared.runtime.pump.Pump`, a lean loop on nats-py: pull requests held open for as many messages as
 there are free worker slots, a task started per message as it arrives. Profiled (issue 12),
 FastStream's per-message path (context, middlewares, anyio task groups and semaphores) cost a
 fifth of a stage service's CPU, and its fetch loop waits for a whole batch once the consumer is
@@ -54,6 +54,7 @@ from shared.runtime.limits import deployment_limiter
 from shared.runtime.llm.cache import CACHE_JOB, CACHE_SCOPE
 from shared.runtime.llm.client import CALL_GATE, LLMClient
 from shared.runtime.llm.transport import close_transports
+from shared.runtime.pump import Delivery, Pump, hand_back
 from shared.runtime.response_cache import job_for, scope_for, service_cache
 from shared.runtime.runcontrol import (
     RunControl,
@@ -94,184 +95,6 @@ class Subscription:
     config: ConsumerConfig | None = None
     skip: Callable[[Any], bool] | None = None
     needs_question: Callable[[events.Job], bool] | None = None
-
-
-class Delivery:
-    """A fetched JetStream message with the surface `StageService.deliver` uses (the one a
-    FastStream `NatsMessage` has): `raw_message`, `ack`, `nack(delay)`, `committed`."""
-
-    __slots__ = ("committed", "raw_message")
-
-    def __init__(self, raw: Msg) -> None:
-        self.raw_message = raw
-        self.committed: str | None = None
-
-    async def ack(self) -> None:
-        await self.raw_message.ack()
-        self.committed = "acked"
-
-    async def nack(self, delay: float | None = None) -> None:
-        await self.raw_message.nak(delay=delay)
-        self.committed = "nacked"
-
-
-HAND_BACK_S = 1.0  # at shutdown: for the cancelled handlers' naks to be written and flushed
-HAND_BACK_DELAY_S = 0.01  # a handed-back message's nak delay (`_hand_back`: it must not be 0)
-PULL_EXPIRES_S = 5.0  # an open pull request waits on the server this long for messages, then is renewed
-PULL_GRACE_S = 1.0  # one the server has not ended this long after its expiry was lost (a reconnect)
-RETRY_FETCH_S = 0.5  # after a pull request the server refused (reconnecting, stream leader moving)
-
-
-class _Pump:
-    """Pulls one durable consumer the way nats.go's `consume` does: pull requests stay open on
-    the server for as many messages as there are free worker slots, and each message is started
-    (a task) as it arrives; a request is renewed when it expires, and more credit is asked for
-    once a quarter of the slots (at most `batch_size`) has come free. Profiled (issue 12), the
-    earlier fetch loop (a no-wait request, its "no messages" reply, a lingering request and its
-    timers for every message or two) cost stages fed one message at a time more than the
-    handling itself. Messages in flight are at most `workers` (the rest stay on the server:
-    backpressure, `max_ack_pending`).
-
-    Each request has its own inbox subscription (delivered messages carry their stream subject,
-    not the request's), so what it delivered and its end (408 expired, 409) are known exactly;
-    one the server never ends (lost with a connection) is given up `PULL_GRACE_S` after its
-    expiry, and a message that still comes for it then is handled all the same."""
-
-    def __init__(self, service: StageService, sub: Subscription, nms: str) -> None:
-        self.service, self.sub, self.nms = service, sub, nms
-        self.nc = service.js._nc  # type: ignore[attr-defined]
-        self.inflight: set[asyncio.Task[None]] = set()
-        self.open: dict[str, list[Any]] = {}  # inbox -> [messages still due, deadline, its subscription]
-        self.credit = 0  # messages the open requests may still deliver
-        self.threshold = max(1, min(sub.batch_size, sub.workers // 4))
-        self._ended: list[Any] = []  # subscriptions of ended requests, unsubscribed by the loop
-        self._retry_at = 0.0
-        self._wake = asyncio.Event()
-        self._stopping = False
-        self.task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self.task = asyncio.ensure_future(self._run())
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self.inflight.discard(task)
-        if self.sub.workers - len(self.inflight) - self.credit >= self.threshold:
-            self._wake.set()
-        if not task.cancelled() and task.exception() is not None:  # deliver acks or nacks everything itself
-            log.error("%s: handler task failed: %r", self.service.name, task.exception())
-
-    def _close(self, inbox: str) -> None:
-        req = self.open.pop(inbox, None)
-        if req is not None:
-            self.credit -= req[0]
-            self._ended.append(req[2])
-            self._wake.set()
-
-    async def _on_msg(self, inbox: str, raw: Msg) -> None:
-        req = self.open.get(inbox)
-        status = raw.headers.get("Status") if raw.headers and not raw.reply else None
-        if status is not None:
-            if status != "100":  # 408 expired, 409 (max waiting, leader change, consumer deleted), 404, 503
-                self._close(inbox)
-                if status != "408":
-                    log.debug("%s: pull on %s ended: %s %s", self.service.name, self.sub.durable, status,
-                              raw.headers.get("Description", ""))
-                    self._retry_at = asyncio.get_running_loop().time() + RETRY_FETCH_S
-            return
-        if req is not None:
-            req[0] -= 1
-            self.credit -= 1
-            if req[0] <= 0:
-                self._close(inbox)
-        task = asyncio.ensure_future(self.service._on_message(self.sub, raw))
-        self.inflight.add(task)
-        task.add_done_callback(self._done)
-
-    async def _pull(self, n: int, now: float) -> None:
-        inbox = self.nc.new_inbox()
-        try:
-            nsub = await self.nc.subscribe(inbox, cb=functools.partial(self._on_msg, inbox))
-            self.open[inbox] = [n, now + PULL_EXPIRES_S + PULL_GRACE_S, nsub]
-            self.credit += n
-            await self.nc.publish(self.nms, b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES_S * 1e9)),
-                                  reply=inbox)
-        except Exception as exc:  # noqa: BLE001 - reconnecting: asked again after a pause
-            log.debug("%s: pull on %s failed: %r", self.service.name, self.sub.durable, exc)
-            self._close(inbox)
-            self._retry_at = now + RETRY_FETCH_S
-
-    async def _unsubscribe_ended(self) -> None:
-        ended, self._ended = self._ended, []
-        for nsub in ended:
-            try:
-                await nsub.unsubscribe()
-            except Exception:  # noqa: BLE001 - closed with the connection already
-                pass
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stopping:
-            now = loop.time()
-            for inbox in [i for i, req in self.open.items() if req[1] < now]:
-                self._close(inbox)  # lost with a connection: its credit is asked for again
-            if self._ended:
-                await self._unsubscribe_ended()
-            want = self.sub.workers - len(self.inflight) - self.credit
-            if want > 0 and (want >= self.threshold or not self.credit) and now >= self._retry_at:
-                await self._pull(want, now)
-                continue
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), max(0.05, self._retry_at - now) if want > 0 else 1.0)
-            except TimeoutError:
-                pass
-
-    async def stop(self, grace_s: float) -> None:
-        """Stop asking for messages, hand what has arrived to handlers, let handlers in flight
-        finish for up to `grace_s` in all, then cancel the rest, each of which hands its message
-        back (`_on_message`: a nak, redelivered at once to whichever replica pulls next, or after
-        `veribus up`, instead of after the ack wait), and drop the subscriptions (the durable
-        consumer stays; the server drops requests nobody listens to)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        self._stopping = True
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-        pending, self.open = list(self.open.values()), {}
-        try:
-            await asyncio.wait_for(asyncio.gather(*(req[2].drain() for req in pending), return_exceptions=True),
-                                   max(0.5, deadline - loop.time()))
-        except Exception:  # noqa: BLE001 - the connection may already be gone
-            pass
-        if self.inflight:
-            await asyncio.wait(set(self.inflight), timeout=max(0.0, deadline - loop.time()))
-        cut = list(self.inflight)
-        for task in cut:
-            task.cancel()
-        if cut:
-            await asyncio.wait(cut, timeout=HAND_BACK_S)  # their naks written
-            try:
-                await self.nc.flush(timeout=HAND_BACK_S)  # and sent before the connection closes
-            except Exception:  # noqa: BLE001 - the connection is gone: they come back after the ack wait
-                pass
-            log.info("%s: %d message(s) of %s handed back unfinished (redelivered at once)",
-                     self.service.name, len(cut), self.sub.durable)
-        await self._unsubscribe_ended()
-
-
-async def _hand_back(msg: Delivery) -> None:
-    """Nak a message whose handler was cut off, for redelivery at once (a delivery counts, as
-    one after the ack wait would); a connection already gone leaves it to the ack wait.
-
-    With a delay, however short: nats-server keeps a plain nak's redelivery in memory only, so
-    after `down` stopped it too the message came back only after the ack wait; a delayed nak is
-    written to the consumer's state (measured on nats-server 2.15: redelivered at once after a
-    restart, a plain nak not)."""
-    try:
-        await msg.nack(delay=HAND_BACK_DELAY_S)
-    except Exception as exc:  # noqa: BLE001
-        log.debug("could not hand back a message: %r", exc)
 
 
 def broker_auth_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
@@ -317,7 +140,7 @@ class StageService:
                                            self._stop_observer])
         self._js: JetStreamContext | None = None
         self.subscriptions: dict[str, Subscription] = {}
-        self._pumps: list[_Pump] = []
+        self._pumps: list[Pump] = []
         self.startup_hooks: list[Callable[[], Awaitable[None]]] = []
         # one cached read of each run's state (config, cancel) for both budgets' gates
         run_states = RunStates(lambda: self.js)
@@ -378,7 +201,8 @@ class StageService:
             psub = await self.js.pull_subscribe(events.subscription(sub.event_type), durable=sub.durable,
                                                 stream=events.STREAM, config=sub.config)
             await psub.unsubscribe()  # it made or bound the consumer; the pump pulls on its own inboxes
-            pump = _Pump(self, sub, psub._nms)
+            pump = Pump(self.js._nc, psub._nms, functools.partial(self._on_message, sub),  # type: ignore[attr-defined]
+                        name=self.name, durable=sub.durable, workers=sub.workers, batch_size=sub.batch_size)
             await pump.start()
             self._pumps.append(pump)
 
@@ -395,10 +219,10 @@ class StageService:
                 tracing.handling(self.name, sub.event_type, raw):
             try:
                 await self.deliver(sub.event_type, raw.data, msg)  # type: ignore[arg-type]
-            except asyncio.CancelledError:  # the service stops (`_Pump.stop`): the message goes back
+            except asyncio.CancelledError:  # the service stops (`Pump.stop`): the message goes back
                 m["outcome"] = "handed_back"
                 if msg.committed is None:
-                    await _hand_back(msg)
+                    await hand_back(msg)
                 raise
             m["outcome"] = OUTCOME.get() or ("failed" if msg.committed == "nacked" else "handled")
 

@@ -1,5 +1,5 @@
 """The consuming side of the bus against a real nats-server: nats-py's `next_msg` fast path
-(`shared.runtime.bus`) and the harness's pipelined pull loop (`shared.runtime.harness._Pump`):
+(`shared.runtime.bus`) and the harness's pipelined pull loop (`shared.runtime.pump.Pump`):
 every message handled and acked once, never more handlers at once than the service's workers,
 redelivery of what a handler failed, and a stop that lets handlers in flight finish."""
 

@@ -27,7 +27,7 @@ from shared.core.verdict import (
 from shared.store.engine import QueryResult
 from shared.store.event_usage import EVENTS_SOURCE, event_usage_sql, usage_from_rows
 from shared.store.resumed import RESULTS_SQL as RESUMED_RESULTS_SQL
-from shared.store.resumed import STOPPED_SQL
+from shared.store.resumed import STOPPED_SQL, results_sql
 
 PAGE_SIZE = 50
 HEAT_QUESTIONS = 40
@@ -193,12 +193,12 @@ async def run_header(src: AsyncSource, run_id: str) -> dict[str, Any]:
             h["config"] = None
         sim = bool(sim) or _simulated_config(cfg)
     ev = await src.query("SELECT dateDiff('second', max(occurred_at), now64(6)), "
-                         f"{STOPPED_SQL} FROM events WHERE run_id = {{r:String}}", {"r": run_id})
-    age, cancelled = ev.rows[0] if ev.rows else (None, 0)
+                         f"{STOPPED_SQL}, countIf(event_type = 'run.cancelled') > 0 "
+                         "FROM events WHERE run_id = {r:String}", {"r": run_id})
+    age, cancelled, controlled = ev.rows[0] if ev.rows else (None, 0, 0)
     done = int(n)
-    if done and not cancelled:  # a resume may be running stopped jobs again: those are not done
-        rerun = await src.query(f"SELECT countIf(rerun) FROM {RESUMED_RESULTS_SQL} WHERE run_id = {{r:String}}",
-                                {"r": run_id})
+    if done and controlled and not cancelled:  # a resume's lift: the results it runs again are not done
+        rerun = await src.query(f"SELECT countIf(rerun) FROM {results_sql('run_id = {r:String}')}", {"r": run_id})
         done -= int(rerun.rows[0][0] or 0) if rerun.rows else 0
     h.update(results=int(n), passed=int(passed), failed=int(failed), no_verdict=int(no_verdict),
              errors=int(errors), input_tokens=int(tin or 0), output_tokens=int(tout or 0), questions=int(questions),
