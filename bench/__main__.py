@@ -2,7 +2,9 @@
 the real stack, by default on issue 12's workload (1,000 generated questions, template-only,
 64 model calls in flight, latency 0 and 300 ms lognormal); `--all` adds the first latency again with
 opt-in hedged requests, the replica scaling and the projections rebuild, and prints every
-issue-12 figure beside its target; `--backpressure`,
+issue-12 figure beside its target (a lognormal run there is the mean of 3 simulator seeds: one
+seed is one fixed set of latency draws, and seed 0's has one call of 8 mean latencies near the
+end); `--backpressure`,
 `--analysis`, `--limits`, `--sandbox`, `--scaling`, `--rebuild` and `--projection-rows` select the other benchmarks.
 
 The benchmarks are a separate program, not part of the `shared` library: the CLI starts this
@@ -21,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = argparse.ArgumentParser(prog="veribus bench", description=__doc__)
     b.add_argument("--all", action="store_true",
                    help="the main runs, the first latency again hedged after 1.5 latencies (opt-in hedging), "
-                        "--scaling and --rebuild, then every issue-12 figure beside its target")
+                        "--scaling and --rebuild, then every issue-12 figure beside its target; each lognormal "
+                        "run on 3 simulator seeds (--seeds)")
     b.add_argument("--questions", type=int, default=1000, help="generated questions (template-only)")
     b.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 300.0],
                    help="the simulator's mean model latency, one run each")
@@ -37,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit-scope", choices=("model", "endpoint"), default="model",
                    help="model: each model's limit is C/2 (the issue's workload); endpoint: both models share "
                         "one limit of C on their common endpoint (limit_scope: endpoint)")
+    b.add_argument("--seeds", type=run.positive_int, default=None,
+                   help="simulator seeds (one set of latency draws each) a lognormal run is measured on, "
+                        "reported as their mean beside each seed's figure (default 1; --all: 3)")
     b.add_argument("--api-base", help="measure against this OpenAI-compatible server instead of the simulator")
     b.add_argument("--bench-model", help="answering model at --api-base (default openai/bench-answerer)")
     b.add_argument("--bench-judge", help="judge model at --api-base (default openai/bench-judge)")

@@ -116,7 +116,8 @@ def test_all_adds_hedged_runs_at_the_first_latency_and_labels_them(monkeypatch: 
 
     monkeypatch.setattr(run, "run_once", fake_run_once)  # type: ignore[attr-defined]
     monkeypatch.setattr(run, "timeline_line", lambda tl: "")  # type: ignore[attr-defined]
-    rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "0", "300", "--replicas", "parsing=2"]))
+    rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "0", "300", "--replicas", "parsing=2",
+                                                     "--seeds", "1"]))
     assert [(lat, kw["hedge_after_ms"], kw["replicas"], kw["limit_scope"]) for lat, kw in calls] == [
         (300.0, 450, {"parsing": 2}, "model"), (300.0, 450, {"parsing": 2}, "endpoint")]
     text = targets_block(rows)
@@ -128,7 +129,8 @@ def test_all_adds_hedged_runs_at_the_first_latency_and_labels_them(monkeypatch: 
         assert run.hedged_run(build_parser().parse_args(argv)) == []
     assert len(calls) == 2
     calls.clear()  # every run already on the endpoint's limit: one hedged run, on it
-    rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "300", "--limit-scope", "endpoint"]))
+    rows = run.hedged_run(build_parser().parse_args(["--all", "--latency-ms", "300", "--limit-scope", "endpoint",
+                                                     "--seeds", "1"]))
     assert [kw["limit_scope"] for _, kw in calls] == ["endpoint"] and len(rows) == 1
 
 
@@ -199,3 +201,47 @@ def test_a_figure_without_a_number_has_no_verdict() -> None:
     assert met(None, ">= 120") is None and met(True, ">= 1") is None and met(0.9, "about 1") is None
     assert met(10, "<= 10") is True and met(50_000, ">= 50,000") is True and met(1.79, ">= 1.8") is False
     assert figure("x", None, ">= 1").endswith("target >= 1")
+
+
+def test_a_lognormal_run_is_measured_on_several_seeds_and_reported_as_their_mean(monkeypatch: object) -> None:
+    """`--all` measures each lognormal run on 3 simulator seeds (3 sets of draws): the figures
+    are their means, each seed's whole-run fraction is named beside the mean, and a zero or a
+    fixed latency, or a server, is measured once."""
+    from bench import run
+
+    seeds: list[int] = []
+    fractions = {0: 0.77, 1: 0.89, 2: 0.88}
+
+    def fake_run_once(n: int, lat: float, c: int, replicas: dict, *server: object, **kw: object) -> dict:
+        seed = int(kw.get("seed", 0))  # type: ignore[call-overload]
+        seeds.append(seed)
+        return {**_row(lat, 80.0 + seed, 12.0 + seed, fractions[seed] if lat else None), "results": n,
+                "concurrency": c, "latency_dist": kw["latency_dist"], "latency_sigma": kw["latency_sigma"],
+                "zero_overhead_fraction": 0.8 + 0.05 * seed if lat else None, "steady_fraction_of_bound": 0.96,
+                "bound_results_per_s": 106.7 if lat else None, "slot_occupancy": {"whole": 0.7 + 0.1 * seed},
+                "timeline": {}, "cpu_ms_per_result": {"parsing": 1.0 + seed}, "peak_rss_mb": {"parsing": 70.0 + seed},
+                "elapsed_s": 11.0, "steady_results_per_s": 100.0, "passed": n}
+
+    monkeypatch.setattr(run, "run_once", fake_run_once)  # type: ignore[attr-defined]
+    monkeypatch.setattr(run, "timeline_line", lambda tl: "")  # type: ignore[attr-defined]
+    rows = run.main_runs(build_parser().parse_args(["--all", "--latency-ms", "0", "300"]))
+    assert seeds == [0, 0, 1, 2], "latency 0 once, the lognormal run on seeds 0, 1 and 2"
+    zero, mean = rows
+    assert "seeds" not in zero
+    assert mean["fraction_of_bound"] == 0.847 and mean["zero_overhead_fraction"] == 0.85
+    assert mean["cpu_ms_per_result"] == {"parsing": 2.0} and mean["peak_rss_mb"] == {"parsing": 72.0}
+    assert mean["slot_occupancy"] == {"whole": 0.8} and mean["results"] == 3000 and mean["passed"] == 3000
+    assert [s["fraction_of_bound"] for s in mean["seeds"]] == [0.77, 0.89, 0.88]
+    text = targets_block(rows)
+    assert "fraction of C/(2L), whole run        0.847   target >= 0.90  NOT MET" in text
+    assert "mean of 3 simulator seeds: 0.77, 0.89, 0.88" in text
+    assert "the 3 runs' own drawn latencies (mean)" in text
+    seeds.clear()
+    run.main_runs(build_parser().parse_args(["--latency-ms", "300"]))
+    assert seeds == [0], "one seed unless asked"
+    seeds.clear()
+    run.main_runs(build_parser().parse_args(["--all", "--latency-ms", "300", "--latency-dist", "fixed"]))
+    assert seeds == [0], "fixed latencies draw nothing"
+    seeds.clear()
+    run.main_runs(build_parser().parse_args(["--latency-ms", "300", "--seeds", "2"]))
+    assert seeds == [0, 1]
