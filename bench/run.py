@@ -422,8 +422,9 @@ def mean_of_seeds(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if row.get("stream_bytes_per_result") is not None:
         row["stream_bytes_per_result"] = round(row["stream_bytes_per_result"])
     row["bound_results_per_s"] = rows[0].get("bound_results_per_s")
-    row["results"] = sum(r["results"] for r in rows)
-    row["passed"] = sum(r.get("passed", 0) for r in rows)
+    if row.get("hedged_calls") is not None:
+        row["hedged_calls"] = round(row["hedged_calls"])
+    row["passed"] = round(sum(r.get("passed", 0) for r in rows) / len(rows))
     occupancies = [r["slot_occupancy"] for r in rows if r.get("slot_occupancy")]
     row["slot_occupancy"] = ({k: mean([o[k] for o in occupancies if k in o]) for k in occupancies[0]}
                              if len(occupancies) == len(rows) else None)
@@ -535,7 +536,8 @@ def targets_block(rows: list[dict[str, Any]], api_base: str | None = None,
         if row.get("limit_scope") == "endpoint":
             hedged += ", one limit of C shared by both models on their endpoint"
         heading = f"your server{hedged}" if api_base else f"{label}{hedged}"
-        lines.append(f"  your server{hedged}:" if api_base else f"  {label}, {row.get('results', '?')} results, "
+        each = f" on each of {len(row['seeds'])} simulator seeds" if row.get("seeds") else ""
+        lines.append(f"  your server{hedged}:" if api_base else f"  {label}, {row.get('results', '?')} results{each}, "
                      f"C = {row.get('concurrency', '?')}{hedged}:")
         queryable = "until `veribus run` returns: the projector wrote every row"
         if lat == 0:

@@ -24,7 +24,7 @@ from nats.js.api import AckPolicy as JsAckPolicy
 from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT, STREAM
 from shared.runtime import observability
-from shared.runtime.bus import connect_options, prepare_stream
+from shared.runtime.bus import connect_options, prepare_stream, settle_consumer
 from shared.runtime.content import ContentStore
 from shared.runtime.harness import broker_auth_kwargs
 from shared.runtime.observability import METRICS
@@ -58,20 +58,22 @@ def create_app(
     # the contents lean events refer to, read from the bucket once each into ClickHouse
     projector.fetch_content = ContentStore(lambda: broker._connection.jetstream()).get_raw
 
+    consumer = ConsumerConfig(
+        durable_name=DURABLE,
+        ack_policy=JsAckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=settings.consumer_ack_wait_s,
+        max_ack_pending=max(settings.consumer_max_ack_pending, 2 * batch_size),
+        max_deliver=-1,  # a failed insert is the store's fault, not the message's: keep it
+    )
+
     @broker.subscriber(
         "vb.>",
         stream=JStream(name=STREAM, declare=False),  # declared by shared.runtime.bus.ensure_stream
         durable=DURABLE,
         inbox_prefix=f"{opts.get('inbox_prefix', '_INBOX')}.".encode(),  # its pulls' inboxes: the role's own
         pull_sub=PullSub(batch_size=batch_size, timeout=batch_timeout, batch=True),
-        config=ConsumerConfig(
-            durable_name=DURABLE,
-            ack_policy=JsAckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=settings.consumer_ack_wait_s,
-            max_ack_pending=max(settings.consumer_max_ack_pending, 2 * batch_size),
-            max_deliver=-1,  # a failed insert is the store's fault, not the message's: keep it
-        ),
+        config=consumer,
         ack_policy=AckPolicy.MANUAL,
         decoder=lambda msg: msg.raw_message,  # raw nats Msgs: no JSON decode by FastStream
     )
@@ -103,6 +105,7 @@ def create_app(
     async def _limits() -> None:
         conn = getattr(broker, "_connection", None)
         projector.max_reply_bytes = int(getattr(conn, "max_payload", 0) or DEFAULT_MAX_REPLY) - 1024
+        await settle_consumer(broker._connection.jetstream(), STREAM, DURABLE, consumer)  # a changed ack wait
         observer.append(await observability.start("projector", observability.broker_not_ready(broker, lambda: True),
                                                   lambda: broker._connection.jetstream(), [DURABLE]))
 

@@ -282,7 +282,11 @@ class Settings(BaseModel):
     clickhouse_database: str = "veribus"
     simulator_url: str | None = None
     consumer_max_ack_pending: int = 512
-    consumer_ack_wait_s: float = 120.0
+    # a message unacked this long is redelivered (a killed service's jobs come back after it); a
+    # handler still working marks its message in progress every third of it (shared.runtime.pump),
+    # for up to consumer_max_hold_s, so a model call may take longer than the ack wait
+    consumer_ack_wait_s: float = Field(default=30.0, ge=1)
+    consumer_max_hold_s: float = Field(default=3600.0, gt=0)
     # a stopping stage service lets its handlers in flight finish this long, then hands the rest
     # back to the stream (nak: redelivered at once, not after the ack wait); under `down`'s 10 s
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=8)

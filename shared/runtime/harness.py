@@ -198,11 +198,14 @@ class StageService:
     async def _start_pumps(self) -> None:
         """Create (or bind to) each durable consumer and start pulling it."""
         for sub in self.subscriptions.values():
+            if sub.config is not None:
+                await bus.settle_consumer(self.js, events.STREAM, sub.durable, sub.config)
             psub = await self.js.pull_subscribe(events.subscription(sub.event_type), durable=sub.durable,
                                                 stream=events.STREAM, config=sub.config)
             await psub.unsubscribe()  # it made or bound the consumer; the pump pulls on its own inboxes
             pump = Pump(self.js._nc, psub._nms, functools.partial(self._on_message, sub),  # type: ignore[attr-defined]
-                        name=self.name, durable=sub.durable, workers=sub.workers, batch_size=sub.batch_size)
+                        name=self.name, durable=sub.durable, workers=sub.workers, batch_size=sub.batch_size,
+                        progress_s=self.settings.consumer_ack_wait_s / 3, max_hold_s=self.settings.consumer_max_hold_s)
             await pump.start()
             self._pumps.append(pump)
 

@@ -57,13 +57,21 @@ class Pump:
     expiry, and a message that still comes for it then is handled all the same.
 
     `handle(raw)` is the service's handling of one message, which acks or naks it (cancelled at
-    `stop`, it hands it back: `hand_back`)."""
+    `stop`, it hands it back: `hand_back`).
+
+    Every `progress_s` a message still being handled is marked in progress (`+WPI`: its ack wait
+    starts again), for up to `max_hold_s`: so the consumers' ack wait can be short (a killed
+    service's messages come back after it) while a handler may take longer than it (a slow model
+    call, its retries, a wait for a model's limit). A handler past `max_hold_s` is taken for
+    stuck, and its message is redelivered after the ack wait."""
 
     def __init__(self, nc: Any, nms: str, handle: Callable[[Msg], Awaitable[None]], *, name: str, durable: str,
-                 workers: int, batch_size: int) -> None:
+                 workers: int, batch_size: int, progress_s: float | None = None, max_hold_s: float = 3600.0) -> None:
         self.nc, self.nms, self.handle = nc, nms, handle
         self.name, self.durable, self.workers = name, durable, workers
+        self.progress_s, self.max_hold_s = progress_s, max_hold_s
         self.inflight: set[asyncio.Task[None]] = set()
+        self.held: dict[asyncio.Task[None], tuple[Msg, float]] = {}  # handler -> (its message, when it came)
         self.open: dict[str, list[Any]] = {}  # inbox -> [messages still due, deadline, its subscription]
         self.credit = 0  # messages the open requests may still deliver
         self.threshold = max(1, min(batch_size, workers // 4))
@@ -72,12 +80,16 @@ class Pump:
         self._wake = asyncio.Event()
         self._stopping = False
         self.task: asyncio.Task[None] | None = None
+        self.keeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
+        if self.progress_s:
+            self.keeper = asyncio.ensure_future(self._keep_held())
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self.inflight.discard(task)
+        self.held.pop(task, None)
         if self.workers - len(self.inflight) - self.credit >= self.threshold:
             self._wake.set()
         if not task.cancelled() and task.exception() is not None:  # deliver acks or nacks everything itself
@@ -108,7 +120,22 @@ class Pump:
                 self._close(inbox)
         task = asyncio.ensure_future(self.handle(raw))
         self.inflight.add(task)
+        self.held[task] = (raw, asyncio.get_running_loop().time())
         task.add_done_callback(self._done)
+
+    async def _keep_held(self) -> None:
+        """Mark the messages handled for longer than half a period in progress, every period."""
+        assert self.progress_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.progress_s)
+            now = loop.time()
+            for raw, since in list(self.held.values()):
+                if self.progress_s / 2 <= now - since < self.max_hold_s:
+                    try:
+                        await raw.in_progress()
+                    except Exception as exc:  # noqa: BLE001 - reconnecting: the next period tries again
+                        log.debug("%s: could not mark a message of %s in progress: %r", self.name, self.durable, exc)
 
     async def _pull(self, n: int, now: float) -> None:
         inbox = self.nc.new_inbox()
@@ -158,9 +185,10 @@ class Pump:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         self._stopping = True
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        for task in (self.task, self.keeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         pending, self.open = list(self.open.values()), {}
         try:
             await asyncio.wait_for(asyncio.gather(*(req[2].drain() for req in pending), return_exceptions=True),

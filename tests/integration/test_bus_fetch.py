@@ -148,3 +148,87 @@ async def test_pump_stop_lets_handlers_in_flight_finish(nats_server: Any, tmp_pa
         await svc.cost_control.close()
         await nc.close()
     assert finished == ["r1"] and info.num_ack_pending == 0, "finished and acked before the pump let go"
+
+
+async def _held_run(settings: Settings, durable: str, sleep_s: float, n: int = 3) -> tuple[dict[str, int], Any]:
+    """`n` requests through a service whose handler takes `sleep_s` (longer than the ack wait):
+    how often each was handled, and the consumer's state once they are done."""
+    nc = await bus.connect(settings)
+    js = nc.jetstream()
+    await bus.ensure_stream(js, settings)
+    svc = StageService("generation", settings)
+    svc.bind(js)
+    calls: dict[str, int] = {}
+    done: set[str] = set()
+
+    @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested, max_workers=8, durable=durable)
+    async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+        calls[env.result_id] = calls.get(env.result_id, 0) + 1
+        await asyncio.sleep(sleep_s)
+        done.add(env.result_id)
+        return []
+
+    try:
+        await bus.publish_many(js, [_request(i) for i in range(n)])
+        await svc._start_pumps()
+        for _ in range(200):
+            if len(done) >= n:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.5)  # past another ack wait: a message let go would be delivered again by now
+        info = await js.consumer_info(events.STREAM, durable)
+    finally:
+        await svc._stop_pumps()
+        await svc.control.close()
+        await svc.cost_control.close()
+        await nc.close()
+    return calls, info
+
+
+async def test_a_handler_slower_than_the_ack_wait_keeps_its_message(nats_server: Any, tmp_path: Any) -> None:
+    """The pump marks a message still being handled in progress every third of the ack wait:
+    with a 1 s ack wait and 3.5 s handlers no message is delivered a second time (before, each
+    came back every second while its first handler still ran, and a model call was paid again)."""
+    settings = Settings(home=tmp_path, nats_url=nats_server.url, consumer_ack_wait_s=1.0)
+    calls, info = await _held_run(settings, "held", sleep_s=3.5)
+    assert calls == {"r0": 1, "r1": 1, "r2": 1}, f"handled more than once: {calls}"
+    assert info.num_redelivered == 0 and info.num_ack_pending == 0
+    assert info.delivered.consumer_seq == 3
+
+
+async def test_a_handler_held_past_its_limit_lets_its_message_go(nats_server: Any, tmp_path: Any) -> None:
+    """A handler still running after `consumer_max_hold_s` is taken for stuck: its message is no
+    longer kept, and the ack wait delivers it again (to another replica, or here to this one)."""
+    settings = Settings(home=tmp_path, nats_url=nats_server.url, consumer_ack_wait_s=1.0, consumer_max_hold_s=1.0)
+    calls, _ = await _held_run(settings, "stuck", sleep_s=3.5, n=1)
+    assert calls["r0"] >= 2, "a message held past the limit is delivered again after the ack wait"
+
+
+async def test_a_changed_ack_wait_reaches_an_existing_durable_consumer(nats_server: Any, tmp_path: Any) -> None:
+    """The server keeps a durable consumer's configuration, and binding to it changes nothing: a
+    service started with another ack wait, max ack pending or max deliver updates it."""
+    old = Settings(home=tmp_path, nats_url=nats_server.url, consumer_ack_wait_s=120.0)
+    new = Settings(home=tmp_path, nats_url=nats_server.url, consumer_ack_wait_s=30.0,
+                   consumer_max_ack_pending=64, consumer_max_deliver=3)
+    seen = []
+    for settings in (old, new):
+        nc = await bus.connect(settings)
+        js = nc.jetstream()
+        await bus.ensure_stream(js, settings)
+        svc = StageService("generation", settings)
+        svc.bind(js)
+
+        @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested, durable="settled")
+        async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+            return []
+
+        try:
+            await svc._start_pumps()
+            cfg = (await js.consumer_info(events.STREAM, "settled")).config
+            seen.append((cfg.ack_wait, cfg.max_ack_pending, cfg.max_deliver))
+        finally:
+            await svc._stop_pumps()
+            await svc.control.close()
+            await svc.cost_control.close()
+            await nc.close()
+    assert seen == [(120.0, 512, 6), (30.0, 64, 4)]
