@@ -376,15 +376,9 @@ def main_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     api_base = getattr(args, "api_base", None)
     for lat in (args.latency_ms if api_base is None else [0.0]):
-        if api_base is None and seeds_for(args, lat) > 1:
-            rows.append(over_seeds(args, lat, latency_label(lat, **_dist(args)), replicas=replicas,
-                                   **_model_options(args)))
-            continue
-        row = run_once(args.questions, lat, args.concurrency, replicas, api_base,
-                       getattr(args, "bench_model", None), getattr(args, "bench_judge", None), **_dist(args),
-                       **_model_options(args))
-        rows.append(row)
-        print_run(row, f"server {api_base}" if api_base else latency_label(lat, **_dist(args)), args.concurrency)
+        rows.append(measured(args, lat, f"server {api_base}" if api_base else latency_label(lat, **_dist(args)),
+                             replicas=replicas, api_base=api_base, model=getattr(args, "bench_model", None),
+                             judge=getattr(args, "bench_judge", None), **_model_options(args)))
     return rows
 
 
@@ -421,7 +415,6 @@ def mean_of_seeds(rows: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = mean([r[key] for r in rows if r.get(key) is not None])
     if row.get("stream_bytes_per_result") is not None:
         row["stream_bytes_per_result"] = round(row["stream_bytes_per_result"])
-    row["bound_results_per_s"] = rows[0].get("bound_results_per_s")
     if row.get("hedged_calls") is not None:
         row["hedged_calls"] = round(row["hedged_calls"])
     row["passed"] = round(sum(r.get("passed", 0) for r in rows) / len(rows))
@@ -439,11 +432,16 @@ def mean_of_seeds(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def over_seeds(args: argparse.Namespace, lat: float, where: str, **kw: Any) -> dict[str, Any]:
-    """One workload run on `seeds_for` simulator seeds (0, 1, ...), each printed as it ends, then
-    their means (`mean_of_seeds`)."""
+def measured(args: argparse.Namespace, lat: float, where: str, **kw: Any) -> dict[str, Any]:
+    """One workload (`run_once`'s keywords in `kw`) run once, or on `seeds_for` simulator seeds
+    (0, 1, ...), each printed as it ends, then their means (`mean_of_seeds`)."""
+    seeds = seeds_for(args, lat)
+    if seeds == 1:
+        row = run_once(args.questions, lat, args.concurrency, **_dist(args), **kw)
+        print_run(row, where, args.concurrency)
+        return row
     rows = []
-    for seed in range(seeds_for(args, lat)):
+    for seed in range(seeds):
         row = run_once(args.questions, lat, args.concurrency, seed=seed, **_dist(args), **kw)
         row["seed"] = seed
         print_run(row, f"{where}, simulator seed {seed}", args.concurrency)
@@ -479,12 +477,7 @@ def hedged_run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for scope in scopes:
         where = latency_label(lat, **_dist(args)) + f", hedged after {hedge_ms} ms (opt-in)"
         options = {**_model_options(args), "hedge_after_ms": hedge_ms, "limit_scope": scope}
-        if seeds_for(args, lat) > 1:
-            rows.append(over_seeds(args, lat, where, replicas=_replicas(args), **options))
-            continue
-        row = run_once(args.questions, lat, args.concurrency, _replicas(args), **_dist(args), **options)
-        print_run(row, where, args.concurrency)
-        rows.append(row)
+        rows.append(measured(args, lat, where, replicas=_replicas(args), **options))
     return rows
 
 

@@ -5,9 +5,7 @@ message ids, durable pull consumers.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -20,7 +18,6 @@ from urllib.parse import urlparse
 import nats
 from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -28,105 +25,9 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.core import events
 from shared.core.config import Settings
-from shared.runtime import bus_auth, tracing
+from shared.runtime import bus_auth, nats_patches, tracing  # noqa: F401 - nats_patches: applied on import
 
 log = logging.getLogger("veribus.bus")
-
-
-def _patch_pull_fetch_timeout() -> None:
-    """nats-py 2.16 can raise a bare asyncio.TimeoutError from `fetch` (a second fetch after a
-    partial batch), which FastStream 0.7.8 does not catch: its pull loop then dies with the batch
-    it already holds, and those messages wait a whole ack_wait for redelivery. Re-raise it as
-    nats' own TimeoutError, which FastStream handles."""
-    sub_cls = JetStreamContext.PullSubscription
-    if getattr(sub_cls.fetch, "_veribus_patched", False):
-        return
-    original = sub_cls.fetch
-
-    async def fetch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN001
-        try:
-            return await original(self, *args, **kwargs)
-        except nats_errors.TimeoutError:
-            raise
-        except TimeoutError as exc:
-            raise nats_errors.TimeoutError from exc
-
-    fetch._veribus_patched = True  # type: ignore[attr-defined]
-    sub_cls.fetch = fetch  # type: ignore[method-assign]
-
-
-_patch_pull_fetch_timeout()
-
-
-def _patch_next_msg_fast_path() -> None:
-    """nats-py 2.16's `Subscription.next_msg` makes a uuid4, a task and a `wait_for` timer for
-    every message, even one already waiting in the subscription's queue; pull `fetch` calls it
-    once per message of a batch. Profiled (issue 12), that was a fifth of the projector's CPU.
-    A message already queued is returned at once, with the same bookkeeping; an empty queue
-    takes the original path (wait, timeout, errors)."""
-    if getattr(Subscription.next_msg, "_veribus_patched", False):
-        return
-    original = Subscription.next_msg
-
-    async def next_msg(self, timeout: float | None = 1.0) -> Any:  # noqa: ANN001
-        queue = self._pending_queue
-        if queue.empty() or self._cb or self._conn.is_closed:
-            return await original(self, timeout)
-        msg = queue.get_nowait()
-        self._pending_size -= len(msg.data)
-        queue.task_done()
-        return msg
-
-    next_msg._veribus_patched = True  # type: ignore[attr-defined]
-    Subscription.next_msg = next_msg  # type: ignore[method-assign]
-
-
-_patch_next_msg_fast_path()
-
-
-def _expire(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_exception(nats_errors.TimeoutError())
-
-
-def _patch_request_fast_path() -> None:
-    """nats-py 2.16's `request` makes a NUID and two random bytes (an `os.urandom` call) for each
-    reply token and waits with `wait_for` (a timer, a waiter future, callbacks); every handled
-    message makes two or three requests (its content read, its publish's PubAck). Profiled (issue
-    12), a tenth of a stage service's CPU. A per-process counter is as unique under the
-    connection's own reply prefix (a token is never reused, so a late reply finds nothing), and a
-    timer failing the future ends the wait the same way: `nats.errors.TimeoutError`. A counter
-    alone was guessable, and a client that can see the inbox answered the next requests before
-    the server did (`test_bus_trust.py::test_no_role_reads_or_answers_another_roles_replies`):
-    each token is 8 random bytes (one `os.urandom`, ~0.4 us) before the counter, which keeps it
-    unique."""
-    if getattr(NATS._request_new_style, "_veribus_patched", False):
-        return
-    tokens = itertools.count()
-
-    async def _request_new_style(self, subject: str, payload: bytes, timeout: float = 1,  # noqa: ANN001
-                                 headers: dict[str, Any] | None = None) -> Any:
-        if self.is_draining_pubs:
-            raise nats_errors.ConnectionDrainingError
-        if not self._resp_sub_prefix:
-            await self._init_request_sub()
-        token = f"{os.urandom(8).hex()}{next(tokens):x}"
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._resp_map[token] = future
-        timer = loop.call_later(timeout, _expire, future)
-        try:
-            await self.publish(subject, payload, reply=self._resp_sub_prefix.decode() + token, headers=headers)
-            return await future
-        finally:
-            timer.cancel()
-            self._resp_map.pop(token, None)
-
-    _request_new_style._veribus_patched = True  # type: ignore[attr-defined]
-    NATS._request_new_style = _request_new_style  # type: ignore[method-assign]
-
-
-_patch_request_fast_path()
 
 DUPLICATE_WINDOW_S = 600.0
 
@@ -396,8 +297,8 @@ SETTLED_CONSUMER_FIELDS = ("ack_wait", "max_ack_pending", "max_deliver")
 async def settle_consumer(js: JetStreamContext, stream: str, durable: str, want: ConsumerConfig) -> bool:
     """Give an existing durable consumer `want`'s ack wait, max ack pending and max deliver (a
     changed setting takes effect when its services restart: the server keeps a durable's
-    configuration, and binding to it changes nothing); True if it was updated. A consumer not
-    there yet is left to its creation."""
+    configuration, and binding to it changes nothing); whether the consumer exists (one not
+    there yet is left to its creation)."""
     try:
         have = (await js.consumer_info(stream, durable)).config
     except NotFoundError:
@@ -405,7 +306,7 @@ async def settle_consumer(js: JetStreamContext, stream: str, durable: str, want:
     changed = {f: getattr(want, f) for f in SETTLED_CONSUMER_FIELDS
                if getattr(want, f) is not None and getattr(have, f) != getattr(want, f)}
     if not changed:
-        return False
+        return True
     for field, value in changed.items():
         setattr(have, field, value)
     await js.add_consumer(stream, config=have)  # the server's create-or-update: these fields are editable

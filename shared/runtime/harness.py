@@ -196,12 +196,13 @@ class StageService:
         log.info("%s ready", self.name)
 
     async def _start_pumps(self) -> None:
-        """Create (or bind to) each durable consumer and start pulling it."""
+        """Create (or settle and bind to) each durable consumer and start pulling it."""
         for sub in self.subscriptions.values():
-            if sub.config is not None:
-                await bus.settle_consumer(self.js, events.STREAM, sub.durable, sub.config)
-            psub = await self.js.pull_subscribe(events.subscription(sub.event_type), durable=sub.durable,
-                                                stream=events.STREAM, config=sub.config)
+            if sub.config is not None and await bus.settle_consumer(self.js, events.STREAM, sub.durable, sub.config):
+                psub = await self.js.pull_subscribe_bind(durable=sub.durable, stream=events.STREAM)
+            else:
+                psub = await self.js.pull_subscribe(events.subscription(sub.event_type), durable=sub.durable,
+                                                    stream=events.STREAM, config=sub.config)
             await psub.unsubscribe()  # it made or bound the consumer; the pump pulls on its own inboxes
             pump = Pump(self.js._nc, psub._nms, functools.partial(self._on_message, sub),  # type: ignore[attr-defined]
                         name=self.name, durable=sub.durable, workers=sub.workers, batch_size=sub.batch_size,

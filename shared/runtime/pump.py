@@ -70,8 +70,7 @@ class Pump:
         self.nc, self.nms, self.handle = nc, nms, handle
         self.name, self.durable, self.workers = name, durable, workers
         self.progress_s, self.max_hold_s = progress_s, max_hold_s
-        self.inflight: set[asyncio.Task[None]] = set()
-        self.held: dict[asyncio.Task[None], tuple[Msg, float]] = {}  # handler -> (its message, when it came)
+        self.inflight: dict[asyncio.Task[None], tuple[Msg, float]] = {}  # handler -> (its message, when it came)
         self.open: dict[str, list[Any]] = {}  # inbox -> [messages still due, deadline, its subscription]
         self.credit = 0  # messages the open requests may still deliver
         self.threshold = max(1, min(batch_size, workers // 4))
@@ -88,8 +87,7 @@ class Pump:
             self.keeper = asyncio.ensure_future(self._keep_held())
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self.inflight.discard(task)
-        self.held.pop(task, None)
+        self.inflight.pop(task, None)
         if self.workers - len(self.inflight) - self.credit >= self.threshold:
             self._wake.set()
         if not task.cancelled() and task.exception() is not None:  # deliver acks or nacks everything itself
@@ -119,8 +117,7 @@ class Pump:
             if req[0] <= 0:
                 self._close(inbox)
         task = asyncio.ensure_future(self.handle(raw))
-        self.inflight.add(task)
-        self.held[task] = (raw, asyncio.get_running_loop().time())
+        self.inflight[task] = (raw, asyncio.get_running_loop().time())
         task.add_done_callback(self._done)
 
     async def _keep_held(self) -> None:
@@ -130,7 +127,7 @@ class Pump:
         while True:
             await asyncio.sleep(self.progress_s)
             now = loop.time()
-            for raw, since in list(self.held.values()):
+            for raw, since in list(self.inflight.values()):
                 if self.progress_s / 2 <= now - since < self.max_hold_s:
                     try:
                         await raw.in_progress()

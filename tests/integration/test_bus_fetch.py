@@ -1,5 +1,5 @@
 """The consuming side of the bus against a real nats-server: nats-py's `next_msg` fast path
-(`shared.runtime.bus`) and the harness's pipelined pull loop (`shared.runtime.pump.Pump`):
+(`shared.runtime.nats_patches`) and the harness's pipelined pull loop (`shared.runtime.pump.Pump`):
 every message handled and acked once, never more handlers at once than the service's workers,
 redelivery of what a handler failed, and a stop that lets handlers in flight finish."""
 
@@ -40,9 +40,9 @@ async def test_next_msg_returns_queued_messages_in_order_then_times_out(nats_ser
 
 
 async def test_request_fast_path_replies_times_out_and_forgets(nats_server: Any) -> None:
-    """`bus`'s request fast path: replies reach their own requests when many are in flight, a
-    request nobody answers in time raises nats' TimeoutError, and neither leaves an entry behind
-    (a reply that comes after its request gave up finds nothing)."""
+    """The request fast path (`shared.runtime.nats_patches`): replies reach their own requests
+    when many are in flight, a request nobody answers in time raises nats' TimeoutError, and
+    neither leaves an entry behind (a reply that comes after its request gave up finds nothing)."""
     nc = await nats.connect(nats_server.url)
     held: list[Any] = []
     try:
