@@ -290,7 +290,11 @@ class Settings(BaseModel):
     # a stopping stage service lets its handlers in flight finish this long, then hands the rest
     # back to the stream (nak: redelivered at once, not after the ack wait); under `down`'s 10 s
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=8)
-    consumer_max_deliver: int = 5
+    consumer_max_deliver: int = Field(default=5, ge=1)  # deliveries whose handler fails, then the give-up
+    # further deliveries for a message whose handling was cut off each time (its service stopped
+    # or killed); the one after them records the give-up without running the handler, so a job
+    # that kills its process, or is handed back by many `down`s, still ends with a result
+    consumer_max_interrupted: int = Field(default=20, ge=0)
     llm_cache: bool = True
     llm_transport: Literal["auto", "litellm", "direct"] = "auto"
     litellm_lean: bool = True  # skip litellm's per-call logging hooks (see shared.runtime.llm.transport)

@@ -12,7 +12,11 @@ Failure policy (at-least-once, exactly-once effect):
 - a handler error is redelivered with backoff up to `consumer_max_deliver` times;
 - after that the job is not dropped: a `stage.failed` event records the error and the
   stage's fallback event (its normal output, with `state.error` set) lets the run finish;
-- a message that cannot be decoded at all goes to `dead.letter` with the reason.
+- a message that cannot be decoded at all goes to `dead.letter` with the reason;
+- a message whose handling was cut off (its service stopped or was killed) comes back, and a
+  delivery counts each time; after `consumer_max_interrupted` more than `consumer_max_deliver`,
+  the server's last delivery records the give-up without running the handler (a job that kills
+  its process, or is handed back by many `down`s, is never left without a result).
 
 Run control (`shared.runtime.runcontrol.RunControl`): an `answer.requested` of a run that was cancelled or
 has spent its token budget is not handled; the stage's fallback event (its normal output with
@@ -114,6 +118,16 @@ def broker_auth_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
 
 def backoff_s(delivered: int) -> float:
     return min(30.0, 0.5 * (2 ** max(0, delivered - 1)))
+
+
+class DeliveriesExhausted(RuntimeError):
+    """A message's deliveries ran out without one handler finishing it."""
+
+
+def last_delivery(max_deliver: int, max_interrupted: int) -> int:
+    """The consumer's `max_deliver`: `max_deliver` deliveries may fail in the handler,
+    `max_interrupted` more may be cut off, and the one after records the give-up."""
+    return max_deliver + max_interrupted + 1
 
 
 class StageService:
@@ -293,7 +307,8 @@ class StageService:
             deliver_policy=DeliverPolicy.ALL,
             max_ack_pending=self.settings.consumer_max_ack_pending,
             ack_wait=self.settings.consumer_ack_wait_s,
-            max_deliver=max_deliver + 1,  # the last delivery is ours: it records the give-up
+            # the last delivery is ours: it records the give-up without handling (`deliver`)
+            max_deliver=last_delivery(max_deliver, self.settings.consumer_max_interrupted),
         )
 
         self.durables.append(durable or self.name)
@@ -349,6 +364,9 @@ class StageService:
         CACHE_JOB.set(None)
         key = attempt_key(env)
         ATTEMPT_KEY.set(key)
+        if sub.config is not None and delivered >= sub.config.max_deliver:
+            await self._interrupted_too_often(msg, key, env, payload, give_up, delivered)
+            return
         gated = give_up is not None and env.event_type in self.gated_event_types
         if gated:
             stop = await self._stop_reason(env)
@@ -413,6 +431,22 @@ class StageService:
         await self.publish(carry_attempt_key(key, give_up(env, payload, stop)))
         await msg.ack()
         OUTCOME.set("stopped")
+
+    async def _interrupted_too_often(self, msg: Delivery, key: str, env: events.Envelope, payload: Any,
+                                     give_up: GiveUp | None, delivered: int) -> None:
+        """The server's last delivery of a message no handler ever finished: every earlier one was
+        cut off (its service stopped or killed) or failed. Not handled again, since the job may be
+        what kills the process: the give-up is recorded (`stage.failed` and the stage's fallback),
+        so the result still ends, failed, and says why. Acked only once that is published."""
+        exc = DeliveriesExhausted(
+            f"delivered {delivered} times and never handled to the end: each time its service stopped or "
+            f"died while handling it, or the handler failed (VERIBUS_CONSUMER_MAX_DELIVER + "
+            f"VERIBUS_CONSUMER_MAX_INTERRUPTED = {delivered - 1} deliveries); not handled again")
+        log.error("%s: %s: %s", self.name, env.event_id, exc)
+        await self.publish(carry_attempt_key(key, [self._stage_failed(env, exc, delivered),
+                                                   *(give_up(env, payload, exc) if give_up else [])]))
+        await msg.ack()
+        OUTCOME.set("gave_up")
 
     async def _stop_reason(self, env: events.Envelope) -> RunStopped | None:
         """Why the run's next answer must not be generated (cancelled, token or money budget spent),

@@ -209,7 +209,7 @@ async def test_a_changed_ack_wait_reaches_an_existing_durable_consumer(nats_serv
     service started with another ack wait, max ack pending or max deliver updates it."""
     old = Settings(home=tmp_path, nats_url=nats_server.url, consumer_ack_wait_s=120.0)
     new = Settings(home=tmp_path, nats_url=nats_server.url, consumer_ack_wait_s=30.0,
-                   consumer_max_ack_pending=64, consumer_max_deliver=3)
+                   consumer_max_ack_pending=64, consumer_max_deliver=3, consumer_max_interrupted=0)
     seen = []
     for settings in (old, new):
         nc = await bus.connect(settings)
@@ -231,4 +231,70 @@ async def test_a_changed_ack_wait_reaches_an_existing_durable_consumer(nats_serv
             await svc.control.close()
             await svc.cost_control.close()
             await nc.close()
-    assert seen == [(120.0, 512, 6), (30.0, 64, 4)]
+    assert seen == [(120.0, 512, 26), (30.0, 64, 4)]
+
+
+async def test_a_job_cut_off_at_every_delivery_still_ends_with_its_give_up(nats_server: Any, tmp_path: Any) -> None:
+    """A service stopped (or killed) while handling a job hands it back, and each time a delivery
+    counts. Before, the server's deliveries ran out after `consumer_max_deliver` + 1 of them and
+    the job was never seen again: no result, and a run that never ends. Now
+    `consumer_max_interrupted` more are allowed, and the last one records the give-up without
+    running the handler (a job that kills its process must not be run again): `stage.failed` and
+    the generation stage's failed answer, so the result ends and says why."""
+    from services.generation import app as generation  # its give-up, as the service registered it
+
+    settings = Settings(home=tmp_path, nats_url=nats_server.url, consumer_max_deliver=1, consumer_max_interrupted=2,
+                        shutdown_grace_s=0)
+    give_up = generation.service.subscriptions[events.ANSWER_REQUESTED].give_up
+    nc = await bus.connect(settings)
+    js = nc.jetstream()
+    await bus.ensure_stream(js, settings)
+    entered: list[int] = []
+    try:
+        await bus.publish(js, _request(0))
+        for life in range(4):  # four lives of the service: three cut off mid-job, then the last delivery
+            svc = StageService("generation", settings)
+            svc.bind(js)
+
+            @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested, give_up=give_up, durable="cut-off")
+            async def handler(env: events.Envelope, req: events.AnswerRequested, life: int = life) -> list[events.Envelope]:
+                entered.append(life)
+                await asyncio.Event().wait()  # a model call that never returns before the stop
+                return []
+
+            try:
+                await svc._start_pumps()
+                if life < 3:
+                    for _ in range(100):
+                        if len(entered) > life:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert len(entered) == life + 1, f"delivery {life + 1} never reached a handler"
+                else:
+                    failed = await _last(js, events.subject(events.STAGE_FAILED, "run1", "r0"))
+                    answer = await _last(js, events.subject(events.ANSWER_GENERATED, "run1", "r0"))
+            finally:
+                await svc._stop_pumps()  # hands the message back: its nak is a delivery used
+                await svc.control.close()
+                await svc.cost_control.close()
+        await asyncio.sleep(0.3)
+        info = await js.consumer_info(events.STREAM, "cut-off")
+    finally:
+        await nc.close()
+    assert entered == [0, 1, 2], "the last delivery is not handled again"
+    error = events.payload_as(failed, events.StageFailed).error
+    assert error.type == "DeliveriesExhausted" and "delivered 4 times" in error.message
+    gave_up = events.payload_as(answer, events.StageEvent)
+    assert gave_up.status == "failed" and gave_up.state.error is not None
+    assert gave_up.state.error.type == "DeliveriesExhausted"
+    assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
+
+
+async def _last(js: Any, subject: str) -> events.Envelope:
+    """The newest event on `subject`, waited for up to 10 s."""
+    for _ in range(100):
+        try:
+            return events.decode((await js.get_last_msg(events.STREAM, subject)).data, subject)
+        except nats_errors.Error:
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"nothing was published on {subject}")

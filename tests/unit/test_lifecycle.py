@@ -587,6 +587,36 @@ async def test_harness_retries_then_records_the_give_up() -> None:
     assert (gave_up.state.error.stage, gave_up.state.error.type) == ("generate_answer", "KeyError")
 
 
+async def test_the_last_delivery_records_the_give_up_without_handling() -> None:
+    """The server's last delivery of a job (every earlier one cut off by a stop or a crash) is not
+    handled again, since the job may be what kills the process: `stage.failed` and the stage's
+    fallback are published, then the message is acked. One delivery earlier it is still handled."""
+    js = FakeJS()
+    svc = _service(js)
+    last = svc.settings.consumer_max_deliver + svc.settings.consumer_max_interrupted + 1
+    handled: list[int] = []
+
+    @svc.handles(events.ANSWER_REQUESTED, events.AnswerRequested, give_up=_generation_give_up())
+    async def handler(env: events.Envelope, req: events.AnswerRequested) -> list[events.Envelope]:
+        handled.append(env.attempt)
+        return []
+
+    env = events.make_envelope(events.ANSWER_REQUESTED, "run1", "a1", events.AnswerRequested(jobs=[_job()]), "cli")
+    assert svc.subscriptions[events.ANSWER_REQUESTED].config.max_deliver == last  # type: ignore[union-attr]
+    before = FakeMessage(env.subject, delivered=last - 1)
+    await svc.deliver(events.ANSWER_REQUESTED, events.encode(env), before)  # type: ignore[arg-type]
+    assert before.acked and len(handled) == 1 and js.published == []
+    final = FakeMessage(env.subject, delivered=last)
+    await svc.deliver(events.ANSWER_REQUESTED, events.encode(env), final)  # type: ignore[arg-type]
+    assert final.acked and final.nacked is None and len(handled) == 1
+    assert [e.event_type for e in js.published] == [events.STAGE_FAILED, events.ANSWER_GENERATED]
+    error = events.payload_as(js.published[0], events.StageFailed).error
+    assert error.type == "DeliveriesExhausted" and f"delivered {last} times" in error.message
+    gave_up = events.payload_as(js.published[1], events.StageEvent)
+    assert gave_up.status == "failed" and gave_up.state.error is not None
+    assert gave_up.state.error.type == "DeliveriesExhausted"
+
+
 async def test_dead_letter_ids_are_the_same_in_every_process() -> None:
     js = FakeJS()
     subject = events.subject(events.ANSWER_REQUESTED, "run1", "zz")
