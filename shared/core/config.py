@@ -325,7 +325,7 @@ class Settings(BaseModel):
     sandbox_timeout_s: float = Field(default=10.0, gt=0)
     sandbox_memory_mb: int = Field(default=512, ge=64)
     # the jail (shared.templates.boundary validates these itself and fails closed on a bad value)
-    sandbox: str = "auto"  # auto / jail: the bubblewrap jail; unsafe: no OS boundary
+    sandbox: Literal["auto", "jail", "unsafe"] = "auto"  # auto / jail: the bubblewrap jail; unsafe: no OS boundary
     sandbox_uid: str = "65534"  # uid/gid the sandbox drops to when the service runs as root
     sandbox_bwrap: str | None = None  # the bubblewrap binary (default: bwrap on PATH)
     sandbox_tag: str | None = None  # set by the pool for its own processes, not configuration
@@ -361,6 +361,14 @@ class Settings(BaseModel):
     def _check_nats_url(cls, value: str) -> str:
         parse_server_list(value)
         return value
+
+    @field_validator("sandbox", mode="before")
+    @classmethod
+    def _sandbox_mode(cls, value: Any) -> Any:
+        """`VERIBUS_SANDBOX` in any case, blank for the default: `up` refuses another value
+        before it starts anything (a typo once failed every template of every run, after the
+        model calls were paid)."""
+        return (value.strip().lower() or "auto") if isinstance(value, str) else value
 
     @property
     def nats_servers(self) -> list[str]:

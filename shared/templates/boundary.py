@@ -40,7 +40,6 @@ from pathlib import Path
 from shared.core.config import Settings
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the repository root
-MODE_ENV = "VERIBUS_SANDBOX"
 UID_ENV = "VERIBUS_SANDBOX_UID"
 DEFAULT_UID = 65534  # nobody
 UNSAFE_WARNING = (
@@ -248,7 +247,7 @@ def plan(tmp_mb: int = 64) -> JailPlan:
         conf = _jail_settings()
     except ValueError as exc:  # a bad VERIBUS_SANDBOX* value: fail closed, naming it
         return JailPlan(mode="jail", error=str(exc))
-    mode = conf.sandbox.strip().lower() or "auto"
+    mode = conf.sandbox
     key = (mode, tmp_mb, conf.sandbox_bwrap or "", conf.sandbox_uid)
     if key not in _plan_cache:
         _plan_cache[key] = _decide(mode, tmp_mb, conf)
@@ -260,8 +259,6 @@ def _decide(mode: str, tmp_mb: int, conf: Settings) -> JailPlan:
     if mode == "unsafe":
         return JailPlan(mode="unsafe", layers=["separate process", "scrubbed environment", "rlimits",
                                                "audit hook (not a boundary)"])
-    if mode not in ("auto", "jail"):
-        return JailPlan(mode="jail", error=f"{MODE_ENV}={mode!r} is not one of auto, jail, unsafe")
     hint = (" (install bubblewrap: apt-get install bubblewrap; run as root or enable unprivileged user "
             "namespaces; or set VERIBUS_SANDBOX=unsafe to run template code without an OS boundary)")
     result = JailPlan(mode="jail")
@@ -300,4 +297,4 @@ def _decide(mode: str, tmp_mb: int, conf: Settings) -> JailPlan:
     return result
 
 
-__all__ = ["JailPlan", "plan", "bwrap_argv", "UNSAFE_WARNING", "MODE_ENV"]
+__all__ = ["JailPlan", "plan", "bwrap_argv", "UNSAFE_WARNING"]

@@ -299,7 +299,8 @@ def test_fails_closed_without_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fails_closed_on_a_bad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VERIBUS_SANDBOX", "off")
     reply = asyncio.run(Sandbox(workers=1).call("ping"))
-    assert reply["kind"] == "unavailable" and "VERIBUS_SANDBOX='off' is not one of auto, jail, unsafe" in reply["error"]
+    assert reply["kind"] == "unavailable" and "VERIBUS_SANDBOX='off'" in reply["error"]
+    assert "'auto', 'jail' or 'unsafe'" in reply["error"]
 
 
 @pytest.mark.needs_root

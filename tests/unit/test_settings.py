@@ -58,10 +58,17 @@ def test_every_settings_field_is_in_the_readme_table() -> None:
 def test_a_wrong_value_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VERIBUS_SANDBOX_MEMORY_MB", "lots")
     monkeypatch.setenv("VERIBUS_LLM_TRANSPORT", "carrier-pigeon")
+    monkeypatch.setenv("VERIBUS_SANDBOX", "jial")  # once accepted here, then failed every template of a run
     with pytest.raises(ValueError) as err:
         Settings.from_env()
     assert "VERIBUS_SANDBOX_MEMORY_MB='lots'" in str(err.value)
     assert "VERIBUS_LLM_TRANSPORT='carrier-pigeon'" in str(err.value)
+    assert "VERIBUS_SANDBOX='jial'" in str(err.value)
+    monkeypatch.delenv("VERIBUS_SANDBOX_MEMORY_MB")
+    monkeypatch.delenv("VERIBUS_LLM_TRANSPORT")
+    for given, mode in ((" JAIL ", "jail"), ("", "auto"), ("Unsafe", "unsafe")):
+        monkeypatch.setenv("VERIBUS_SANDBOX", given)
+        assert Settings.from_env().sandbox == mode
 
 
 def test_values_reach_their_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
