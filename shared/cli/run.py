@@ -161,9 +161,11 @@ def _trait_names(benchmark: Any) -> set[str]:
     return names
 
 
-def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  # noqa: ANN202
+def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool,  # noqa: ANN202
+                  services_environ: dict[str, str] | None = None):
     """Every check that needs no bus, before anything starts or is published: config, plan (0 jobs
-    is refused with a hint), provider keys, gates (metric, operator, range), --max-errors.
+    is refused with a hint), provider keys (in `services_environ`, the running local stack's, when
+    given: its services make the calls), gates (metric, operator, range), --max-errors.
     Returns (config, gates, max_errors); raises ValueError with the message to print."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import check_gates, known_metrics
@@ -178,7 +180,7 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool):  #
             raise ValueError(f"{benchmark.name!r}: 0 jobs to run: the benchmark has no questions "
                              f"(read from {args.benchmark})")
         raise ValueError(f"{benchmark.name!r}: {NO_JOBS_HINT}")
-    problems = config_problems(config)
+    problems = config_problems(config, services_environ)
     if problems:
         raise ValueError("refused before publishing:\n  " + "\n  ".join(problems))
     gates = cli_analysis.validate_run_gates(args)
@@ -240,8 +242,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         err(str(exc))
         return EXIT_INPUT
     simulated = _is_simulated(args)
+    local = stack.running_stack(settings) if dep.kind == "local" else None
     try:
-        config, gates, max_errors = _validate_run(args, benchmark, simulated)
+        config, gates, max_errors = _validate_run(args, benchmark, simulated,
+                                                  stack.services_environ(local) if local else None)
     except ValueError as exc:  # a pydantic ValidationError too: `err` says it in one line
         err(exc)
         return EXIT_INPUT

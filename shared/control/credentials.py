@@ -13,9 +13,10 @@ before, a silent switch to the simulator).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from urllib.parse import urlparse
 
 from shared.core.config import ModelConfig, VerificationConfig
@@ -59,25 +60,46 @@ def unknown_provider(model: ModelConfig) -> bool:
     return False
 
 
-def missing_key(model: ModelConfig) -> list[str]:
+def missing_key(model: ModelConfig, environ: Mapping[str, str] | None = None) -> list[str]:
     """The environment variables one of which must be set for this model to be called ([] when
-    nothing is missing)."""
+    nothing is missing), in `environ` (default: this process's)."""
+    env = os.environ if environ is None else environ
     if model.interface in KEYLESS_INTERFACES:
         return []
     if model.api_key_env:
-        return [] if os.environ.get(model.api_key_env) else [model.api_key_env]
+        return [] if env.get(model.api_key_env) else [model.api_key_env]
     if model.api_base:
         return []
     provider = provider_of(model.model_name)
     if provider in PROVIDER_KEYS:
         names = PROVIDER_KEYS[provider]
-        return [] if any(os.environ.get(n) for n in names) else list(names)
+        return [] if any(env.get(n) for n in names) else list(names)
+    if environ is not None:  # litellm reads this process's environment only
+        with _environment(environ):
+            return _litellm_missing(model)
     return _litellm_missing(model)
 
 
-def credential_problems(models: Iterable[tuple[str, ModelConfig]]) -> list[str]:
+@contextlib.contextmanager
+def _environment(environ: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment replaced by `environ` for the duration (litellm's own key
+    table reads os.environ)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def credential_problems(models: Iterable[tuple[str, ModelConfig]],
+                        services_environ: Mapping[str, str] | None = None) -> list[str]:
     """One line per model (role, config) that cannot be called: no provider can be told for its
-    name, or its key is missing."""
+    name, or its key is missing. The key is looked for where the calls are made: in
+    `services_environ` (the running local stack's services, which `up` started with its own
+    environment) when given, else here (a temporary stack is started from this environment)."""
     out = []
     seen: set[tuple[str, str]] = set()
     for role, m in models:
@@ -87,19 +109,26 @@ def credential_problems(models: Iterable[tuple[str, ModelConfig]]) -> list[str]:
             out.append(f"{role} model {m.model_name!r}: no provider known for this name: write it as "
                        f"provider/model (openai/{m.model_name} for an OpenAI-compatible server, or anthropic/..., "
                        "ollama/...), or run with --simulate for the offline simulator")
-        names = missing_key(m)
+        names = missing_key(m, services_environ)
         seen.add((role, m.model_name))
         if not names:
             continue
         var = names[0] if len(names) == 1 else " or ".join(names)
-        out.append(f"{role} model {m.model_name!r}: no API key: set {var} (or give the model an api_base, "
-                   "or run with --simulate for the offline simulator)")
+        if services_environ is not None and not missing_key(m):
+            out.append(f"{role} model {m.model_name!r}: {var} is set here, but the local stack's services were "
+                       f"started without it, and they make the model calls: `veribus down`, then `veribus up` "
+                       f"with {var} set")
+            continue
+        out.append(f"{role} model {m.model_name!r}: no API key: set {var} "
+                   + ("where `veribus up` runs (the local stack's services make the calls; "
+                      "`veribus down` first) " if services_environ is not None else "")
+                   + "(or give the model an api_base, or run with --simulate for the offline simulator)")
     return out
 
 
-def config_problems(config: VerificationConfig) -> list[str]:
+def config_problems(config: VerificationConfig, services_environ: Mapping[str, str] | None = None) -> list[str]:
     return credential_problems([("answering", m) for m in config.answering_models]
-                               + [("judge", m) for m in config.parsing_models])
+                               + [("judge", m) for m in config.parsing_models], services_environ)
 
 
 def base_reachable(api_base: str, timeout: float = 2.0) -> str | None:

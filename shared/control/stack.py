@@ -489,22 +489,26 @@ def proc_named(state: StackState, name: str) -> Proc:
     raise KeyError(f"no process {name!r} in the stack (have: {', '.join(p.name for p in state.procs)})")
 
 
-def _stack_env(state: StackState, skip_pid: int | None = None) -> dict[str, str]:
-    """The environment `up` gave the stack's processes: read from a live sibling (its environ at
-    exec is what `up` passed, extra_env included), else this process's, plus the stack's own."""
-    env: dict[str, str] | None = None
-    # services that call models first: the others run without provider keys (bus_auth.service_env)
+def services_environ(state: StackState, skip_pid: int | None = None) -> dict[str, str] | None:
+    """The environment `up` gave the stack's processes, read from a live one (its environ at exec
+    is what `up` passed, extra_env included), a service that calls models first (the others run
+    without provider keys, bus_auth.service_env); None when none can be read."""
     for p in sorted(state.procs, key=lambda q: (not is_service(q.name),
                                                  bus_auth.role_env(q.name).get("VERIBUS_NATS_ROLE")
                                                  in bus_auth.NO_MODEL_CALLS)):
         if p.pid == skip_pid or not p.alive():
             continue
         try:
-            env = dict(psutil.Process(p.pid).environ())
-            break
+            return dict(psutil.Process(p.pid).environ())
         except (psutil.Error, OSError):
             continue
-    env = env if env else dict(os.environ)
+    return None
+
+
+def _stack_env(state: StackState, skip_pid: int | None = None) -> dict[str, str]:
+    """The environment `up` gave the stack's processes (`services_environ`), else this
+    process's, plus the stack's own."""
+    env = services_environ(state, skip_pid) or dict(os.environ)
     env.update(state.env())  # includes the VERIBUS_STACK marker
     return env
 

@@ -360,6 +360,20 @@ async def test_non_retryable_fail_fast_and_hide_key(fake, monkeypatch: pytest.Mo
     assert t.calls[0]["api_key"] == secret
 
 
+async def test_a_missing_provider_key_is_an_auth_error_not_an_outage(fake) -> None:
+    """Without a key the OpenAI client refuses to start, and litellm reports that as its
+    InternalServerError (HTTP 500): it was retried as a provider outage and summarised as one.
+    It is `auth` now: one attempt, and the kind says what to fix."""
+    spec = ModelSpec(model_name="openai/fake-model", api_base="http://h/v1", max_retries=4)
+    message = ("OpenAIException - Missing credentials. Please pass an `api_key`, or set the `OPENAI_API_KEY` "
+               "environment variable.")
+    t = fake([_exc("500", message=message) for _ in range(5)])
+    with pytest.raises(LLMError) as ei:
+        await _client().complete(spec, [{"role": "user", "content": "q"}], stage="answer")
+    assert ei.value.kind == "auth" and len(t.calls) == 1
+    assert "Missing credentials" in str(ei.value)
+
+
 async def test_missing_key_env_names_the_variable(fake, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VB_ABSENT_KEY", raising=False)
     monkeypatch.setenv("VERIBUS_ENDPOINTS", "https://api.openai.com/v1=VB_ABSENT_KEY")

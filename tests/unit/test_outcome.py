@@ -234,6 +234,30 @@ def test_missing_provider_key_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert missing_key(ModelConfig(model_name="x", api_key_env="MY_KEY")) == []
 
 
+def test_keys_are_looked_for_where_the_local_stack_makes_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a local stack running, its services make the model calls with the environment `up`
+    gave them: a key set only for `veribus run` reached no service, and every job failed after
+    five retries as a provider outage; a key given to `up` alone was refused here."""
+    from shared.core.config import ModelConfig, VerificationConfig
+
+    cfg = VerificationConfig(answering_models=[ModelConfig(model_name="gpt-4.1-mini")],
+                             parsing_models=[ModelConfig(model_name="openai/x", api_key_env="MY_KEY")])
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-here")
+    monkeypatch.setenv("MY_KEY", "k")
+    problems = config_problems(cfg, {"PATH": "/usr/bin"})
+    assert len(problems) == 2, problems
+    assert "'gpt-4.1-mini': OPENAI_API_KEY is set here, but the local stack's services were started without it" \
+        in problems[0] and "`veribus down`, then `veribus up` with OPENAI_API_KEY set" in problems[0]
+    assert "'openai/x': MY_KEY is set here, but the local stack's services" in problems[1]
+    monkeypatch.delenv("OPENAI_API_KEY")
+    monkeypatch.delenv("MY_KEY")
+    assert config_problems(cfg, {"OPENAI_API_KEY": "sk-up", "MY_KEY": "k"}) == []
+    missing = config_problems(cfg, {"OPENAI_API_KEY": "sk-up"})
+    assert missing == ["judge model 'openai/x': no API key: set MY_KEY where `veribus up` runs (the local stack's services "
+                       "make the calls; `veribus down` first) (or give the model an api_base, or run with --simulate "
+                       "for the offline simulator)"]
+
+
 def test_a_model_name_no_provider_is_known_for_is_named_before_publishing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A typo or a bare name litellm cannot route (every call would fail with "LLM Provider NOT
     provided") is refused with the fix; its key being set changes nothing."""

@@ -98,6 +98,10 @@ def _scrub(text: str, secret: str | None) -> str:
     return _SECRET_PATTERNS.sub("***", text)
 
 
+_MISSING_CREDENTIALS = re.compile(r"Missing credentials|api_key client option must be set|"
+                                  r"No API key provided|api[_ ]key (?:is )?(?:missing|not set|not found)", re.I)
+
+
 def _classify(exc: BaseException) -> tuple[str, int | None]:
     """(kind, HTTP status) of a litellm/openai/asyncio exception."""
     status = getattr(exc, "status_code", None)
@@ -105,6 +109,10 @@ def _classify(exc: BaseException) -> tuple[str, int | None]:
         status = None
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):
         return "timeout", status
+    if _MISSING_CREDENTIALS.search(str(exc)):
+        # the OpenAI client refuses to start without a key; litellm wraps that in an
+        # InternalServerError (HTTP 500), which would be retried as the provider's outage
+        return "auth", None
     litellm = _litellm
     if litellm is not None:
         checks: list[tuple[str, str]] = [
