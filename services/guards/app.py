@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.guards.stage import check_guards
 from shared.core import events
+from shared.core.stage import SANDBOX_SCOPE
 from shared.runtime.harness import StageService
 from shared.templates.cache import TemplateInfoCache
 
@@ -25,6 +26,6 @@ async def on_answer_generated(env: events.Envelope, ev: events.StageEvent) -> li
     job = ev.job
     schema = None
     if job.options.get("sufficiency_enabled") and job.template_code and not ev.state.error:
-        schema = await templates.schema(job.template_id, job.template_code, scope=job.run_id)  # the run's process
+        schema = await templates.schema(job.template_id, job.template_code, scope=SANDBOX_SCOPE.get())  # the run's process
     state = await check_guards(job, ev.state, llm, schema)
     return [service.emit(events.GUARDS_CHECKED, job, events.StageEvent(job, state))]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.parsing.stage import STAGE, parse_template
 from shared.core import events
+from shared.core.stage import SANDBOX_SCOPE
 from shared.runtime.harness import StageService
 from shared.templates.cache import TemplateInfoCache
 
@@ -25,6 +26,6 @@ async def on_guards_checked(env: events.Envelope, ev: events.StageEvent) -> list
         return []  # no template branch in this mode: the finalizer does not wait for one (see `skip`)
     info = None
     if job.template_code and not ev.state.error:
-        info = await templates.get(job.template_id, job.template_code, job.question_id, scope=job.run_id)
+        info = await templates.get(job.template_id, job.template_code, job.question_id, scope=SANDBOX_SCOPE.get())
     state = await parse_template(job, ev.state, llm, info)
     return [service.emit(events.TEMPLATE_PARSED, job, events.StageEvent(job, state))]

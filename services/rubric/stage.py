@@ -32,7 +32,7 @@ from services.rubric.deep_judgment import evaluate_dj_traits, resolve_trait_conf
 from shared.core import prompts
 from shared.core.events import Job, State
 from shared.core.rubric import AnyTrait, Rubric
-from shared.core.stage import evaluation_text, record
+from shared.core.stage import SANDBOX_SCOPE, evaluation_text, record
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, add_usage, usage_entry
 from shared.runtime.search import SearchTool
@@ -284,7 +284,7 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
     for rt in rubric.regex_traits:  # in the sandbox: a pattern can backtrack for hours
         try:
             regex_scores[rt.name] = await run_regex_trait(rt.pattern, text, rt.case_sensitive, rt.invert_result,
-                                                          scope=job.run_id,
+                                                          scope=SANDBOX_SCOPE.get(),
                                                           timeout_s=job.options.get("template_timeout_s"))
         except Exception as exc:  # a bad pattern fails only its own trait
             out["errors"][rt.name] = f"{type(exc).__name__}: {exc}"
@@ -294,7 +294,7 @@ async def evaluate_rubric(job: Job, state: State, llm: LLMClient, search_tool: S
         try:
             if not ct.callable_code:
                 raise ValueError(f"callable trait {ct.name!r} has no callable_code")
-            value = await run_callable_trait(ct.callable_code, text, ct.kind, scope=job.run_id,
+            value = await run_callable_trait(ct.callable_code, text, ct.kind, scope=SANDBOX_SCOPE.get(),
                                              timeout_s=job.options.get("template_timeout_s"))
             if getattr(ct, "invert_result", False) and isinstance(value, bool):
                 value = not value

@@ -30,7 +30,7 @@ from services.verification.embedding import (
 )
 from shared.core import prompts
 from shared.core.events import Job, State
-from shared.core.stage import record, stage_error
+from shared.core.stage import SANDBOX_SCOPE, record, stage_error
 from shared.runtime.llm.client import LLMClient
 from shared.runtime.llm.reply import LLMError, usage_entry
 from shared.templates.calls import run_verify
@@ -108,7 +108,7 @@ async def verify_template(job: Job, state: State, llm: LLMClient | None = None,
         return _skip_all(state, t, "nothing parsed")
     outcome = await run_verify(
         job.template_code, parsed, job.question_id, state.template.get("raw_llm_response", ""),
-        template_id=job.template_id, timeout_s=job.options.get("template_timeout_s"), scope=job.run_id,
+        template_id=job.template_id, timeout_s=job.options.get("template_timeout_s"), scope=SANDBOX_SCOPE.get(),
     )
     if getattr(outcome, "error", None):
         state.error = stage_error(STAGE, ValueError(outcome.error))

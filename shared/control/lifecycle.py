@@ -39,7 +39,7 @@ from shared.core.models import VerificationResult
 from shared.core.rubric import Rubric, RubricError
 from shared.core.verdict import errored, verdict_of
 from shared.runtime import bus
-from shared.runtime.content import ContentStore
+from shared.runtime.content import ContentStore, put_manifest, with_manifest
 from shared.runtime.costcontrol import check_cost_budget
 from shared.runtime.runcontrol import STOP_ERROR_TYPES, check_budget
 from shared.templates.static_checks import compile_check, template_shape_problem
@@ -427,7 +427,10 @@ async def submit_regrade(settings: Settings, plan: RegradePlan) -> int:
         await bus.ensure_stream(js)
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, PRODUCER))
-        envs = [events.make_envelope(events.ANSWER_GENERATED, plan.run_id, ev.job.result_id, ev, PRODUCER)
+        # the regrade's code, announced by hash as `submit` does (its templates may be new)
+        manifest = await put_manifest(ContentStore(lambda: js), (ev.job for ev in plan.generated))
+        envs = [events.make_envelope(events.ANSWER_GENERATED, plan.run_id, ev.job.result_id,
+                                     msgspec.structs.replace(ev, job=with_manifest(ev.job, manifest)), PRODUCER)
                 for ev in plan.generated]
         return await bus.publish_many(js, envs)
 

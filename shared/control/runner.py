@@ -24,7 +24,7 @@ from shared.core.ids import answer_id_for, compute_result_id, template_id_for
 from shared.core.limits import MAX_EVENT_BYTES, question_problems
 from shared.core.models import VerificationResult
 from shared.runtime import bus
-from shared.runtime.content import ContentStore, lean_requests
+from shared.runtime.content import ContentStore, lean_requests, put_manifest, with_manifest
 from shared.templates.static_checks import compile_check, template_shape_problem
 
 
@@ -198,12 +198,17 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))
         store = ContentStore(lambda: js)  # one store: contents shared by chunks are written once
+        # the run's code, announced by hash before any job: only jobs whose code it lists share
+        # the run's sandbox processes (`ContentStore.sandbox_scope`)
+        manifest = await put_manifest(store, (job for r in plan.requests for job in r.jobs))
         new = 0
         for part in submit_chunks(len(plan.requests)):
             requests = plan.requests[part]
             answer_ids = [r.jobs[0].answer_id for r in requests]  # a lean job leaves its answer id to the subject
             if settings.lean_events:  # contents once, by hash; events carry the hashes
-                requests = await lean_requests(store, requests)
+                requests = await lean_requests(store, requests, manifest)
+            else:
+                requests = [events.AnswerRequested(jobs=[with_manifest(j, manifest) for j in r.jobs]) for r in requests]
             envs = [events.make_envelope(events.ANSWER_REQUESTED, plan.run_id, aid, r, producer)
                     for aid, r in zip(answer_ids, requests, strict=True)]
             new += await bus.publish_many(js, envs)

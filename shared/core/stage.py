@@ -11,10 +11,20 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from shared.core.events import StageError, StageRecord, State
 from shared.core.scrub import scrub_text
+
+SANDBOX_SCOPE: ContextVar[str | None] = ContextVar("veribus_sandbox_scope", default=None)
+"""The sandbox process the job being handled may share with the other jobs of its run (the
+`scope` of a template or trait call), or None: a fresh process of its own. The service harness
+sets it for each message, to the run's scope only when every piece of code the job brings is
+code its run announced when it was submitted (`shared.runtime.content.ContentStore.sandbox_scope`):
+a job another client published into the run cannot run its code in that run's process, where a
+class body could patch what the run's own `verify()`s return. Unset (a unit test, a regrade run
+in process): fresh processes, slower and as safe."""
 
 
 def stage_error(stage: str, exc: BaseException, attempt: int = 1) -> StageError:

@@ -31,12 +31,14 @@ from nats.js.errors import APIError, InvalidKeyError, KeyNotFoundError, NotFound
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from shared.core import events
+from shared.core.ids import template_id_for
 from shared.core.limits import check_job
 from shared.runtime.bus import cluster_not_ready, ensure_kv, retry_cluster
 
 log = logging.getLogger("veribus.content")
 
 BUCKET = "vb_content"
+CODE = "s"  # the run's code manifest: a digest of every template and callable trait its jobs bring
 QUESTION = "q"  # question text, template, rubric, keywords, expected answer, few-shot examples
 OPTIONS = "o"  # the run's stage options
 MODELS = "m"  # the answering and parsing model specs
@@ -80,6 +82,29 @@ def key_matches(key: str, data: bytes) -> bool:
     40 hex digits; `c_` + 22 base64url characters of the whole digest)."""
     digest = hashlib.sha256(data).digest()
     return key in (_key_of(digest), "c_" + digest.hex()[:40], "c_" + base64.urlsafe_b64encode(digest).decode()[:22])
+
+
+def codes_of(job: events.Job) -> list[str]:
+    """The code a (full) job brings to the sandbox: its template and its callable traits'."""
+    out = [job.template_code] if job.template_code else []
+    rubric = job.rubric or {}
+    for group in ("traits", "dynamic_traits"):
+        for trait in rubric.get(group) or ():
+            code = trait.get("callable_code") if isinstance(trait, dict) else None
+            if isinstance(code, str) and code:
+                out.append(code)
+    return out
+
+
+def code_digest(code: str) -> str:
+    """128 bits of the code's SHA-256: what a run's code manifest lists."""
+    return hashlib.sha256(code.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def code_manifest(jobs: Iterable[events.Job]) -> tuple[str, bytes]:
+    """(key, content) of the manifest of every piece of code the jobs bring (`codes_of`)."""
+    data = _enc.encode({"code": sorted({code_digest(c) for job in jobs for c in codes_of(job)})})
+    return content_key(data), data
 
 
 def blobs_of(job: events.Job) -> dict[str, tuple[str, bytes]]:
@@ -145,6 +170,7 @@ class ContentStore:
         self.cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.max_cached = max_cached
         self.reads = 0
+        self._manifests: dict[str, frozenset[str]] = {}  # code manifest key -> its digests
 
     async def _bucket(self) -> Any:
         if self._kv is None:
@@ -276,6 +302,35 @@ class ContentStore:
             payload.jobs = [await self.hydrate(j) for j in payload.jobs]
         return payload
 
+    async def sandbox_scope(self, payload: Any) -> str | None:
+        """The sandbox scope a (hydrated) StageEvent's job may use (`shared.core.stage.SANDBOX_SCOPE`):
+        its run's, named by the run's code manifest (`refs[CODE]`, stored when the run was submitted,
+        by hash: no client can change it), when every piece of code the job brings is listed there
+        and its template id is its template's; else None, a fresh process. So a job another client
+        published under the run's id (`cli` may publish answer requests and stored answers) runs its
+        code apart from the run's, and a class body's patch reaches only the jobs of its own code."""
+        if not isinstance(payload, events.StageEvent):
+            return None
+        job = payload.job
+        key = job.refs.get(CODE)
+        if not key or not job.run_id:
+            return None
+        if job.template_code and job.template_id not in (template_id_for(job.template_code), "no_template"):
+            return None  # a template under another's id would be cached as that one
+        codes = codes_of(job)
+        if codes:
+            listed = self._manifests.get(key)
+            if listed is None:
+                listed = frozenset((await self.get(key)).get("code") or ())
+                self._manifests[key] = listed
+                while len(self._manifests) > 256:
+                    self._manifests.pop(next(iter(self._manifests)))
+            if any(code_digest(c) not in listed for c in codes):
+                log.warning("a job of run %s brings code its run did not announce: it runs in a fresh sandbox "
+                            "process, apart from the run's", job.run_id)
+                return None
+        return f"{job.run_id}.{key}"
+
     def lean_payload(self, payload: Any) -> Any:
         """A copy of a StageEvent whose job is lean (for publishing), with its stage log compact
         (`events.lean_state`); other payloads pass. The job's run and result ids are left out
@@ -288,14 +343,27 @@ class ContentStore:
         return msgspec.structs.replace(payload, job=job, state=events.lean_state(payload.state))
 
 
-async def lean_requests(store: ContentStore, requests: list[events.AnswerRequested]) -> list[events.AnswerRequested]:
-    """Store every job's contents once and return the requests with lean jobs (what `submit` sends)."""
+async def put_manifest(store: ContentStore, jobs: Iterable[events.Job]) -> str:
+    """Store the code manifest of a run's jobs (`code_manifest`); returns its key (`refs[CODE]`)."""
+    key, data = code_manifest(jobs)
+    await store.put_many([(key, data)])
+    return key
+
+
+def with_manifest(job: events.Job, manifest: str) -> events.Job:
+    return msgspec.structs.replace(job, refs={**job.refs, CODE: manifest})
+
+
+async def lean_requests(store: ContentStore, requests: list[events.AnswerRequested],
+                        manifest: str | None = None) -> list[events.AnswerRequested]:
+    """Store every job's contents once and return the requests with lean jobs (what `submit`
+    sends), each referring to the run's code manifest (`manifest`, the key `put_manifest` gave)."""
     items: dict[str, bytes] = {}
     out = []
     for req in requests:
         jobs = []
         for job in req.jobs:
-            refs = {}
+            refs = {CODE: manifest} if manifest else {}
             for kind, (key, data) in blobs_of(job).items():
                 items[key] = data
                 refs[kind] = key

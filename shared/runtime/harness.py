@@ -50,7 +50,7 @@ from shared.core import events
 from shared.core.config import Settings
 from shared.core.limits import safe_token
 from shared.core.scrub import scrub_text
-from shared.core.stage import stage_error
+from shared.core.stage import SANDBOX_SCOPE, stage_error
 from shared.runtime import bus, observability, tracing
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
@@ -362,6 +362,7 @@ class StageService:
             return
         CACHE_SCOPE.set(env.run_id)
         CACHE_JOB.set(None)
+        SANDBOX_SCOPE.set(None)
         key = attempt_key(env)
         ATTEMPT_KEY.set(key)
         if sub.config is not None and delivered >= sub.config.max_deliver:
@@ -378,6 +379,7 @@ class StageService:
         cost_before_ = await self._spent_before(env, payload, self.cost_control, cost_before, "cost")
         try:
             payload = await self.content.hydrate_payload(payload, sub.needs_question)
+            SANDBOX_SCOPE.set(await self.content.sandbox_scope(payload))  # the run's processes, or fresh ones
             CACHE_SCOPE.set(scope_for(env.run_id, payload))  # the run's options are in the content
             CACHE_JOB.set(job_for(payload))
             outs = await fn(env, payload)

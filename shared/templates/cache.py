@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from shared.core.ids import template_id_for
 from shared.templates.calls import TemplateInfo, validate_template
 from shared.templates.sandbox import Sandbox
 
@@ -37,7 +38,9 @@ class TemplateInfoCache:
                   scope: str | None = None) -> TemplateInfo:
         """The template's TemplateInfo; validated in the sandbox on first use (`scope`: the run id,
         so one run's validations share a sandbox process and no other run's, nor its cache entries)."""
-        key = (scope or "", template_id)  # unscoped: each validation had a fresh process of its own
+        # by the code itself, not the id a job names: a job could pair one template's id with
+        # another's code, and the other's schema would then be served for this one
+        key = (scope or "", template_id_for(code))
         info = self._infos.get(key)
         if info is not None:
             return info

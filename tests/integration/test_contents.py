@@ -93,7 +93,7 @@ def test_export_reads_the_rubric_of_a_lean_run_from_clickhouse(cstack: Stack, ru
     assert rows(cstack, "SELECT count() FROM events WHERE run_id = {r:String} AND event_type = 'answer.generated' "
                         "AND JSONExtractRaw(payload, 'job', 'rubric') NOT IN ('', 'null')", r=run_id) == [(0,)]
     # one content per question, one options set, one model pair
-    assert _contents(cstack, run_id) == {"q": N, "o": 1, "m": 1}
+    assert _contents(cstack, run_id) == {"q": N, "o": 1, "m": 1, "s": 1}  # and the run's code manifest
     body = rows(cstack, "SELECT body FROM contents FINAL WHERE run_id = {r:String} AND kind = 'q' "
                         "AND JSONExtractString(body, 'question_id') = 'q0000'", r=run_id)[0][0]
     assert "SaysSum" in body and "Clarity" in body

@@ -16,10 +16,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
+from bench import workload
 from bench.workload import int_template
+from shared.control import runner
+from shared.core import events
+from shared.core.benchmark.model import Benchmark
+from shared.runtime import bus
+from shared.runtime.content import ContentStore, lean_requests
 from shared.store.reads import run_query
 from tests.support.stack import (
     Listener,
@@ -29,6 +36,7 @@ from tests.support.stack import (
     results_of,
     start_stack,
     stop_stack,
+    sync,
     wait_projected,
     wait_projector_idle,
     wait_results,
@@ -216,3 +224,61 @@ def test_later_run_verdicts_are_untouched(attacked: dict[str, Any]) -> None:
     got = {qid: r.template.verify_result for qid, r in attacked["victims"].items()}
     want = {f"q{i:04d}": i % 3 != 0 for i in range(10)}
     assert got == want
+
+
+PATCH_IN_CLASS_BODY = '''from karenina.schemas.entities import BaseAnswer
+from pydantic import Field
+import builtins
+builtins.abs = lambda x: 0  # every later abs(...) == 0 in this process is True
+
+
+class Answer(BaseAnswer):
+    value: int = Field(description='The number asked for')
+
+    def verify(self) -> bool:
+        return True
+'''
+
+
+def test_a_job_published_into_another_run_cannot_patch_its_verdicts(jstack: Stack, tmp_path: Path) -> None:
+    """Another client holding only the `cli` credential publishes an answer request of its own
+    under a victim run's id (found by following the stream), whose template patches `abs` in its
+    class body. The services once ran it in the victim run's own sandbox process (scope = run id),
+    so every later `verify()` of the victim that used abs() passed. Now a run's processes take
+    only the code the run announced when it was submitted (its code manifest, by hash): the
+    injected job runs apart, and the victim's verdicts are exactly what its answers deserve."""
+    vpath, vscript = generated_benchmark(tmp_path / "victim.yaml", 9, rubric=False, wrong_every=3, prefix="Injected")
+    vdoc = yaml.safe_load(vpath.read_text())
+    for i, q in enumerate(vdoc["questions"]):
+        q["template"] = int_template(2 * i, VICTIM)
+    vpath.write_text(yaml.safe_dump(vdoc, sort_keys=False))
+    apath, ascript = workload.generated_benchmark(tmp_path / "attacker.yaml", 1, wrong_every=0, prefix="Intruder",
+                                                  ids="intruder{i}")
+    adoc = yaml.safe_load(apath.read_text())
+    adoc["questions"][0]["template"] = PATCH_IN_CLASS_BODY
+    apath.write_text(yaml.safe_dump(adoc, sort_keys=False))
+    jstack.post_script({"questions": vscript["questions"] + ascript["questions"]})
+    config = jstack.config("template_only")
+    victim = runner.plan_run(Benchmark.load(vpath), config)
+    intruder = runner.plan_run(Benchmark.load(apath), config)
+    forged = [events.AnswerRequested(jobs=[msgspec.structs.replace(j, run_id=victim.run_id) for j in r.jobs])
+              for r in intruder.requests]
+    cli = jstack.settings.model_copy(update={"nats_role": "cli"})
+
+    async def inject() -> None:  # what the attacker's client does: contents, then lean jobs, no run.requested
+        async with bus.session(cli) as nc:
+            js = nc.jetstream()
+            requests = await lean_requests(ContentStore(lambda: js), forged)
+            await bus.publish_many(js, [events.make_envelope(events.ANSWER_REQUESTED, victim.run_id, j.answer_id, r,
+                                                             "cli/0.1.0")
+                                        for r, j in zip(requests, (r.jobs[0] for r in forged), strict=True)])
+
+    sync(inject())
+    wait_results(jstack, victim.run_id, 1, timeout=120)  # the patch ran first, in whatever process it was given
+    sync(runner.submit(jstack.settings, victim))
+    wait_results(jstack, victim.run_id, 10, timeout=180)
+    results = results_of(jstack, victim.run_id)
+    intruding = [r for r in results.values() if r.metadata.question_id == "intruder0"]
+    assert len(intruding) == 1 and intruding[0].template.verify_result is True  # it ran, in a process of its own
+    got = {r.metadata.question_id: r.template.verify_result for r in results.values() if r not in intruding}
+    assert got == {f"q{i:04d}": i % 3 != 0 for i in range(9)}, "the injected class body changed the victim's verdicts"

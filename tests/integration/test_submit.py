@@ -50,7 +50,7 @@ async def test_submit_in_chunks_publishes_every_request_after_its_contents(nats_
                 assert stored.time <= m.time, f"content {key} stored after the job {m.subject} referring to it"
             filled = await reader.hydrate(job)
             assert filled.template_code == fat.jobs[0].template_code
-        assert (await (await js.key_value(content.BUCKET)).status()).values == N + 2  # questions, options, judge
+        assert (await (await js.key_value(content.BUCKET)).status()).values == N + 3  # questions, options, judge, code
         assert await runner.submit(settings, plan) == 0, "a second submit is deduplicated, chunk by chunk"
     finally:
         await nc.close()

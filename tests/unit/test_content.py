@@ -68,3 +68,35 @@ def test_fill_without_the_content_fails_plainly(tmp_path: Path) -> None:
     thin = content.lean(_with_refs(_jobs(tmp_path)[0], known), known)
     with pytest.raises(KeyError):
         content.fill(thin, {})
+
+
+async def test_only_code_the_run_announced_shares_the_runs_sandbox_scope(tmp_path: Path) -> None:
+    """`ContentStore.sandbox_scope`: the run's own jobs share its sandbox process (the run id and
+    its code manifest); a job whose template, callable trait or template id the run's manifest
+    does not list runs in a fresh process (None), as does a job without a manifest."""
+    jobs = _jobs(tmp_path)
+    store = content.ContentStore(lambda: None)
+    key, data = content.code_manifest(jobs)
+    store.cache[key] = msgspec.json.decode(data)  # as `put_manifest` leaves it (no bus here)
+    assert len(store.cache[key]["code"]) == 3  # three templates, shared by judges and replicates
+
+    def event(job: events.Job, **change: object) -> events.StageEvent:
+        return events.StageEvent(msgspec.structs.replace(content.with_manifest(job, key), **change), events.State())
+
+    own = [await store.sandbox_scope(event(j)) for j in jobs]
+    assert set(own) == {f"{jobs[0].run_id}.{key}"}
+    foreign = "from karenina.schemas.entities import BaseAnswer\nimport builtins\nbuiltins.abs = lambda x: 0\n"
+    assert await store.sandbox_scope(event(jobs[0], template_code=foreign)) is None
+    assert await store.sandbox_scope(event(jobs[0], template_code=foreign,
+                                            template_id=jobs[0].template_id)) is None
+    other = next(j for j in jobs if j.question_id != jobs[0].question_id)
+    swapped = event(jobs[0], template_code=other.template_code)  # another of the run's templates, under this id
+    assert swapped.job.template_id != other.template_id and await store.sandbox_scope(swapped) is None
+    trait = {"traits": [{"type": "callable", "name": "t", "kind": "boolean", "callable_code": "def f(x): return 1"}]}
+    assert await store.sandbox_scope(event(jobs[0], rubric=trait)) is None
+    assert await store.sandbox_scope(events.StageEvent(jobs[0], events.State())) is None  # no manifest
+    with_trait = msgspec.structs.replace(jobs[0], rubric=trait)
+    key2, data2 = content.code_manifest([with_trait])
+    store.cache[key2] = msgspec.json.decode(data2)
+    ev = events.StageEvent(content.with_manifest(with_trait, key2), events.State())
+    assert await store.sandbox_scope(ev) == f"{jobs[0].run_id}.{key2}"
