@@ -23,8 +23,8 @@ SANDBOX_SCOPE: ContextVar[str | None] = ContextVar("veribus_sandbox_scope", defa
 sets it for each message, to the run's scope only when every piece of code the job brings is
 code its run announced when it was submitted (`shared.runtime.content.ContentStore.sandbox_scope`):
 a job another client published into the run cannot run its code in that run's process, where a
-class body could patch what the run's own `verify()`s return. Unset (a unit test, a regrade run
-in process): fresh processes, slower and as safe."""
+class body could patch what the run's own `verify()`s return. Unset (a stage called outside a
+service, as in unit tests): fresh processes, slower and as safe."""
 
 
 def stage_error(stage: str, exc: BaseException, attempt: int = 1) -> StageError:

@@ -15,8 +15,9 @@ Failure policy (at-least-once, exactly-once effect):
 - a message that cannot be decoded at all goes to `dead.letter` with the reason;
 - a message whose handling was cut off (its service stopped or was killed) comes back, and a
   delivery counts each time; after `consumer_max_interrupted` more than `consumer_max_deliver`,
-  the server's last delivery records the give-up without running the handler (a job that kills
-  its process, or is handed back by many `down`s, is never left without a result).
+  the next delivery records the give-up without running the handler (a job that kills its
+  process, or is handed back by many `down`s, is never left without a result; the consumer keeps
+  one spare delivery in case that publish fails).
 
 Run control (`shared.runtime.runcontrol.RunControl`): an `answer.requested` of a run that was cancelled or
 has spent its token budget is not handled; the stage's fallback event (its normal output with
@@ -124,9 +125,10 @@ class DeliveriesExhausted(RuntimeError):
     """A message's deliveries ran out without one handler finishing it."""
 
 
-def last_delivery(max_deliver: int, max_interrupted: int) -> int:
-    """The consumer's `max_deliver`: `max_deliver` deliveries may fail in the handler,
-    `max_interrupted` more may be cut off, and the one after records the give-up."""
+def give_up_delivery(max_deliver: int, max_interrupted: int) -> int:
+    """The delivery that records the give-up without handling: `max_deliver` deliveries may fail
+    in the handler, `max_interrupted` more may be cut off, and this is the one after. The
+    consumer's `max_deliver` is one more, for a give-up whose publish failed to be tried again."""
     return max_deliver + max_interrupted + 1
 
 
@@ -308,7 +310,7 @@ class StageService:
             max_ack_pending=self.settings.consumer_max_ack_pending,
             ack_wait=self.settings.consumer_ack_wait_s,
             # the last delivery is ours: it records the give-up without handling (`deliver`)
-            max_deliver=last_delivery(max_deliver, self.settings.consumer_max_interrupted),
+            max_deliver=give_up_delivery(max_deliver, self.settings.consumer_max_interrupted) + 1,
         )
 
         self.durables.append(durable or self.name)
@@ -365,8 +367,8 @@ class StageService:
         SANDBOX_SCOPE.set(None)
         key = attempt_key(env)
         ATTEMPT_KEY.set(key)
-        if sub.config is not None and delivered >= sub.config.max_deliver:
-            await self._interrupted_too_often(msg, key, env, payload, give_up, delivered)
+        if sub.config is not None and delivered >= sub.config.max_deliver - 1:
+            await self._interrupted_too_often(msg, key, env, payload, give_up, delivered, sub.config.max_deliver - 2)
             return
         gated = give_up is not None and env.event_type in self.gated_event_types
         if gated:
@@ -435,18 +437,23 @@ class StageService:
         OUTCOME.set("stopped")
 
     async def _interrupted_too_often(self, msg: Delivery, key: str, env: events.Envelope, payload: Any,
-                                     give_up: GiveUp | None, delivered: int) -> None:
-        """The server's last delivery of a message no handler ever finished: every earlier one was
+                                     give_up: GiveUp | None, delivered: int, allowed: int) -> None:
+        """The give-up delivery of a message no handler ever finished: every earlier one was
         cut off (its service stopped or killed) or failed. Not handled again, since the job may be
         what kills the process: the give-up is recorded (`stage.failed` and the stage's fallback),
         so the result still ends, failed, and says why. Acked only once that is published."""
         exc = DeliveriesExhausted(
             f"delivered {delivered} times and never handled to the end: each time its service stopped or "
             f"died while handling it, or the handler failed (VERIBUS_CONSUMER_MAX_DELIVER + "
-            f"VERIBUS_CONSUMER_MAX_INTERRUPTED = {delivered - 1} deliveries); not handled again")
+            f"VERIBUS_CONSUMER_MAX_INTERRUPTED = {allowed} deliveries); not handled again")
         log.error("%s: %s: %s", self.name, env.event_id, exc)
-        await self.publish(carry_attempt_key(key, [self._stage_failed(env, exc, delivered),
-                                                   *(give_up(env, payload, exc) if give_up else [])]))
+        try:
+            await self.publish(carry_attempt_key(key, [self._stage_failed(env, exc, delivered),
+                                                       *(give_up(env, payload, exc) if give_up else [])]))
+        except Exception:  # noqa: BLE001 - the consumer's spare delivery tries again
+            log.exception("%s: could not record the give-up of %s", self.name, env.event_id)
+            await msg.nack(delay=backoff_s(delivered))
+            return
         await msg.ack()
         OUTCOME.set("gave_up")
 

@@ -231,7 +231,7 @@ async def test_a_changed_ack_wait_reaches_an_existing_durable_consumer(nats_serv
             await svc.control.close()
             await svc.cost_control.close()
             await nc.close()
-    assert seen == [(120.0, 512, 26), (30.0, 64, 4)]
+    assert seen == [(120.0, 512, 27), (30.0, 64, 5)]  # max deliver: 5 + 20 interrupted + the give-up + a spare
 
 
 async def test_a_job_cut_off_at_every_delivery_still_ends_with_its_give_up(nats_server: Any, tmp_path: Any) -> None:

@@ -602,7 +602,7 @@ async def test_the_last_delivery_records_the_give_up_without_handling() -> None:
         return []
 
     env = events.make_envelope(events.ANSWER_REQUESTED, "run1", "a1", events.AnswerRequested(jobs=[_job()]), "cli")
-    assert svc.subscriptions[events.ANSWER_REQUESTED].config.max_deliver == last  # type: ignore[union-attr]
+    assert svc.subscriptions[events.ANSWER_REQUESTED].config.max_deliver == last + 1  # type: ignore[union-attr]
     before = FakeMessage(env.subject, delivered=last - 1)
     await svc.deliver(events.ANSWER_REQUESTED, events.encode(env), before)  # type: ignore[arg-type]
     assert before.acked and len(handled) == 1 and js.published == []
