@@ -242,10 +242,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         err(str(exc))
         return EXIT_INPUT
     simulated = _is_simulated(args)
-    local = stack.running_stack(settings) if dep.kind == "local" else None
     try:
         config, gates, max_errors = _validate_run(args, benchmark, simulated,
-                                                  stack.services_environ(local) if local else None)
+                                                  stack.services_environ(dep.state) if dep.state else None)
     except ValueError as exc:  # a pydantic ValidationError too: `err` says it in one line
         err(exc)
         return EXIT_INPUT

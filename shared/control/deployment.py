@@ -54,6 +54,7 @@ class Deployment:
     # a local stack whose projector is not running (none of its replicas): nothing writes the
     # stream's events to ClickHouse, and reads open the folder as the projector last wrote it
     projector_dead: bool = False
+    state: stack.StackState | None = None  # local: the stack found in the home
 
     def degraded_error(self) -> str:
         return (f"the local stack in {self.source} is degraded ({self.problem}): run `veribus up` to restart what "
@@ -106,7 +107,7 @@ def select(settings: Settings | None = None) -> Deployment:
         dead = [p.name for p in state.dead()]
         projector = [p.name for p in state.replicas_of("projector")]
         return Deployment("local", settings, str(state.home), settings.simulator_url, dead=dead,
-                          projector_dead=bool(projector) and set(projector) <= set(dead))
+                          projector_dead=bool(projector) and set(projector) <= set(dead), state=state)
     degraded = stack.degraded_stack(settings)
     if degraded is not None:
         state, problem = degraded

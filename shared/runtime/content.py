@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import logging
 import re
@@ -99,6 +100,13 @@ def codes_of(job: events.Job) -> list[str]:
 def code_digest(code: str) -> str:
     """128 bits of the code's SHA-256: what a run's code manifest lists."""
     return hashlib.sha256(code.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_ids(code: str) -> tuple[str, str]:
+    """(template id, digest) of a piece of code, once per code: every message of a template's jobs
+    asks again (a hydrated job's code is the content cache's own string, whose hash Python keeps)."""
+    return template_id_for(code), code_digest(code)
 
 
 def code_manifest(jobs: Iterable[events.Job]) -> tuple[str, bytes]:
@@ -315,7 +323,7 @@ class ContentStore:
         key = job.refs.get(CODE)
         if not key or not job.run_id:
             return None
-        if job.template_code and job.template_id not in (template_id_for(job.template_code), "no_template"):
+        if job.template_code and job.template_id not in (_code_ids(job.template_code)[0], "no_template"):
             return None  # a template under another's id would be cached as that one
         codes = codes_of(job)
         if codes:
@@ -325,7 +333,7 @@ class ContentStore:
                 self._manifests[key] = listed
                 while len(self._manifests) > 256:
                     self._manifests.pop(next(iter(self._manifests)))
-            if any(code_digest(c) not in listed for c in codes):
+            if any(_code_ids(c)[1] not in listed for c in codes):
                 log.warning("a job of run %s brings code its run did not announce: it runs in a fresh sandbox "
                             "process, apart from the run's", job.run_id)
                 return None

@@ -398,15 +398,7 @@ class StageService:
             if delivered < max_deliver:
                 await msg.nack(delay=backoff_s(delivered))
                 return
-            fallback = give_up(env, payload, exc) if give_up else []
-            failed = self._stage_failed(env, exc, delivered)
-            try:
-                await self.publish(carry_attempt_key(key, [failed, *fallback]))
-                await msg.ack()
-                OUTCOME.set("gave_up")
-            except Exception:
-                log.exception("%s: could not record the give-up of %s", self.name, env.event_id)
-                await msg.nack(delay=backoff_s(delivered))
+            await self._give_up(msg, key, env, payload, give_up, exc, delivered)
             return
         for control, spent_before, spent, what in ((self.control, before, tokens_spent, "usage"),
                                                    (self.cost_control, cost_before_, cost_spent, "cost")):
@@ -447,15 +439,20 @@ class StageService:
             f"died while handling it, or the handler failed (VERIBUS_CONSUMER_MAX_DELIVER + "
             f"VERIBUS_CONSUMER_MAX_INTERRUPTED = {allowed} deliveries); not handled again")
         log.error("%s: %s: %s", self.name, env.event_id, exc)
+        await self._give_up(msg, key, env, payload, give_up, exc, delivered)
+
+    async def _give_up(self, msg: Delivery, key: str, env: events.Envelope, payload: Any, give_up: GiveUp | None,
+                       exc: BaseException, delivered: int) -> None:
+        """Record that the job is given up (`stage.failed` and the stage's fallback event), then
+        ack; if that cannot be published, nack: the next delivery tries again."""
+        fallback = give_up(env, payload, exc) if give_up else []
         try:
-            await self.publish(carry_attempt_key(key, [self._stage_failed(env, exc, delivered),
-                                                       *(give_up(env, payload, exc) if give_up else [])]))
-        except Exception:  # noqa: BLE001 - the consumer's spare delivery tries again
+            await self.publish(carry_attempt_key(key, [self._stage_failed(env, exc, delivered), *fallback]))
+            await msg.ack()
+            OUTCOME.set("gave_up")
+        except Exception:  # noqa: BLE001 - logged; the message comes back
             log.exception("%s: could not record the give-up of %s", self.name, env.event_id)
             await msg.nack(delay=backoff_s(delivered))
-            return
-        await msg.ack()
-        OUTCOME.set("gave_up")
 
     async def _stop_reason(self, env: events.Envelope) -> RunStopped | None:
         """Why the run's next answer must not be generated (cancelled, token or money budget spent),
