@@ -175,7 +175,8 @@ def iter_html(data: RunData, gate_lines: Sequence[str] = (), *, summary: Mapping
         ", ".join(sorted(d.judges))
     usage = s["usage"]
     kpis = [("results", s["total"]), ("attempted", s["total_attempted"]), ("errors", s["errors"]),
-            ("passed", f"{s['passed_attempts']} ({_pct(s['passed_attempts'] / (s['total_attempted'] or 1))})"),
+            ("passed" + (" by the rubric" if s.get("passed_by_rubric") else ""),
+             f"{s['passed_attempts']} ({_pct(s['passed_attempts'] / (s['total_attempted'] or 1))})"),
             ("avg score", f"{s['avg_score_attempted']:.3f}"),
             ("questions", len(d.per_q)),
             ("model calls", f"{usage['model_calls']} (+{usage['cached_replies']} cached)" if recorded(usage)

@@ -281,6 +281,7 @@ class SummaryTally:
         self.metrics: dict[str, _Tally] = defaultdict(_Tally)  # over samples that have the metric
         self.groups: dict[tuple[str, str], dict[str, Any]] = {}
         self.usage = UsageTally()  # the exact cost, rounded once in `summary`
+        self.scored_by_rubric = 0  # attempted samples without a template verdict (rubric_only)
 
     def add(self, item: VerificationResult | Sample) -> None:
         """One result, or its `Sample` when the caller scored it already (with these trait ranges)."""
@@ -288,6 +289,8 @@ class SummaryTally:
         r, attempted, score = s.result, s.attempted, s.score
         passed = attempted and self.criterion(score)
         self.all.add(attempted, score, passed)
+        if attempted and ACCURACY not in s.metrics:
+            self.scored_by_rubric += 1
         self.models[r.metadata.answering_model].add(attempted, score, passed)
         if attempted:
             for name, v in s.metrics.items():
@@ -353,6 +356,10 @@ class SummaryTally:
             "per_model": per_model,
             # model calls, cached replies, cost in USD (shared.core.usage: summed exactly, rounded once)
             "usage": self.usage.as_dict(),
+            # what `passed_attempts` passed: the template's verdict, or (rubric_only) the rubric traits' mean
+            "passed_by_rubric": bool(self.scored_by_rubric),
+            "pass_rule": (f"{'the mean of its rubric trait scores (each 0-1)' if self.scored_by_rubric else ACCURACY} "
+                          f"{OP_SYMBOLS[self.criterion.op]} {self.criterion.value:g}"),
         }
 
 
@@ -393,6 +400,8 @@ def results_block(summary: Mapping[str, Any], gate_lines: Sequence[str] = (), si
              f"  Attempted: {s['total_attempted']}",
              f"  Avg score: {s['avg_score_total']:.2f} (attempted: {s['avg_score_attempted']:.2f})",
              f"  Passed: {s['passed_attempts']} ({pct:.1f}%)"]
+    if s.get("passed_by_rubric"):  # rubric_only: say what passed means here
+        lines[-1] += f", by the rubric: a result passes when {s['pass_rule']} (no template verdicts in rubric_only)"
     if "failed_plain" in s:
         lines.append(f"  Failed: {s['failed_plain']}")
     if s.get("verify_raised"):

@@ -31,6 +31,7 @@ from shared.cli.common import NotStored, deployment_settings, err, number_arg, r
 from shared.cli.outputs import check_output_paths
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_GATE_FAILED, EXIT_OK, EXIT_RESULTS_MISSING, MaxErrors, judge
+from shared.core.verdict import NO_TEMPLATE_VERDICTS
 from shared.store.event_usage import with_event_usage
 from shared.store.reads import ResultFilter, run_query
 
@@ -327,6 +328,10 @@ def cmd_results(args: argparse.Namespace) -> int:
         return _store_complete(args.run, data.run_id)
     s = rs.get_summary()
     raised = f" ({s['num_verify_raised']} where verify() raised)" if s["num_verify_raised"] else ""
+    if s["num_completed"] and not s["num_with_template"]:  # rubric_only: no verdicts, never "0 passed"
+        print(f"run {data.run_id}: {s['num_results']} results, {s['num_errors']} errors, "
+              f"{s['num_questions']} questions\n  {NO_TEMPLATE_VERDICTS}")
+        return _store_complete(args.run, data.run_id)
     print(f"run {data.run_id}: {s['num_results']} results, {s['num_errors']} errors{raised}, "
           f"{s['num_passed']} passed, {s['num_failed']} failed, {s['num_questions']} questions")
     print(f"\npass rate by {table.columns[0]} (Wilson 95% CI):")

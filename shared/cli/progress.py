@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -42,6 +42,9 @@ class RunProgress:
     retrying: int = 0  # messages the services are retrying right now (redelivered, not yet acked)
     dead: list[str] = field(default_factory=list)  # the local stack's processes that are not running
     seen: set[str] = field(default_factory=set)
+    # rubric_only: a result passes on its rubric traits' mean (as the summary scores it), said on the line
+    by_rubric: bool = False
+    trait_ranges: Mapping[str, tuple[float, float]] | None = None
 
     def add(self, result: VerificationResult) -> None:
         """Count one finalized result (once per result id)."""
@@ -55,7 +58,7 @@ class RunProgress:
         self.done += 1
         if error_kind(result) is not None:
             self.errors += 1
-        elif (score_of(result) or 0.0) >= 1.0:
+        elif (score_of(result, self.trait_ranges) or 0.0) >= 1.0:
             self.passed += 1
         else:
             self.failed += 1
@@ -74,7 +77,8 @@ class RunProgress:
         else:
             eta = "ETA --"
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        return (f"{self.done}/{self.total} done ({pct:.0f}%), {self.passed} passed, {self.failed} failed, "
+        return (f"{self.done}/{self.total} done ({pct:.0f}%), {self.passed} passed{' by the rubric' if self.by_rubric else ''}, "
+                f"{self.failed} failed, "
                 f"{self.errors} errors, {self.retrying} retrying, {rate:.1f}/s, {eta}, "
                 f"elapsed {_duration(now - self.started)}" + (f", DEAD: {', '.join(self.dead)}" if self.dead else ""))
 

@@ -31,6 +31,7 @@ from shared.core.limits import check_config_size
 from shared.core.outcome import EXIT_BAD_INPUT as EXIT_INPUT
 from shared.core.outcome import EXIT_INTERRUPTED, EXIT_OK, NO_JOBS_HINT, MaxErrors, judge
 from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_NOT_STORED
+from shared.core.verdict import has_verdicts
 from shared.runtime.costcontrol import set_cost_budget
 from shared.runtime.runcontrol import pop_budget, set_budget
 from shared.store.event_usage import with_event_usage
@@ -369,7 +370,7 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     if not args.quiet:
         print(f"submitted run {plan.run_id}; following its results (Ctrl-C stops following, not the run)",
               flush=True)
-    outcome = run_main(_follow(settings, plan, args.timeout, quiet=args.quiet))
+    outcome = run_main(_follow(settings, plan, args.timeout, quiet=args.quiet, trait_ranges=trait_ranges))
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
                                "dead_lettered": len(outcome.dead_letters)}
@@ -400,7 +401,8 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     return results, summary, verdict.code, plan
 
 
-async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: ANN001, ANN202
+async def _follow(settings, plan, timeout: float | None, quiet: bool,  # noqa: ANN001, ANN202
+                  trait_ranges: dict[str, tuple[float, float]] | None = None):
     """Collect the run's results, showing progress on stderr (redrawn on a terminal, a plain line
     every VERIBUS_PROGRESS_INTERVAL_S seconds, default 10, when piped). On a local stack (its own
     or a temporary one) a process that is DEAD is named once, with `veribus up`, --quiet or not,
@@ -415,7 +417,8 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool):  # noqa: 
 
         return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
                                                    on_tick=warn if watch else None))
-    prog = RunProgress(total=len(expected), started=time.monotonic())
+    prog = RunProgress(total=len(expected), started=time.monotonic(), trait_ranges=trait_ranges,
+                       by_rubric=not has_verdicts(plan.run_event.config.get("evaluation_mode")))
     printer = ProgressPrinter(prog, interval_s=Settings.from_env().progress_interval_s)
 
     def on_result(result: Any) -> None:

@@ -14,6 +14,7 @@ from shared.control.runref import format_runs, list_runs
 from shared.control.status import format_run_problems, run_counts, run_problems
 from shared.core.config import Settings
 from shared.core.outcome import EXIT_BAD_INPUT, EXIT_OK, EXIT_RESULTS_MISSING
+from shared.core.verdict import NO_TEMPLATE_VERDICTS, has_verdicts
 from shared.store.reads import QueryError, format_json, format_table, run_query
 from shared.store.sql_guard import RESULT_TOO_LARGE
 
@@ -177,7 +178,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         state = f"; {row['jobs']} jobs, {row['state']}, name {row['run_name'] or '-'}" if row else ""
         if row and row.get("resumed"):
             state += f"; {row['resumed']} job(s) being run again by a resume (counted above by their earlier results until they end)"
-        print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in counts.items()) + state)
+        shown: dict[str, object] = dict(counts)
+        if row and not has_verdicts(row.get("mode")):  # no template verdicts to count: never "passed=0"
+            shown.update(passed="-", failed="-")
+            state += f"\n  {NO_TEMPLATE_VERDICTS}"
+        print(f"run {run_id}: " + ", ".join(f"{c}={v}" for c, v in shown.items()) + state)
         print(format_run_problems(run_problems(settings, run_id)))
         behind = unstored(run_id)
         if behind:  # the counts above are ClickHouse's: say what the stream holds beyond them

@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.control.streams import run_requests
 from shared.core.config import Settings
-from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED
+from shared.core.verdict import SQL_ERRORED, SQL_FAILED, SQL_PASSED, has_verdicts
 from shared.runtime import bus
 from shared.store.reads import run_query
 from shared.store.resumed import RESULTS_SQL as RESUMED_RESULTS_SQL
@@ -96,7 +96,8 @@ SELECT r.run_id, r.run_name, toString(r.requested_at) AS started, r.job_count AS
        countIf(""" + stopped_sql("v.error", frozenset({"RunCancelled"})) + """ AND NOT v.rerun) AS cancelled,
        countIf(""" + stopped_sql("v.error", frozenset({"BudgetExhausted"})) + """ AND NOT v.rerun) AS budget_stopped,
        countIf(v.result_id != '' AND v.rerun) AS resumed,
-       any(r.parent_run_id) AS parent
+       any(r.parent_run_id) AS parent,
+       any(r.evaluation_mode) AS mode
 FROM (SELECT * FROM runs FINAL) AS r
 LEFT JOIN (SELECT run_id, result_id, """ + SQL_PASSED + """ AS is_pass, """ + SQL_FAILED + """ AS is_fail,
                   """ + SQL_ERRORED + """ AS is_error, error, rerun
@@ -123,7 +124,8 @@ def run_state(row: dict[str, Any]) -> str:
 
 def list_runs(settings: Settings, limit: int | None = 50) -> list[dict[str, Any]]:
     """The most recent `limit` runs, newest first; every run when `limit` is 0 or None (a
-    negative limit is refused: ValueError)."""
+    negative limit is refused: ValueError). A rubric_only run's `passed` and `failed` are None:
+    its results have no template verdict to count (`shared.core.verdict`)."""
     if limit is not None and int(limit) < 0:
         raise ValueError(f"the number of runs to list must be >= 0 (0: every run), got {limit}")
     if limit:
@@ -135,6 +137,8 @@ def list_runs(settings: Settings, limit: int | None = 50) -> list[dict[str, Any]
         for k in ("jobs", "done", "passed", "failed", "errors", "cancelled", "budget_stopped", "resumed"):
             row[k] = int(row[k] or 0)
         row["state"] = run_state(row)
+        if not has_verdicts(row.get("mode")):
+            row["passed"] = row["failed"] = None
     return rows
 
 

@@ -17,6 +17,12 @@ message, `verify_result` false), so it keeps its verdict, false, and counts in a
 result that did not pass, as the console summary counts it; but it is counted in `errors`, never
 in `failed` (`failed`, `SQL_FAILED`), and never as a pass, even when the embedding check raised
 its verify_result to true (`shared.core.outcome.error_kind` and `judge` count it the same way).
+
+In `rubric_only` mode no template runs, so no result has a verdict. The outputs that count
+verdicts (`status`, `runs`, `results`, `veribus view`) show passed and failed as `-` there, never
+as 0 of a run that failed nothing; the summary (spec/004) passes a sample on its score, which in
+that mode is the mean of its rubric traits, and labels its `Passed` line with that rule
+(`shared.analysis.report`), as the run's progress line does.
 """
 
 from __future__ import annotations
@@ -25,6 +31,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shared.core.models import VerificationResult
+
+
+RUBRIC_ONLY = "rubric_only"
+NO_TEMPLATE_VERDICTS = ("rubric_only: no template runs, so no result has a template verdict; the summary passes "
+                        "a result on the mean of its rubric traits (`veribus report RUN`)")
+
+
+def has_verdicts(evaluation_mode: str | None) -> bool:
+    """Whether a run in this evaluation mode gives its results template verdicts (every mode but
+    rubric_only; an unknown mode, as of a run ClickHouse has no `runs` row for, is assumed to)."""
+    return evaluation_mode != RUBRIC_ONLY
 
 
 def verify_raised(r: VerificationResult) -> bool:

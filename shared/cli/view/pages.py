@@ -33,6 +33,7 @@ from shared.cli.view.markup import (
 )
 from shared.cli.view.queries import fmt_p
 from shared.core.usage import format_usd, money
+from shared.core.verdict import has_verdicts
 from shared.store.event_usage import EVENTS_SOURCE
 
 # --------------------------------------------------------------------------------------------
@@ -115,8 +116,10 @@ def _filter_form(action: str, f: Filters, h: Mapping[str, Any]) -> str:
 
 
 def _kpis(h: Mapping[str, Any]) -> str:
+    verdicts = has_verdicts(h.get("mode"))  # rubric_only: no template verdicts, never "passed 0"
     items = [("results", f"{h['results']:,}" + (f" / {h['jobs']:,}" if h["jobs"] else "")),
-             ("pass rate", _ci(h["rate"])), ("passed", h["passed"]), ("failed", h["failed"]),
+             ("pass rate", _ci(h["rate"])), ("passed", h["passed"] if verdicts else "–"),
+             ("failed", h["failed"] if verdicts else "–"),
              ("errors", h["errors"]), ("questions", h["questions"]),
              ("tokens", f"{h['input_tokens'] + h['output_tokens']:,}" if h.get("tokens_recorded", True)
               else "not recorded")]
