@@ -37,6 +37,7 @@ from shared.core.config import Settings, VerificationConfig
 from shared.core.ids import answer_id_for, compute_result_id, event_id_for, template_id_for
 from shared.core.models import VerificationResult
 from shared.core.rubric import Rubric, RubricError
+from shared.core.usage import reused
 from shared.core.verdict import errored, verdict_of
 from shared.runtime import bus
 from shared.runtime.content import ContentStore, put_manifest, with_manifest
@@ -354,7 +355,9 @@ def regrade_jobs(
             template_code=code, template_id=template_id_for(code) if code else "no_template",
             rubric=rubric_wire, raw_answer=raw_answer, keywords=keywords,
         )
-        state = msgspec.structs.replace(ev.state, started_at=now)
+        # the stored answer's call and cost are the parent run's: here it is a reply served without a call
+        state = msgspec.structs.replace(ev.state, started_at=now,
+                                        usage={stage: reused(e) for stage, e in ev.state.usage.items()})
         out.append(events.StageEvent(job=new_job, state=state, status=ev.status, reason=ev.reason))
     problems = [why for why in checked.values() if why]
     if problems:

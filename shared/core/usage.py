@@ -6,7 +6,8 @@ rather than pretending it was free.
 
 Each `usage_metadata` stage entry (spec/001) keeps its token fields and gains:
 `cost_usd` (when known), `model_calls` (requests sent, retries included; 0 for a cached reply)
-and `cached_replies` (replies served from the response cache).
+and `cached_replies` (replies served without a call: from the response cache, or a regraded
+run's stored answer, whose call and cost that run counts: `reused`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ def usage_extras(*, cost_usd: float | None, attempts: int, cached: bool) -> dict
         out[COST_KEY] = 0.0  # nothing was paid for this reply
     elif cost_usd is not None:
         out[COST_KEY] = cost_usd
+    return out
+
+
+def reused(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A stage entry as a later run that reuses its reply records it (a regrade's stored answer):
+    the reply's tokens, no call and no cost (the run that made the call paid for it, and counts
+    it), and one reply served without a call (`cached_replies`), as from the response cache."""
+    out = dict(entry)
+    served = int(entry.get("model_calls", 0) or 0) > 0 or int(entry.get("cached_replies", 0) or 0) > 0
+    out.update(model_calls=0, cached_replies=1 if served else 0)
+    out[COST_KEY] = 0.0
     return out
 
 
@@ -155,7 +167,7 @@ def usage_lines(usage: Mapping[str, Any]) -> list[str]:
     calls, cached = usage.get("model_calls", 0), usage.get("cached_replies", 0)
     line = f"  Model calls: {calls}"
     if cached:
-        line += f" ({cached} repl{'y' if cached == 1 else 'ies'} from the response cache)"
+        line += f" ({cached} repl{'y' if cached == 1 else 'ies'} without a call: response cache or regraded answers)"
     if usage.get("source") == "events":
         line += f" (from the run's stage events: {usage.get('not_recorded') or NOT_RECORDED})"
     lines = [line]

@@ -56,7 +56,7 @@ def _veribus(st: Stack, *args: str, timeout: float = 240) -> subprocess.Complete
 
 
 def _calls(out: str) -> tuple[int, int]:
-    m = re.search(r"Model calls: (\d+)(?: \((\d+) repl(?:y|ies) from the response cache\))?", out)
+    m = re.search(r"Model calls: (\d+)(?: \((\d+) repl(?:y|ies) without a call: response cache or regraded answers\))?", out)
     assert m, out
     return int(m.group(1)), int(m.group(2) or 0)
 

@@ -91,7 +91,7 @@ def test_usage_tally_names_models_without_a_price() -> None:
     assert u == {"model_calls": 3, "cached_replies": 3, "cost_usd": 0.0, "cost_unknown_models": ["openai/a"],
                  "results_without_usage": 0}
     text = "\n".join(cost.usage_lines(u))
-    assert "Model calls: 3 (3 replies from the response cache)" in text and "unknown for openai/a" in text
+    assert "Model calls: 3 (3 replies without a call: response cache or regraded answers)" in text and "unknown for openai/a" in text
     # $0 is the priced calls' sum, never said as if it were the run's cost
     assert "Cost: $0.000000 for the priced calls; unknown for openai/a" in text
 

@@ -21,6 +21,7 @@ from shared.core.benchmark.model import Benchmark
 from shared.core.config import Settings
 from shared.core.ids import compute_result_id
 from shared.core.stage import stage_error
+from shared.core.usage import UsageTally
 from shared.runtime import costcontrol, runcontrol
 from shared.runtime.harness import StageService
 from tests.conftest import EXAMPLE, REFERENCE
@@ -675,6 +676,30 @@ def test_regrade_jobs_take_new_templates_and_keep_answers() -> None:
         assert ev.state.template["raw_llm_response"] == f"answer to {q.id}" and ev.state.started_at > 1.0
     ev0 = plan.run_event
     assert ev0.parent_run_id == "old" and ev0.job_count == len(kept) and ev0.config["regraded_from"] == "old"
+
+
+def test_a_regrade_does_not_count_the_regraded_runs_calls_and_cost_again() -> None:
+    """The user's report: a regrade's summary said "Model calls: 36, $1.151" for 18 judge calls: its
+    results carried the stored answers' answer_generation entries as they were, so every regrade
+    counted (and charged) the parent's answering calls again. The stored answer keeps its tokens
+    and becomes a reply served without a call, at $0 in the regrade."""
+    bench = Benchmark.load(EXAMPLE)
+    parent = events.RunRequested(run_id="old", timestamp="t0", job_count=18, answer_count=18,
+                                 evaluation_mode="template_only")
+    answers = _answers(bench)
+    for ev in answers:
+        ev.state.usage["answer_generation"].update(model_calls=2, cached_replies=0, cost_usd=0.0625)
+    plan = lifecycle.regrade_jobs(parent, answers, run_id="new")
+    entries = [ev.state.usage["answer_generation"] for ev in plan.generated]
+    assert entries and all(e == {"input_tokens": 11, "output_tokens": 1, "total_tokens": 12, "model": "m",
+                                 "model_calls": 0, "cached_replies": 1, "cost_usd": 0.0} for e in entries)
+    # the parent's own answers are untouched: its calls and cost are counted there, once
+    assert all(ev.state.usage["answer_generation"]["model_calls"] == 2 for ev in answers)
+    tally = UsageTally()
+    for e in entries:
+        tally.add({"template": {"usage_metadata": {"answer_generation": e}}})
+    assert (tally.as_dict()["model_calls"], tally.as_dict()["cached_replies"], tally.as_dict()["cost_usd"]) == (
+        0, len(entries), 0.0)
 
 
 def test_regrade_refuses_bad_templates_and_missing_rubrics() -> None:
