@@ -14,11 +14,11 @@ import yaml
 
 from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli.aio import run_main
-from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg
+from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg, say
 from shared.cli.simulator_script import merge_scripts, post_script
-from shared.control import lifecycle, rebuild, retention, streams, wait
+from shared.control import lifecycle, rebuild, retention, runner, streams, wait
 from shared.control.credentials import base_reachable, missing_key
-from shared.control.runner import RunInputError
+from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError
 from shared.control.runref import next_regrade_name, runs_in_stream
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
@@ -129,9 +129,10 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
 
 def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path: str | None) -> list[str]:
     """Give the simulator the regrade's judges go to (after `resolve_judges`) the script of the
-    benchmark the regrade grades with, as `run --simulate` does before it publishes: `--benchmark`'s
-    (with its `<name>.simulator.yaml` beside it, if any), else the stored run's questions as its jobs
-    carry them (`lifecycle.graded_benchmark`). A simulator that was restarted since the run holds
+    benchmark the regrade grades with, as `run --simulate` does before it publishes: `--benchmark`'s,
+    else the stored run's questions as its jobs carry them (`lifecycle.graded_benchmark`), with the
+    `<name>.simulator.yaml` beside `--benchmark`, else the one the regraded run kept
+    (`runner.SIMULATOR_SCRIPT_KEY`): a regrade of unchanged templates grades as the run did. A simulator that was restarted since the run holds
     no script for them, and would parse every stored answer with made-up values. Returns the bases
     posted to; raises RuntimeError when a simulator refuses the script."""
     bases = sorted({ev.job.parsing.api_base for ev in plan.generated
@@ -139,11 +140,18 @@ def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path
     if not bases:
         return []
     script = simulator_script_for(benchmark if benchmark is not None else lifecycle.graded_benchmark(plan))
-    if benchmark is not None and benchmark_path:
-        path = Path(benchmark_path)
-        extra = path.with_name(path.stem + ".simulator.yaml")
-        if extra.exists():
-            script = merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
+    extra = Path(benchmark_path).with_name(Path(benchmark_path).stem + ".simulator.yaml") if benchmark_path else None
+    if benchmark is not None and extra is not None and extra.exists():
+        kept = yaml.safe_load(extra.read_text()) or {}
+        runner.keep_simulator_script(plan, kept)  # a regrade of this regrade is scripted the same way
+    else:  # the regraded run's own (None when it had none)
+        kept = plan.simulator_script
+        if plan.simulator_script_lost:
+            say(f"note: the regraded run's simulator script ({SIMULATOR_SCRIPT_KEY} in its config) cannot be read "
+                f"back: {plan.simulator_script_lost}; the simulator grades from the stored questions alone, so "
+                "answers its .simulator.yaml scripted may be graded differently")
+    if kept:
+        script = merge_scripts(script, kept)
     for base in bases:
         post_script(base, script)
     return bases

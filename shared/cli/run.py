@@ -279,6 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "simulator, and this run goes to a running deployment, whose simulator keeps its own settings "
                 "(locally: `veribus down`, then `veribus up --sim-...`)")
     current: dict[str, Any] = {}
+    sim_extra: dict[str, Any] | None = None  # the benchmark's .simulator.yaml, kept with each run for a regrade
     try:
         if simulated:
             if not settings.simulator_url:
@@ -289,7 +290,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             script = simulator_script_for(benchmark)
             extra = bench_path.with_name(bench_path.stem + ".simulator.yaml")
             if extra.exists():
-                script = merge_scripts(script, yaml.safe_load(extra.read_text()) or {})
+                sim_extra = yaml.safe_load(extra.read_text()) or {}
+                script = merge_scripts(script, sim_extra)
             for base in sorted({m.api_base for m in config.answering_models + config.parsing_models
                                 if m.interface == "simulator" and m.api_base}):
                 post_script(base, script)
@@ -302,7 +304,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.num_runs > 1:
                 print(f"\n=== run {i + 1} of {args.num_runs} ===")
             results, summary, code, plan = _one_run(settings, benchmark, config, args, simulated, trait_ranges,
-                                                    max_errors, current, junit_runs)
+                                                    max_errors, current, junit_runs, sim_extra)
             runs.append((results, summary))
             run_ids.append(plan.run_id)
             exit_code = max(exit_code, code)
@@ -346,8 +348,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespace, simulated: bool,
              trait_ranges: dict[str, tuple[float, float]], max_errors: MaxErrors | None = None,
-             current: dict[str, Any] | None = None,
-             junit_runs: list[Any] | None = None) -> tuple[list[Any], dict[str, Any], int, Any]:
+             current: dict[str, Any] | None = None, junit_runs: list[Any] | None = None,
+             sim_extra: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any], int, Any]:
     """Plan, publish, follow and grade one run; returns (results, summary, exit code, plan). Its
     --junit is written, or, given `junit_runs` (one run of --num-runs), added to them."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
@@ -356,6 +358,8 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     set_budget(plan.run_event, args.max_tokens_budget)
     set_cost_budget(plan.run_event, getattr(args, "max_cost_usd", None))
+    if sim_extra:
+        runner.keep_simulator_script(plan, sim_extra)
     label = " [SIMULATED LLM: answers and judgments come from the offline simulator]" if simulated else ""
     if not args.quiet:
         print(f"run {plan.run_id}: {plan.job_count} jobs ({len(plan.requests)} answers to generate) "

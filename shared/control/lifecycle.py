@@ -21,7 +21,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from shared.control.runner import RunInputError, new_run_id, plan_run
+from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError, new_run_id, plan_run
 from shared.control.streams import (
     LifecycleError,
     finalized_ids,
@@ -40,7 +40,7 @@ from shared.core.rubric import Rubric, RubricError
 from shared.core.usage import reused
 from shared.core.verdict import errored, verdict_of
 from shared.runtime import bus
-from shared.runtime.content import ContentStore, put_manifest, with_manifest
+from shared.runtime.content import ContentMissing, ContentStore, put_manifest, with_manifest
 from shared.runtime.costcontrol import check_cost_budget
 from shared.runtime.runcontrol import STOP_ERROR_TYPES, check_budget
 from shared.templates.static_checks import compile_check, template_shape_problem
@@ -295,6 +295,11 @@ class RegradePlan:
     generated: list[events.StageEvent]  # the new run's answer.generated payloads
     skipped_not_in_benchmark: list[str] = field(default_factory=list)
     jobs_without_answer: int = 0
+    # the parent run's `.simulator.yaml` (runner.SIMULATOR_SCRIPT_KEY), read back from the content
+    # bucket; `simulator_script_lost` says why it could not be, when the run named one
+    simulator_script: dict[str, Any] | None = None
+    simulator_script_lost: str | None = None
+    contents: list[tuple[str, bytes]] = field(default_factory=list)  # stored before the run is published
 
     @property
     def result_ids(self) -> list[str]:
@@ -397,8 +402,16 @@ async def plan_regrade(
         content = ContentStore(lambda: js)
         for ev in latest.values():  # lean events: the stored question, template and rubric back in
             ev.job = msgspec.structs.replace(await content.hydrate(ev.job), refs={})
+        script, lost = None, None
+        key = (parent.config or {}).get(SIMULATOR_SCRIPT_KEY)
+        if isinstance(key, str) and key:
+            try:
+                script = await content.get(key)
+            except ContentMissing as exc:
+                lost = str(exc)
     plan = regrade_jobs(parent, latest.values(), benchmark=benchmark, mode=mode, run_name=run_name)
     plan.jobs_without_answer = max(0, parent.job_count - len(latest))
+    plan.simulator_script, plan.simulator_script_lost = (script if isinstance(script, dict) else None), lost
     return plan
 
 
@@ -428,10 +441,13 @@ async def submit_regrade(settings: Settings, plan: RegradePlan) -> int:
     async with bus.session(settings) as nc:
         js = nc.jetstream()
         await bus.ensure_stream(js)
+        store = ContentStore(lambda: js)
+        if plan.contents:  # what the run's config refers to, stored before the run is
+            await store.put_many(plan.contents)
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, PRODUCER))
         # the regrade's code, announced by hash as `submit` does (its templates may be new)
-        manifest = await put_manifest(ContentStore(lambda: js), (ev.job for ev in plan.generated))
+        manifest = await put_manifest(store, (ev.job for ev in plan.generated))
         envs = [events.make_envelope(events.ANSWER_GENERATED, plan.run_id, ev.job.result_id,
                                      msgspec.structs.replace(ev, job=with_manifest(ev.job, manifest)), PRODUCER)
                 for ev in plan.generated]

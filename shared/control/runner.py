@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -24,7 +26,7 @@ from shared.core.ids import answer_id_for, compute_result_id, template_id_for
 from shared.core.limits import MAX_EVENT_BYTES, question_problems
 from shared.core.models import VerificationResult
 from shared.runtime import bus
-from shared.runtime.content import ContentStore, lean_requests, put_manifest, with_manifest
+from shared.runtime.content import ContentStore, content_key, lean_requests, put_manifest, with_manifest
 from shared.templates.static_checks import compile_check, template_shape_problem
 
 
@@ -40,6 +42,9 @@ class RunPlan:
     requests: list[events.AnswerRequested]
     run_event: events.RunRequested
     unfinished: list[str] = field(default_factory=list)
+    # (key, bytes) stored in the content bucket before the run is published: what its config refers
+    # to by hash (the simulator script beside the benchmark, which a regrade loads again)
+    contents: list[tuple[str, bytes]] = field(default_factory=list)
 
     def __repr__(self) -> str:
         """A summary: `asyncio.run` formats the repr of the plan a coroutine returns (see
@@ -54,6 +59,21 @@ class RunPlan:
     @property
     def job_count(self) -> int:
         return sum(len(r.jobs) for r in self.requests)
+
+
+# The run config's key naming, by content key, the `<name>.simulator.yaml` a simulated run was
+# scripted with: the one part of its simulator script its stored jobs cannot make again, which
+# `regrade --simulate` loads again (`shared.cli.lifecycle.load_simulator_script`).
+SIMULATOR_SCRIPT_KEY = "simulator_script"
+
+
+def keep_simulator_script(plan: Any, extra: dict[str, Any]) -> None:
+    """Store `extra` (a benchmark's `.simulator.yaml`) with the run `plan` publishes (a `RunPlan`, or
+    a regrade's), named in its config."""
+    data = json.dumps(extra, sort_keys=True, default=str).encode()
+    key = content_key(data)
+    plan.contents.append((key, data))
+    plan.run_event.config[SIMULATOR_SCRIPT_KEY] = key
 
 
 def new_run_id() -> str:
@@ -195,9 +215,11 @@ async def submit(settings: Settings, plan: RunPlan) -> int:
         js = nc.jetstream()
         await bus.ensure_stream(js, settings)
         producer = "cli/0.1.0"
+        store = ContentStore(lambda: js)  # one store: contents shared by chunks are written once
+        if plan.contents:  # what the run's config refers to, stored before the run is
+            await store.put_many(plan.contents)
         await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, plan.run_id, events.RUN_KEY,
                                                    plan.run_event, producer))
-        store = ContentStore(lambda: js)  # one store: contents shared by chunks are written once
         # the run's code, announced by hash before any job: only jobs whose code it lists share
         # the run's sandbox processes (`ContentStore.sandbox_scope`)
         manifest = await put_manifest(store, (job for r in plan.requests for job in r.jobs))

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -424,6 +425,28 @@ def test_regrade_simulate_scripts_a_simulator_that_was_restarted(live, tmp_path:
         assert "verify_result changed for 0 of 3 job(s)" in regrade.stdout, regrade.stdout
         stats = httpx.get(fresh.removesuffix("/v1") + "/simulator/stats", timeout=10).json()
         assert stats["judge"] - before["judge"] >= 3 and stats["unmatched"] == before["unmatched"], stats
+
+
+def test_regrade_simulate_keeps_the_runs_simulator_yaml(live, tmp_path: Path) -> None:
+    """A run scripted by the `.simulator.yaml` beside its benchmark (the example's scripts three
+    wrong answers) regraded without `--benchmark` against a simulator restarted since: the script
+    made from the stored questions alone graded those answers as right, and the regrade said
+    "verify_result changed for 3 of 18", exit 0, for templates that had not changed. The run keeps
+    its `.simulator.yaml` in the content bucket; the regrade, and a regrade of the regrade, load it."""
+    settings, _ = live
+    env = local_env(settings)
+    for name in ("example.yaml", "example.simulator.yaml"):
+        shutil.copy(EXAMPLE.with_name(name), tmp_path / name)
+    run = veribus(env, "run", str(tmp_path / "example.yaml"), "--simulate", "--run-name", "kept-script")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Passed: 15 (83.3%)" in run.stdout, run.stdout
+    with own_model_server(tmp_path / "simhome") as fresh:
+        sim_env = local_env(settings, VERIBUS_SIMULATOR_URL=fresh)
+        for parent in ("kept-script", "kept-script-regrade-1"):
+            regrade = veribus(sim_env, "regrade", parent, "--simulate", "--timeout", "120")
+            assert regrade.returncode == 0, regrade.stdout + regrade.stderr
+            assert "18/18 finalized: 15 passed, 0 error(s)" in regrade.stdout, regrade.stdout
+            assert "verify_result changed for 0 of 18 job(s)" in regrade.stdout, regrade.stdout
 
 
 def test_simulate_on_a_configured_deployment(live, tmp_path: Path) -> None:
