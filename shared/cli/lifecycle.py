@@ -236,8 +236,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if out.already_finished:  # nothing published: there is nothing left to stop
         print(f"run {out.run_id} already finished ({out.finalized}/{out.job_count} results): nothing to cancel")
         return EXIT_OK
-    print(f"run {out.run_id}: cancelled; {out.finalized}/{out.job_count} results finalized so far. Answers not "
-          "yet generated finalize as cancelled results (error 'cancelled').")
+    left = out.job_count - out.generated
+    print(f"run {out.run_id}: cancelled; {out.finalized}/{out.job_count} results finalized so far. "
+          + (f"The {left} job(s) whose answer was not yet generated finalize as cancelled results (error "
+             f"'cancelled'); the {out.generated} answered go on to their results." if left else
+             f"Every answer was generated already: nothing is stopped, and the {out.job_count - out.finalized} "
+             "job(s) still going finish as they are."))
     if not args.wait:
         return EXIT_OK
     done, timed_out = run_main(wait.wait_for_results(settings, args.run, count=out.job_count,

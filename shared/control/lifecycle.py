@@ -29,6 +29,7 @@ from shared.control.streams import (
     read_events,
     read_messages,
     run_event,
+    subject_counts,
 )
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
@@ -56,6 +57,7 @@ class CancelOutcome:
     job_count: int
     finalized: int
     already_finished: bool = False  # every job had its result: nothing was published
+    generated: int = 0  # jobs whose answer was generated before the cancel: they finish as they are
 
 
 async def cancel(settings: Settings, run_id: str, reason: str = "") -> CancelOutcome:
@@ -70,7 +72,8 @@ async def cancel(settings: Settings, run_id: str, reason: str = "") -> CancelOut
             return CancelOutcome(run_id, run.job_count, done, already_finished=True)
         await publish_control(js, run_id, events.RunControlChange(cancelled=True, reason=reason, at=time.time()))
         done = len(await finalized_ids(js, run_id))
-        return CancelOutcome(run_id, run.job_count, done)
+        generated = len(await subject_counts(js, events.subject(events.ANSWER_GENERATED, run_id, "*")))
+        return CancelOutcome(run_id, run.job_count, done, generated=min(generated, run.job_count))
 
 
 async def run_finished(js: JetStreamContext, run_id: str) -> bool:
