@@ -64,7 +64,7 @@ _DENY_ALWAYS = (
 # ... and additionally to each call's process: no new processes or threads, no signals.
 _DENY_CALL = (
     "fork", "vfork", "clone", "kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
-    "pidfd_open", "pidfd_send_signal", "setsid", "setpgid", "prctl",
+    "pidfd_open", "pidfd_send_signal", "setsid", "setpgid", "prctl", "setpriority", "ioprio_set",
 )
 # ... nor signals the kernel sends for it: a descriptor's owner (F_SETOWN and kin) gets its
 # SIGIO, and F_SETSIG makes that any signal, SIGKILL included, for any process of the same uid
@@ -75,6 +75,14 @@ _DENY_CALL_ARGS = (
     ("fcntl", 1, _F_SETOWN), ("fcntl", 1, _F_SETSIG), ("fcntl", 1, _F_SETOWN_EX),
     ("ioctl", 1, _FIOSETOWN), ("ioctl", 1, _SIOCSPGRP),
 )
+# ... nor change another process's limits or scheduling, which the kernel allows any process of
+# the same uid (no ptrace check, non-dumpable or not): prlimit(RLIMIT_CPU, 1) on the zygote got it
+# killed with every run's process in it, and RLIMIT_NOFILE 0 left later calls failing. Refused
+# when the pid argument is not 0 (the caller itself; `resource.setrlimit` passes 0), and to
+# zygote and calls alike; setpriority (a whole process group or user with who=0) and ioprio_set
+# are refused outright (_DENY_CALL).
+_DENY_OTHER_PID = (("prlimit64", 0), ("sched_setaffinity", 0), ("sched_setscheduler", 0),
+                   ("sched_setparam", 0), ("sched_setattr", 0), ("migrate_pages", 0), ("move_pages", 0))
 
 
 @dataclass
@@ -94,9 +102,10 @@ class JailPlan:
 
 
 def _build_bpf(deny: tuple[str, ...], deny_args: tuple[tuple[str, int, int], ...] = ()) -> bytes:
-    """Compile a default-allow filter refusing `deny`, and each (system call, argument index,
-    value) of `deny_args`, to BPF (libseccomp, native arch; other architectures such as x32 are
-    killed by libseccomp's bad-arch action)."""
+    """Compile a default-allow filter refusing `deny`, each (system call, argument index, value)
+    of `deny_args`, and each (system call, pid argument) of `_DENY_OTHER_PID` with a pid other than
+    0, to BPF (libseccomp, native arch; other architectures such as x32 are killed by libseccomp's
+    bad-arch action)."""
     # local import: pyseccomp raises at import when libseccomp is missing, and
     # that must become the sandbox's fail-closed message, not an import error of every service
     import pyseccomp as sc
@@ -110,6 +119,8 @@ def _build_bpf(deny: tuple[str, ...], deny_args: tuple[tuple[str, int, int], ...
             continue
     for name, index, value in deny_args:  # these exist on every Linux: a failure fails closed
         filt.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(index, sc.EQ, value))
+    for name, index in _DENY_OTHER_PID:  # likewise
+        filt.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(index, sc.NE, 0))
     fd = os.memfd_create("veribus-seccomp")
     try:
         with os.fdopen(os.dup(fd), "wb") as f:

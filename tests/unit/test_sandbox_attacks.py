@@ -678,6 +678,50 @@ async def test_landlock_alone_keeps_owned_descriptor_signals_in_the_call() -> No
         await sb.close()
 
 
+PRLIMIT_OTHERS = """
+import resource
+r = {"me": os.getpid(), "zygote": os.getppid()}
+r["targets"] = [p for p in sorted(int(d) for d in os.listdir('/proc') if d.isdigit()) if p not in (1, os.getpid())]
+def t(name, fn):
+    try:
+        fn()
+        r[name] = "OK"
+    except BaseException as exc:
+        r[name] = "ERR " + repr(exc)
+for pid in r["targets"]:
+    t("cpu_%d" % pid, lambda: resource.prlimit(pid, resource.RLIMIT_CPU, (1, 1)))  # the kernel kills it at 1 s
+    t("nofile_%d" % pid, lambda: resource.prlimit(pid, resource.RLIMIT_NOFILE, (0, 0)))
+    t("affinity_%d" % pid, lambda: os.sched_setaffinity(pid, {0}))
+    t("sched_%d" % pid, lambda: os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0)))
+t("renice_user", lambda: os.setpriority(os.PRIO_USER, 0, 19))  # every process of this uid
+t("own_limit", lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))  # its own: allowed
+return r
+"""
+
+
+async def test_other_processes_limits_and_scheduling_cannot_be_changed(pool: Sandbox) -> None:
+    """prlimit(RLIMIT_CPU, 1) on the zygote needs no ptrace right, only the same uid: the kernel
+    then killed the zygote with every run's process in it, and RLIMIT_NOFILE 0 left later calls
+    failing ("Too many open files"). Found by a red-team pass. Refused by seccomp for any pid but
+    the caller's own; the victim run's next verdict, and the workers, are as before."""
+    assert (await run_verify(UNRELATED, {"distance": -3}, "q-victim", template_id="victim", sandbox=pool,
+                             scope="run-victim")).verify_result is True
+    workers, restarts = pool.pids, pool.restarts
+    outcome = await run_verify(_attack_template(PRLIMIT_OTHERS), {"result": 4}, "q-evil", sandbox=pool,
+                               scope="run-evil")
+    report = _report(outcome.field_verification_error or "")
+    assert report["zygote"] in report["targets"] and len(report["targets"]) >= 2, report
+    for pid in report["targets"]:
+        for what in ("cpu", "nofile", "affinity", "sched"):
+            assert _failed(report[f"{what}_{pid}"]), (what, pid, report)
+    assert _failed(report["renice_user"]) and report["own_limit"] == "OK", report
+    await asyncio.sleep(1.5)  # past the 1 s CPU limit the zygote would have had
+    after = await run_verify(UNRELATED, {"distance": -3}, "q-victim", template_id="victim", sandbox=pool,
+                             scope="run-victim")
+    assert after.verify_result is True and after.error is None, after
+    assert pool.pids == workers and pool.restarts == restarts
+
+
 LINGER = """
 import signal, struct, msgspec
 body = msgspec.msgpack.encode({"ok": True, "value": {"template_verification_performed": True,
