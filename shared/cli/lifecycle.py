@@ -132,9 +132,10 @@ def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path
     benchmark the regrade grades with, as `run --simulate` does before it publishes: `--benchmark`'s,
     else the stored run's questions as its jobs carry them (`lifecycle.graded_benchmark`), with the
     `<name>.simulator.yaml` beside `--benchmark`, else the one the regraded run kept
-    (`runner.SIMULATOR_SCRIPT_KEY`): a regrade of unchanged templates grades as the run did. A simulator that was restarted since the run holds
-    no script for them, and would parse every stored answer with made-up values. Returns the bases
-    posted to; raises RuntimeError when a simulator refuses the script."""
+    (`runner.SIMULATOR_SCRIPT_KEY`): a regrade of unchanged templates grades as the run did. A
+    simulator that was restarted since the run holds no script for them, and would parse every
+    stored answer with made-up values. Returns the bases posted to; raises RuntimeError when a
+    simulator refuses the script."""
     bases = sorted({ev.job.parsing.api_base for ev in plan.generated
                     if ev.job.parsing.interface == "simulator" and ev.job.parsing.api_base})
     if not bases:

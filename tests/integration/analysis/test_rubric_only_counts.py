@@ -88,3 +88,12 @@ def test_the_summary_says_its_passed_is_the_rubrics() -> None:
     template = summarize([make("q1", "gpt-x", True), make("q2", "gpt-x", False)])
     assert (template["passed_by_rubric"], template["pass_rule"]) == (False, "accuracy >= 1")
     assert "  Passed: 1 (50.0%)\n" in results_block(template)
+
+
+def test_the_progress_line_says_its_passed_is_the_rubrics() -> None:
+    from shared.cli.progress import RunProgress
+
+    prog = RunProgress(total=3, started=0.0, by_rubric=True, trait_ranges={"Clarity": (1.0, 5.0)})
+    for r in _results():
+        prog.add(r)
+    assert "3/3 done (100%), 2 passed by the rubric, 1 failed, 0 errors" in prog.line(1.0), prog.line(1.0)
