@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from services.generation.stage import STAGE, generate_answer
 from shared.core import events
 from shared.core.stage import stage_error
+from shared.core.usage import shared_reply
 from shared.runtime.harness import StageService
 from shared.runtime.mcp import default_pool
 
@@ -29,4 +32,7 @@ def _give_up(env: events.Envelope, req: events.AnswerRequested, exc: BaseExcepti
 async def on_answer_requested(env: events.Envelope, req: events.AnswerRequested) -> list[Any]:
     state = await generate_answer(req.jobs[0], llm)
     status = "failed" if state.error else "performed"
-    return [service.emit(events.ANSWER_GENERATED, job, events.StageEvent(job, state, status)) for job in req.jobs]
+    # one call, counted once: the answer's other jobs (its other judges) carry its tokens, no call nor cost
+    shared = msgspec.structs.replace(state, usage={k: shared_reply(e) for k, e in state.usage.items()})
+    return [service.emit(events.ANSWER_GENERATED, job, events.StageEvent(job, state if i == 0 else shared, status))
+            for i, job in enumerate(req.jobs)]

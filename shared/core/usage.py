@@ -62,6 +62,16 @@ def reused(entry: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def shared_reply(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A stage entry as the other jobs of one answer record it (its other judges): the reply's
+    tokens, and no call nor cost, which the answer's first job counts, once, as `model_calls` is
+    requests sent (with two judges the answering model is called once, not twice)."""
+    out = dict(entry)
+    out.update(model_calls=0, cached_replies=0)
+    out[COST_KEY] = 0.0
+    return out
+
+
 def _cost_known(e: Mapping[str, Any]) -> bool:
     """An entry's cost is known when it carries one, or when it made no calls and used no tokens."""
     return COST_KEY in e or (not int(e.get("model_calls", 0) or 0) and not e.get("total_tokens"))

@@ -5,8 +5,9 @@ In rubric_only mode a result has no `template`, and `usage_metadata` lives there
 its results say nothing of the calls made for them; the `events` table still has each stage
 event's tokens and cost (columns filled from the stage's own usage entries,
 `shared.store.rows.EVENT_USAGE_KEYS`) and, in its payload, the entries themselves with their
-`model_calls` and `cached_replies`. The figure is counted as the results count theirs: per job,
-so an answer shared by several judges counts once per judge.
+`model_calls` and `cached_replies`. The figure is counted as the results count theirs: per job;
+an answer shared by several judges counts its call and cost on its first job only (the others'
+entries are `shared_reply`s), so each call is counted once.
 
 `event_usage_sql(cond)` is one aggregate query (`cond` narrows the run's results, for the
 viewer's filters); `usage_from_rows` turns its row into the shape of

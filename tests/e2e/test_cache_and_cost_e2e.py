@@ -156,3 +156,18 @@ def test_cost_budget_stops_dispatch(cstack: Stack, tmp_path: Path) -> None:
     assert len(res) == n and all(r.metadata.completed_without_errors for r in res), \
         ([r.metadata.error for r in res if not r.metadata.completed_without_errors][:3],
          log_lines(cstack, "generation", "run control"))
+
+
+def test_an_answer_shared_by_two_judges_is_one_call(cstack: Stack, tmp_path: Path) -> None:
+    """The user's report: with two judges every output counted each answer call twice (`Model
+    calls: 432` for 360 requests the simulator saw, and twice the cost, beside a --max-cost-usd
+    that the real spend kept). The answer's first job counts its call and cost; the other judge's
+    job carries its tokens only. The summary's calls are the requests the model server got."""
+    path, _ = generated_benchmark(tmp_path / "judges.yaml", N, rubric=False, prefix="TwoJudges")
+    before = cstack.sim_stats()["requests"]
+    out = _veribus(cstack, "run", str(path), "--simulate", "--mode", "template_only", "--judge", "judge-a",
+                   "--judge", "judge-b", "--timeout", "180")
+    assert out.returncode == 0, out.stderr + out.stdout
+    calls, cached = _calls(out.stdout)
+    sent = cstack.sim_stats()["requests"] - before
+    assert (calls, cached) == (sent, 0) and sent == 3 * N, (calls, sent, out.stdout)  # N answers, 2N parses
