@@ -58,6 +58,7 @@ def test_filters_round_trip_through_links() -> None:
     (10, 3, 5000, False, "incomplete"),
     (10, 3, None, False, "incomplete"),
     (10, 3, 5, True, "cancelled"),
+    (10, 10, 5000, True, "cancelled"),  # every job ended, the stopped ones as cancelled results
     (0, 4, None, False, "finished"),
 ])
 def test_run_state(jobs: int, done: int, age: float | None, cancelled: bool, state: str) -> None:

@@ -138,13 +138,15 @@ async def runs(src: AsyncSource, q: str = "", page: int = 0, page_size: int = PA
 
 
 def run_state(jobs: int, done: int, seconds_since_last_event: float | None, cancelled: bool = False) -> str:
-    """finished | running | cancelled | incomplete (results missing, nothing happening)."""
+    """finished | running | cancelled | incomplete (results missing, nothing happening). A run
+    whose newest control is a cancel is cancelled, every job ended or not: its stopped jobs end as
+    cancelled results, so it was shown "finished" (`veribus runs` said cancelled)."""
+    if cancelled:
+        return "cancelled"
     if jobs and done >= jobs:
         return "finished"
     if not jobs and done:
         return "finished"  # results without a run row (imported or rebuilt partially)
-    if cancelled:
-        return "cancelled"
     if seconds_since_last_event is not None and seconds_since_last_event <= LIVE_WINDOW_S:
         return "running"
     return "incomplete"
