@@ -1,6 +1,8 @@
 """JUnit XML of a gate report (`veribus run/report --junit`): a `gates` testsuite, one testcase
-per gate, and a `samples` testsuite, one testcase per result, for CI systems that read JUnit;
-with `run --num-runs N` the pair once per run (`veribus.run_1.gates`, ...), in one file."""
+per gate, a `samples` testsuite, one testcase per result, and an `outcome` testsuite, one testcase
+failing with the run's reasons when its outcome is not a pass (jobs without a result at
+--timeout, too many errors, results not stored: a file all green beside exit 3 misled CI); with
+`run --num-runs N` these once per run (`veribus.run_1.gates`, ...), in one file."""
 
 from __future__ import annotations
 
@@ -8,19 +10,23 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.analysis.gates import GateReport
 from shared.analysis.report import DEFAULT_PASS, OP_SYMBOLS, PassCriterion, Sample, score_of
 from shared.core.models import VerificationResult
+from shared.core.verdict import verify_raised
 
 
 def junit_xml(report: GateReport, results: Iterable[VerificationResult] | None = None,
               criterion: PassCriterion = DEFAULT_PASS, suite: str = "veribus",
-              trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> str:
-    """JUnit XML: a `gates` testsuite (one testcase per gate) and a `samples` testsuite (one
-    testcase per result: failure when its score misses the criterion, error when it errored)."""
+              trait_ranges: Mapping[str, tuple[float, float]] | None = None,
+              outcome: Mapping[str, Any] | None = None) -> str:
+    """JUnit XML: a `gates` testsuite (one testcase per gate), a `samples` testsuite (one
+    testcase per result: failure when its score misses the criterion, error when it errored or
+    its verify() raised), and, given the run's `outcome` (`Verdict.as_dict`), an `outcome` one."""
     root = ET.Element("testsuites", name=suite)
-    _add_run(root, suite, report, results, criterion, trait_ranges)
+    _add_run(root, suite, report, results, criterion, trait_ranges, outcome=outcome)
     return _text(root)
 
 
@@ -31,7 +37,8 @@ def junit_xml_runs(runs: Sequence[JUnitRun], suite: str = "veribus",
     property naming the run."""
     root = ET.Element("testsuites", name=suite)
     for i, run in enumerate(runs, 1):
-        _add_run(root, f"{suite}.run_{i}", run.report, run.results, run.criterion, trait_ranges, run.run_id)
+        _add_run(root, f"{suite}.run_{i}", run.report, run.results, run.criterion, trait_ranges, run.run_id,
+                 outcome=run.outcome)
     return _text(root)
 
 
@@ -43,12 +50,13 @@ class JUnitRun:
     report: GateReport
     results: Sequence[VerificationResult]
     criterion: PassCriterion = DEFAULT_PASS
+    outcome: Mapping[str, Any] | None = None  # the run's `Verdict.as_dict`, once judged
 
 
 def _add_run(root: ET.Element, suite: str, report: GateReport, results: Iterable[VerificationResult] | None,
              criterion: PassCriterion, trait_ranges: Mapping[str, tuple[float, float]] | None,
-             run_id: str | None = None) -> None:
-    """The `SUITE.gates` and `SUITE.samples` testsuites of one run, under `root`."""
+             run_id: str | None = None, outcome: Mapping[str, Any] | None = None) -> None:
+    """The `SUITE.gates`, `SUITE.samples` and (given `outcome`) `SUITE.outcome` testsuites of one run."""
     gs = ET.SubElement(root, "testsuite", name=f"{suite}.gates", tests=str(len(report.outcomes)),
                        failures=str(sum(1 for o in report.outcomes if not o.passed)), errors="0")
     _run_property(gs, run_id)
@@ -62,21 +70,34 @@ def _add_run(root: ET.Element, suite: str, report: GateReport, results: Iterable
     for r in results or ():  # one result at a time: a streamed run is never held
         sc = score_of(r, trait_ranges)
         s = Sample(r, sc is not None, sc if sc is not None else 0.0)
+        raised = s.attempted and verify_raised(r)  # a template error, never a plain fail (shared.core.verdict)
         tests += 1
-        fails += 1 if s.attempted and not criterion(s.score) else 0
-        errs += 0 if s.attempted else 1
+        fails += 1 if s.attempted and not raised and not criterion(s.score) else 0
+        errs += 0 if s.attempted and not raised else 1
         m = r.metadata
         rep = f" r{m.replicate}" if m.replicate is not None else ""
         tc = ET.SubElement(ss, "testcase", classname=f"{suite}.samples.{m.answering_model}",
                            name=f"{m.question_id} [{m.parsing_model}{rep}]", time=f"{m.execution_time or 0.0:.3f}")
         if not s.attempted:
             ET.SubElement(tc, "error", message=str(m.error or "error"), type="ResultError").text = str(m.error or "")
+        elif raised:
+            why = f"verify() raised: {r.template.field_verification_error if r.template else ''}"
+            ET.SubElement(tc, "error", message=why, type="VerifyRaised").text = why
         elif not criterion(s.score):
             msg = f"score {s.score:.3g} fails {OP_SYMBOLS[criterion.op]} {criterion.value:g}"
             ET.SubElement(tc, "failure", message=msg, type="SampleFailed").text = msg
     ss.set("tests", str(tests))
     ss.set("failures", str(fails))
     ss.set("errors", str(errs))
+    if outcome is not None:
+        failed = int(outcome.get("exit_code", 0) or 0) != 0
+        os_ = ET.SubElement(root, "testsuite", name=f"{suite}.outcome", tests="1", failures=str(int(failed)),
+                            errors="0")
+        _run_property(os_, run_id)
+        tc = ET.SubElement(os_, "testcase", classname=f"{suite}.outcome", name="run outcome")
+        if failed:
+            why = "; ".join(map(str, outcome.get("reasons") or [])) or f"exit {outcome.get('exit_code')}"
+            ET.SubElement(tc, "failure", message=why, type="RunFailed").text = why
 
 
 def _run_property(suite: ET.Element, run_id: str | None) -> None:
@@ -91,10 +112,11 @@ def _text(root: ET.Element) -> str:
 
 def write_junit(path: str | Path, report: GateReport, results: Iterable[VerificationResult] | None = None,
                 criterion: PassCriterion = DEFAULT_PASS,
-                trait_ranges: Mapping[str, tuple[float, float]] | None = None) -> Path:
+                trait_ranges: Mapping[str, tuple[float, float]] | None = None,
+                outcome: Mapping[str, Any] | None = None) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(junit_xml(report, results, criterion, trait_ranges=trait_ranges), encoding="utf-8")
+    p.write_text(junit_xml(report, results, criterion, trait_ranges=trait_ranges, outcome=outcome), encoding="utf-8")
     return p
 
 

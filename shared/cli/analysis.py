@@ -298,7 +298,7 @@ def _report(args: argparse.Namespace, data: RunData, write_html: Any) -> int:
         if not args.quiet:
             print(f"wrote {path}")
     if args.junit:
-        write_junit(args.junit, rep, data.results, overall, ranges)
+        write_junit(args.junit, rep, data.results, overall, ranges, outcome=summary["outcome"])
     if args.quiet:
         print(verdict.headline)
     else:

@@ -354,6 +354,7 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     --junit is written, or, given `junit_runs` (one run of --num-runs), added to them."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis import report
+    from shared.analysis.junit import write_junit
 
     plan = runner.plan_run(benchmark, config, include_unfinished=args.include_unfinished)
     set_budget(plan.run_event, args.max_tokens_budget)
@@ -378,7 +379,9 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
                                "dead_lettered": len(outcome.dead_letters)}
-    cli_analysis.apply_gates(args, results, summary, trait_ranges, junit_runs=junit_runs, run_id=plan.run_id)
+    own_junit: list[Any] = []  # --junit of this run alone: written once its outcome is known
+    cli_analysis.apply_gates(args, results, summary, trait_ranges, run_id=plan.run_id,
+                             junit_runs=junit_runs if junit_runs is not None else own_junit)
     failed_gates = [g["label"] for g in summary.get("gates") or [] if not g["passed"]]
     verdict = judge(results, expected=plan.job_count, timed_out=outcome.timed_out, failed_gates=failed_gates,
                     max_errors=max_errors, run_ref=plan.run_name or plan.run_id)
@@ -398,6 +401,12 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     else:  # results without a usage section (rubric_only): the calls and cost from the stage events
         summary["usage"] = with_event_usage(summary["usage"], plan.run_id,
                                             lambda sql, params: run_query(settings, sql, params))
+    judged = (junit_runs if junit_runs is not None else own_junit)[-1:]
+    for run in judged:  # the JUnit file says what the exit code says (jobs missing, not stored, ...)
+        run.outcome = summary["outcome"]
+    if own_junit and args.junit:
+        write_junit(args.junit, own_junit[0].report, own_junit[0].results, own_junit[0].criterion, trait_ranges,
+                    outcome=summary["outcome"])
     if args.quiet:
         print(verdict.headline)
     else:

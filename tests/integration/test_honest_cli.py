@@ -128,12 +128,19 @@ def test_a_configured_bus_receives_the_run_and_no_temporary_stack_starts(nats_se
     home = tmp_path / "home"
     bench = write_bench(tmp_path / "b.yaml", 2)
     env = cli_env(home, VERIBUS_NATS_URL=nats_server.url)
+    junit = tmp_path / "j.xml"
     out = veribus(env, "run", str(bench), "--model", "openai/m", "--judge", "openai/j", "--api-base",
-                  "http://127.0.0.1:9/v1", "--timeout", "3")
+                  "http://127.0.0.1:9/v1", "--timeout", "3", "--junit", str(junit))
     assert "temporary" not in out.stderr and not (home / "stack.json").exists()
     assert f"deployment: NATS {nats_server.url} (from VERIBUS_NATS_URL)" in out.stderr, out.stderr
     assert out.returncode == 3, out.stderr  # no services on this bus: results missing at --timeout
     assert "2 of 2 job(s) have no result at --timeout" in out.stdout + out.stderr
+    # the JUnit file says so too: it was all green (no gate, no sample) beside exit 3
+    import xml.etree.ElementTree as ET
+
+    outcome = ET.parse(junit).getroot().find("testsuite[@name='veribus.outcome']")
+    assert outcome is not None and outcome.get("failures") == "1", ET.tostring(ET.parse(junit).getroot())
+    assert "2 of 2 job(s) have no result at --timeout" in outcome.find("testcase/failure").get("message")  # type: ignore[union-attr]
     assert len(run_requested(nats_server.url)) == 1
     assert sum(n for s, n in stream_subjects(nats_server.url).items() if s.startswith("vb.answer.requested.")) == 2
 
@@ -529,11 +536,12 @@ def test_num_runs_junit_holds_every_run(live, tmp_path: Path) -> None:
     assert len(set(run_ids)) == 2
     root = ET.parse(junit).getroot()
     suites = root.findall("testsuite")
-    assert [s.get("name") for s in suites] == ["veribus.run_1.gates", "veribus.run_1.samples",
-                                               "veribus.run_2.gates", "veribus.run_2.samples"]
+    assert [s.get("name") for s in suites] == ["veribus.run_1.gates", "veribus.run_1.samples", "veribus.run_1.outcome",
+                                               "veribus.run_2.gates", "veribus.run_2.samples", "veribus.run_2.outcome"]
     assert [s.find("properties/property[@name='run_id']").get("value") for s in suites] == [  # type: ignore[union-attr]
-        run_ids[0], run_ids[0], run_ids[1], run_ids[1]]
-    for gates, samples in (suites[0:2], suites[2:4]):
+        run_ids[0], run_ids[0], run_ids[0], run_ids[1], run_ids[1], run_ids[1]]
+    assert [s.get("failures") for s in suites if s.get("name").endswith(".outcome")] == ["0", "0"]  # type: ignore[union-attr]
+    for gates, samples in (suites[0:2], suites[3:5]):
         assert (gates.get("tests"), gates.get("failures")) == ("1", "0")
         assert samples.get("tests") == "2" and len(samples.findall("testcase")) == 2
         assert {tc.get("name").split(" ")[0] for tc in samples.findall("testcase")} == {"h0", "h1"}  # type: ignore[union-attr]

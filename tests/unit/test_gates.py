@@ -134,6 +134,26 @@ def test_junit_has_a_testcase_per_gate_and_per_sample(tmp_path: Path) -> None:
     assert len(errored) == 1 and "TimeoutError" in errored[0].find("error").get("message")  # type: ignore[union-attr]
 
 
+def test_junit_counts_a_raised_verify_as_an_error_and_says_the_runs_outcome() -> None:
+    """A verify() that raised was a `<failure>` "score 0 fails >= 1" (the console counts it in
+    errors); a run with jobs missing at --timeout had an all-green file beside exit 3."""
+    raised = make("q3", "m", False)
+    assert raised.template is not None
+    raised.template.field_verification_error = "boom"
+    rs = [make("q1", "m", True), make("q2", "m", False), raised]
+    rep = evaluate_gates(rs, [])
+    outcome = {"exit_code": 3, "reasons": ["1 of 4 job(s) have no result at --timeout"]}
+    root = ET.fromstring(junit_xml(rep, rs, outcome=outcome))
+    _gates, samples, run = root.findall("testsuite")
+    assert (samples.get("tests"), samples.get("failures"), samples.get("errors")) == ("3", "1", "1")
+    errors = [tc.find("error") for tc in samples.findall("testcase") if tc.find("error") is not None]
+    assert len(errors) == 1 and errors[0].get("type") == "VerifyRaised" and "boom" in errors[0].get("message")  # type: ignore[union-attr,operator]
+    assert (run.get("name"), run.get("failures")) == ("veribus.outcome", "1")
+    assert run.find("testcase/failure").get("message") == "1 of 4 job(s) have no result at --timeout"  # type: ignore[union-attr]
+    ok = ET.fromstring(junit_xml(rep, rs, outcome={"exit_code": 0, "reasons": []})).findall("testsuite")[2]
+    assert ok.get("failures") == "0" and ok.find("testcase/failure") is None
+
+
 def _run_args(tmp_path: Path, *argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--config")
