@@ -32,7 +32,9 @@ def _give_up(env: events.Envelope, req: events.AnswerRequested, exc: BaseExcepti
 async def on_answer_requested(env: events.Envelope, req: events.AnswerRequested) -> list[Any]:
     state = await generate_answer(req.jobs[0], llm)
     status = "failed" if state.error else "performed"
-    # one call, counted once: the answer's other jobs (its other judges) carry its tokens, no call nor cost
-    shared = msgspec.structs.replace(state, usage={k: shared_reply(e) for k, e in state.usage.items()})
-    return [service.emit(events.ANSWER_GENERATED, job, events.StageEvent(job, state if i == 0 else shared, status))
-            for i, job in enumerate(req.jobs)]
+    first, *others = req.jobs
+    out = [service.emit(events.ANSWER_GENERATED, first, events.StageEvent(first, state, status))]
+    if others:  # one call, counted once: the answer's other judges' jobs carry its tokens, no call nor cost
+        shared = msgspec.structs.replace(state, usage={k: shared_reply(e) for k, e in state.usage.items()})
+        out += [service.emit(events.ANSWER_GENERATED, job, events.StageEvent(job, shared, status)) for job in others]
+    return out

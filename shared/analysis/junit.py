@@ -91,10 +91,10 @@ def _add_run(root: ET.Element, suite: str, report: GateReport, results: Iterable
     ss.set("errors", str(errs))
     if outcome is not None:
         failed = int(outcome.get("exit_code", 0) or 0) != 0
-        os_ = ET.SubElement(root, "testsuite", name=f"{suite}.outcome", tests="1", failures=str(int(failed)),
-                            errors="0")
-        _run_property(os_, run_id)
-        tc = ET.SubElement(os_, "testcase", classname=f"{suite}.outcome", name="run outcome")
+        run_suite = ET.SubElement(root, "testsuite", name=f"{suite}.outcome", tests="1",
+                                  failures=str(int(failed)), errors="0")
+        _run_property(run_suite, run_id)
+        tc = ET.SubElement(run_suite, "testcase", classname=f"{suite}.outcome", name="run outcome")
         if failed:
             why = "; ".join(map(str, outcome.get("reasons") or [])) or f"exit {outcome.get('exit_code')}"
             ET.SubElement(tc, "failure", message=why, type="RunFailed").text = why

@@ -281,7 +281,6 @@ class SummaryTally:
         self.metrics: dict[str, _Tally] = defaultdict(_Tally)  # over samples that have the metric
         self.groups: dict[tuple[str, str], dict[str, Any]] = {}
         self.usage = UsageTally()  # the exact cost, rounded once in `summary`
-        self.scored_by_rubric = 0  # attempted samples without a template verdict (rubric_only)
 
     def add(self, item: VerificationResult | Sample) -> None:
         """One result, or its `Sample` when the caller scored it already (with these trait ranges)."""
@@ -289,8 +288,6 @@ class SummaryTally:
         r, attempted, score = s.result, s.attempted, s.score
         passed = attempted and self.criterion(score)
         self.all.add(attempted, score, passed)
-        if attempted and ACCURACY not in s.metrics:
-            self.scored_by_rubric += 1
         self.models[r.metadata.answering_model].add(attempted, score, passed)
         if attempted:
             for name, v in s.metrics.items():
@@ -307,6 +304,8 @@ class SummaryTally:
     def summary(self, unfinished_skipped: int = 0) -> dict[str, Any]:
         a = self.all
         total, att, passed = a.total, a.attempted, a.passed
+        # some attempted sample had no template verdict (rubric_only): it was scored on its rubric
+        by_rubric = att > (self.metrics[ACCURACY].attempted if ACCURACY in self.metrics else 0)
         p = Proportion.of(passed, att)
         per_model: list[dict[str, Any]] = []
         for model, t in sorted(self.models.items()):
@@ -357,8 +356,8 @@ class SummaryTally:
             # model calls, cached replies, cost in USD (shared.core.usage: summed exactly, rounded once)
             "usage": self.usage.as_dict(),
             # what `passed_attempts` passed: the template's verdict, or (rubric_only) the rubric traits' mean
-            "passed_by_rubric": bool(self.scored_by_rubric),
-            "pass_rule": (f"{'the mean of its rubric trait scores (each 0-1)' if self.scored_by_rubric else ACCURACY} "
+            "passed_by_rubric": by_rubric,
+            "pass_rule": (f"{'the mean of its rubric trait scores (each 0-1)' if by_rubric else ACCURACY} "
                           f"{OP_SYMBOLS[self.criterion.op]} {self.criterion.value:g}"),
         }
 

@@ -6,7 +6,6 @@ Wired into `shared.cli` by `register(sub)`; the work is in `shared.control.lifec
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -15,7 +14,7 @@ import yaml
 from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli.aio import run_main
 from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg, say
-from shared.cli.simulator_script import merge_scripts, post_script
+from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.control import lifecycle, rebuild, retention, runner, streams, wait
 from shared.control.credentials import base_reachable, missing_key
 from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError
@@ -141,9 +140,8 @@ def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path
     if not bases:
         return []
     script = simulator_script_for(benchmark if benchmark is not None else lifecycle.graded_benchmark(plan))
-    extra = Path(benchmark_path).with_name(Path(benchmark_path).stem + ".simulator.yaml") if benchmark_path else None
-    if benchmark is not None and extra is not None and extra.exists():
-        kept = yaml.safe_load(extra.read_text()) or {}
+    kept = script_beside(benchmark_path) if benchmark is not None else None
+    if kept is not None:
         runner.keep_simulator_script(plan, kept)  # a regrade of this regrade is scripted the same way
     else:  # the regraded run's own (None when it had none)
         kept = plan.simulator_script

@@ -20,7 +20,7 @@ from shared.cli import scale as cli_scale
 from shared.cli.aio import run_main
 from shared.cli.common import err, say, validation_text
 from shared.cli.progress import ProgressPrinter, RunProgress, StackWatch
-from shared.cli.simulator_script import merge_scripts, post_script
+from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.cli.stack import simulator_args
 from shared.control import deployment, runner, stack, wait
 from shared.control.credentials import config_problems
@@ -288,9 +288,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 return EXIT_INPUT
             config = _load_config(args, settings.simulator_url)
             script = simulator_script_for(benchmark)
-            extra = bench_path.with_name(bench_path.stem + ".simulator.yaml")
-            if extra.exists():
-                sim_extra = yaml.safe_load(extra.read_text()) or {}
+            sim_extra = script_beside(bench_path)
+            if sim_extra is not None:
                 script = merge_scripts(script, sim_extra)
             for base in sorted({m.api_base for m in config.answering_models + config.parsing_models
                                 if m.interface == "simulator" and m.api_base}):
@@ -379,9 +378,9 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     results = list(outcome.results.values())
     summary: dict[str, Any] = {"unfinished_questions_skipped": len(plan.unfinished),
                                "dead_lettered": len(outcome.dead_letters)}
-    own_junit: list[Any] = []  # --junit of this run alone: written once its outcome is known
-    cli_analysis.apply_gates(args, results, summary, trait_ranges, run_id=plan.run_id,
-                             junit_runs=junit_runs if junit_runs is not None else own_junit)
+    # this run's JUnit: added to `junit_runs` (--num-runs), or written alone once its outcome is known
+    judged: list[Any] = junit_runs if junit_runs is not None else []
+    cli_analysis.apply_gates(args, results, summary, trait_ranges, run_id=plan.run_id, junit_runs=judged)
     failed_gates = [g["label"] for g in summary.get("gates") or [] if not g["passed"]]
     verdict = judge(results, expected=plan.job_count, timed_out=outcome.timed_out, failed_gates=failed_gates,
                     max_errors=max_errors, run_ref=plan.run_name or plan.run_id)
@@ -401,12 +400,10 @@ def _one_run(settings: Any, benchmark: Any, config: Any, args: argparse.Namespac
     else:  # results without a usage section (rubric_only): the calls and cost from the stage events
         summary["usage"] = with_event_usage(summary["usage"], plan.run_id,
                                             lambda sql, params: run_query(settings, sql, params))
-    judged = (junit_runs if junit_runs is not None else own_junit)[-1:]
-    for run in judged:  # the JUnit file says what the exit code says (jobs missing, not stored, ...)
-        run.outcome = summary["outcome"]
-    if own_junit and args.junit:
-        write_junit(args.junit, own_junit[0].report, own_junit[0].results, own_junit[0].criterion, trait_ranges,
-                    outcome=summary["outcome"])
+    this = judged[-1]
+    this.outcome = summary["outcome"]  # the JUnit file says what the exit code says (jobs missing, not stored, ...)
+    if junit_runs is None and args.junit:
+        write_junit(args.junit, this.report, this.results, this.criterion, trait_ranges, outcome=this.outcome)
     if args.quiet:
         print(verdict.headline)
     else:

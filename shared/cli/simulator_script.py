@@ -5,6 +5,20 @@ judge or answering model goes to."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def script_beside(benchmark_path: str | Path | None) -> dict[str, Any] | None:
+    """The `<name>.simulator.yaml` beside a benchmark file, read; None when there is none."""
+    if not benchmark_path:
+        return None
+    path = Path(benchmark_path)
+    extra = path.with_name(path.stem + ".simulator.yaml")
+    return (yaml.safe_load(extra.read_text()) or {}) if extra.exists() else None
+
 
 def merge_scripts(base: dict, extra: dict) -> dict:
     """`base` with `extra`'s keys, its questions replacing or adding by their `match`."""

@@ -55,21 +55,15 @@ def reused(entry: Mapping[str, Any]) -> dict[str, Any]:
     """A stage entry as a later run that reuses its reply records it (a regrade's stored answer):
     the reply's tokens, no call and no cost (the run that made the call paid for it, and counts
     it), and one reply served without a call (`cached_replies`), as from the response cache."""
-    out = dict(entry)
     served = int(entry.get("model_calls", 0) or 0) > 0 or int(entry.get("cached_replies", 0) or 0) > 0
-    out.update(model_calls=0, cached_replies=1 if served else 0)
-    out[COST_KEY] = 0.0
-    return out
+    return {**entry, **usage_extras(cost_usd=0.0, attempts=0, cached=served)}
 
 
 def shared_reply(entry: Mapping[str, Any]) -> dict[str, Any]:
     """A stage entry as the other jobs of one answer record it (its other judges): the reply's
     tokens, and no call nor cost, which the answer's first job counts, once, as `model_calls` is
     requests sent (with two judges the answering model is called once, not twice)."""
-    out = dict(entry)
-    out.update(model_calls=0, cached_replies=0)
-    out[COST_KEY] = 0.0
-    return out
+    return {**entry, **usage_extras(cost_usd=0.0, attempts=0, cached=False)}
 
 
 def _cost_known(e: Mapping[str, Any]) -> bool:
