@@ -6,6 +6,7 @@ Wired into `shared.cli` by `register(sub)`; the work is in `shared.control.lifec
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -16,7 +17,8 @@ from shared.cli.aio import run_main
 from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg, say
 from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.control import lifecycle, rebuild, retention, runner, streams, wait
-from shared.control.credentials import base_reachable, missing_key
+from shared.control.credentials import base_reachable, credential_problems
+from shared.control.deployment import select
 from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError
 from shared.control.runref import next_regrade_name, runs_in_stream
 from shared.core.benchmark.model import Benchmark
@@ -42,7 +44,9 @@ def _lone_rubric(args: argparse.Namespace) -> bool:
 def cmd_resume(args: argparse.Namespace) -> int:
     if _lone_rubric(args):
         return EXIT_INPUT
-    settings = deployment_settings()
+    dep = select()
+    settings = dep.settings
+    calls_env = dep.calls_environ()
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         bench = lifecycle.load_benchmark(args.benchmark, args.rubric) if args.benchmark else None
@@ -51,12 +55,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if args.dry_run:
             plan = run_main(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
                                                   include_errors=args.errors, benchmark=bench))
+            problems = lifecycle.resume_key_problems(plan, calls_env)  # refused with --dry-run too
+            if problems:
+                raise streams.LifecycleError("refused before publishing:\n  " + "\n  ".join(problems))
         else:
             before = run_main(wait.finalized_counts(settings, args.run))
             plan = run_main(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
                                              include_errors=args.errors, force=args.force, budget_tokens=args.max_tokens_budget,
                                              budget_cost_usd=args.max_cost_usd,
-                                             benchmark=bench))
+                                             benchmark=bench, services_environ=calls_env))
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
         err(exc)
         return EXIT_INPUT
@@ -87,11 +94,13 @@ def _regrade_name(settings: Any, parent_run_id: str, parent_name: str | None) ->
     return next_regrade_name(parent_name or parent_run_id, names)
 
 
-def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base: str | None = None) -> list[str]:
+def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base: str | None = None,
+                   services_environ: Mapping[str, str] | None = None) -> list[str]:
     """Point the regrade's judge models at the current configuration, in place: a judge that ran
     on the simulator goes to the simulator running now (VERIBUS_SIMULATOR_URL or the local
     stack's), never the URL recorded with the old run; `--api-base` replaces a recorded one.
-    Returns the problems that make the judges unreachable (empty when they can be called)."""
+    Returns the problems that make the judges unreachable (empty when they can be called): a key
+    is looked for where the calls are made (`services_environ`, a running local stack's)."""
     problems: list[str] = []
     checked: dict[str, str | None] = {}
     for i, ev in enumerate(plan.generated):
@@ -110,13 +119,10 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
         key = f"{new.model_name}@{new.api_base}"
         if key in checked:
             continue
-        why = None
         cfg = ModelConfig(model_name=new.model_name, interface=new.interface, api_base=new.api_base,
                           api_key_env=new.api_key_env)
-        names = missing_key(cfg)
-        if names:
-            why = f"judge {new.model_name!r}: no API key: set {' or '.join(names)}"
-        elif new.api_base:
+        why = "; ".join(credential_problems([("judge", cfg)], services_environ)) or None
+        if why is None and new.api_base:
             down = base_reachable(new.api_base)
             if down:
                 why = f"judge {new.model_name!r} cannot be reached at {down}"
@@ -159,7 +165,8 @@ def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path
 def cmd_regrade(args: argparse.Namespace) -> int:
     if _lone_rubric(args):
         return EXIT_INPUT
-    settings = deployment_settings()
+    dep = select()
+    settings = dep.settings
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         bench = lifecycle.load_benchmark(args.benchmark, args.rubric) if args.benchmark else None
@@ -183,7 +190,8 @@ def cmd_regrade(args: argparse.Namespace) -> int:
         plan.run_event.config["run_name"] = name
         for i, ev in enumerate(plan.generated):
             plan.generated[i] = msgspec.structs.replace(ev, job=msgspec.structs.replace(ev.job, run_name=name))
-    problems = resolve_judges(plan, settings, simulate=args.simulate, api_base=args.api_base)
+    problems = resolve_judges(plan, settings, simulate=args.simulate, api_base=args.api_base,
+                              services_environ=dep.calls_environ())
     if problems:
         err("regrade refused before publishing:\n  " + "\n  ".join(problems))
         return EXIT_INPUT

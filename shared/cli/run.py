@@ -244,8 +244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     simulated = _is_simulated(args)
     try:
-        config, gates, max_errors = _validate_run(args, benchmark, simulated,
-                                                  stack.services_environ(dep.state) if dep.state else None)
+        config, gates, max_errors = _validate_run(args, benchmark, simulated, dep.calls_environ())
     except ValueError as exc:  # a pydantic ValidationError too: `err` says it in one line
         err(exc)
         return EXIT_INPUT

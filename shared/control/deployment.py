@@ -56,6 +56,12 @@ class Deployment:
     projector_dead: bool = False
     state: stack.StackState | None = None  # local: the stack found in the home
 
+    def calls_environ(self) -> dict[str, str] | None:
+        """The environment the model calls are made in, where it can be read: a running local
+        stack's services' (what `up` gave them). None: this process's own (a temporary stack is
+        started from it; a configured deployment's services are out of reach)."""
+        return stack.services_environ(self.state) if self.state else None
+
     def degraded_error(self) -> str:
         return (f"the local stack in {self.source} is degraded ({self.problem}): run `veribus up` to restart what "
                 "died (or `veribus down` to stop the rest); `veribus status` shows each process")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +21,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from shared.control.credentials import config_problems
 from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError, new_run_id, plan_run
 from shared.control.streams import (
     LifecycleError,
@@ -163,6 +164,7 @@ class ResumePlan:
     replanned: int = 0  # of the requests, how many came from the benchmark file
     queued: dict[str, int] = field(default_factory=dict)
     attempt_key: str = ""
+    config: dict[str, Any] = field(default_factory=dict)  # the run's recorded config (its models)
 
     @property
     def jobs(self) -> int:
@@ -232,26 +234,39 @@ async def plan_resume(
         run_id=run_id, job_count=run.job_count, finalized=len(done), requests=todo,
         stopped=len(stopped), errored=len(failed), errors_rerun=include_errors,
         never_published=max(0, run.answer_count - len(by_answer)), replanned=replanned, queued=queued,
+        config=run.config,
     )
+
+
+def _recorded_config(config: dict[str, Any]) -> VerificationConfig:
+    """A run's config as `run` recorded it (keys this version does not know are left out)."""
+    return VerificationConfig.model_validate({k: v for k, v in config.items() if k in VerificationConfig.model_fields})
+
+
+def resume_key_problems(plan: ResumePlan, services_environ: Mapping[str, str] | None = None) -> list[str]:
+    """The run's models that could not be called by the jobs `plan` publishes again: a provider key
+    missing where the calls are made (`services_environ`: a running local stack's services; else
+    here), as `run` refuses them. Nothing to publish, nothing to check."""
+    return config_problems(_recorded_config(plan.config), services_environ) if plan.requests else []
 
 
 def _replan(run: events.RunRequested, benchmark: Benchmark) -> list[events.AnswerRequested]:
     """The run's answer requests, planned again from its benchmark and recorded config (same
     timestamp, so the same result ids)."""
-    cfg = {k: v for k, v in run.config.items() if k in VerificationConfig.model_fields}
-    plan = plan_run(benchmark, VerificationConfig.model_validate(cfg), run_id=run.run_id, timestamp=run.timestamp)
+    plan = plan_run(benchmark, _recorded_config(run.config), run_id=run.run_id, timestamp=run.timestamp)
     return plan.requests
 
 
 async def resume(
     settings: Settings, run_id: str, *, include_stopped: bool = True, include_errors: bool = False,
     force: bool = False, budget_tokens: int | None = None, budget_cost_usd: float | None = None,
-    benchmark: Benchmark | None = None,
+    benchmark: Benchmark | None = None, services_environ: Mapping[str, str] | None = None,
 ) -> ResumePlan:
     """Publish again the answer requests of the run's jobs that have no result (and, by default,
     those that were cancelled or stopped by a budget; with `include_errors`, those that ended in
     an error). Finished jobs cost nothing. A new token or money budget replaces the run's (a run
-    stopped by its spent budget needs a larger one).
+    stopped by its spent budget needs a larger one). A model whose key is missing where the calls
+    are made is refused before anything is published (`resume_key_problems`).
 
     A resume that runs earlier results again, or sets a budget, or publishes jobs of a cancelled
     run, first publishes a lift (`run.cancelled` with cancelled=False) that says which results it
@@ -269,6 +284,9 @@ async def resume(
         raise LifecycleError(
             f"{total} message(s) are still queued for the services ({detail}); they will finish those jobs "
             "(start the stack if it is down). Resume once they are done, or pass --force.")
+    problems = resume_key_problems(plan, services_environ)
+    if problems:
+        raise LifecycleError("refused before publishing:\n  " + "\n  ".join(problems))
     plan.attempt_key = RESUME_PREFIX + uuid.uuid4().hex[:8]
     async with bus.session(settings) as nc:
         js = nc.jetstream()

@@ -797,3 +797,47 @@ def test_a_server_on_permissions_from_before_per_role_inboxes_is_named_as_such(t
     assert len(error) == 1, out.stderr
     assert f"the NATS server at nats://127.0.0.1:{port} refused the reply inboxes of bus role 'cli' (_INBOX_cli.>)" \
         in error[0] and "nats-auth.conf" in error[0] and "JetStream" not in error[0], out.stderr
+
+
+def test_resume_refuses_a_model_whose_key_the_services_lack_and_publishes_nothing(nats_server) -> None:
+    """`resume` runs model calls again, in the services: a key they were started without is
+    refused before anything is published, as `run` refuses it (every job errored after five
+    retries as a provider outage before), and `--dry-run` says the same."""
+    from shared.control import lifecycle
+    from shared.control.streams import LifecycleError
+
+    settings = Settings(nats_url=nats_server.url)
+    run_id = "keyless"
+    config = {"answering_models": [{"model_name": "gpt-4.1-mini"}],
+              "parsing_models": [{"model_name": "openai/judge", "api_key_env": "MY_JUDGE_KEY"}]}
+    job = events.Job(run_id=run_id, result_id="r1", answer_id="a1", question_id="q1", question_text="2+2?",
+                     answering=events.ModelSpec(model_name="gpt-4.1-mini"),
+                     parsing=events.ModelSpec(model_name="openai/judge", api_key_env="MY_JUDGE_KEY"),
+                     timestamp="2026-01-01T00:00:00")
+
+    async def publish() -> None:
+        async with bus.session(settings) as nc:
+            js = nc.jetstream()
+            await bus.ensure_stream(js)
+            run = events.RunRequested(run_id=run_id, timestamp=job.timestamp, job_count=1, answer_count=1, config=config)
+            await bus.publish(js, events.make_envelope(events.RUN_REQUESTED, run_id, events.RUN_KEY, run, "test"))
+            await bus.publish(js, events.make_envelope(events.ANSWER_REQUESTED, run_id, "a1",
+                                                       events.AnswerRequested(jobs=[job]), "test"))
+
+    def published() -> int:
+        return sum(n for subject, n in stream_subjects(nats_server.url).items() if f".{run_id}." in subject)
+
+    asyncio.run(publish())
+    before = published()
+    assert before == 2
+    services = {"PATH": "/usr/bin", "OPENAI_API_KEY": "sk-up"}  # what `up` gave the services: no MY_JUDGE_KEY
+    with pytest.raises(LifecycleError) as refused:
+        asyncio.run(lifecycle.resume(settings, run_id, force=True, services_environ=services))
+    said = str(refused.value)
+    assert said.startswith("refused before publishing:") and "judge model 'openai/judge'" in said, said
+    assert "set MY_JUDGE_KEY where `veribus up` runs" in said and "gpt-4.1-mini" not in said, said
+    assert published() == before  # no answer request, no lift
+    plan = asyncio.run(lifecycle.plan_resume(settings, run_id))
+    assert lifecycle.resume_key_problems(plan, services) == [said.split("\n  ", 1)[1]]
+    done = asyncio.run(lifecycle.resume(settings, run_id, force=True, services_environ={**services, "MY_JUDGE_KEY": "k"}))
+    assert done.jobs == 1 and published() == before + 1

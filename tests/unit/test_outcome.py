@@ -491,6 +491,15 @@ def test_regrade_refuses_a_judge_that_cannot_be_reached_or_has_no_key(monkeypatc
     assert problems == [f"judge 'openai/j' cannot be reached at {dead}: connection refused"]
     problems = resolve_judges(_regrade_plan(events.ModelSpec(model_name="gpt-4.1-mini")), Settings())
     assert problems and "set OPENAI_API_KEY" in problems[0]
+    # a local stack's services make the judge calls: its environment decides, not this process's
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-here")
+    plan = _regrade_plan(events.ModelSpec(model_name="gpt-4.1-mini"))
+    problems = resolve_judges(plan, Settings(), services_environ={"PATH": "/usr/bin"})
+    assert problems == ["judge model 'gpt-4.1-mini': OPENAI_API_KEY is set here, but the local stack's services were "
+                        "started without it, and they make the model calls: `veribus down`, then `veribus up` with "
+                        "OPENAI_API_KEY set"]
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert resolve_judges(plan, Settings(), services_environ={"OPENAI_API_KEY": "sk-up"}) == []
 
 
 # --------------------------------------------------------------------------------------------
