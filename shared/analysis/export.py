@@ -16,7 +16,11 @@ load back with `VerificationResultSet.from_file`, as the reference's own exports
 CSV starts with the reference's columns in its value formats (`shared.analysis.reference_csv`: 53 columns,
 plus `rubric_<trait>` per global trait and `question_specific_rubrics`), then ours that it does not
 have, then `result_json` (the whole result, so our CSV reads back exactly). Booleans are written
-`True`/`False` throughout, as the reference does.
+`True`/`False` throughout, as the reference does. Questions, replies and names are untrusted, and a
+spreadsheet runs a cell that starts with `=`, `+`, `-` or `@` as a formula (CSV injection): every
+text cell that would start one is written behind a `'` (`spreadsheet_safe`), unless the caller
+asks for the cells as they are (`csv_raw=True`, `veribus export --csv-raw`) to feed a program.
+`result_json` always starts with `{`, so veribus reads its own CSV back exactly either way.
 
 Parquet is flat: one row per result with the typed columns of `verification_results` and one
 column per rubric trait (`trait.<name>`, `trait.<name>.<metric>` for metric traits, `label.<name>`
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -198,11 +203,36 @@ def _discover_trait_columns(source: RowSource, where: ResultFilter) -> list[str]
 # --------------------------------------------------------------------------------------------
 
 
-def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[list[Any]]]) -> int:
+# A spreadsheet takes a cell starting with one of these as a formula (OWASP, CSV injection); tab and
+# carriage return because some apps drop them and read on; full-width forms because some apps read
+# them as their ASCII forms (an IME types them).
+FORMULA_TRIGGERS = frozenset("=+-@\t\r\uff1d\uff0b\uff0d\uff20")
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def spreadsheet_safe(value: Any) -> Any:
+    """`value` as a CSV cell a spreadsheet shows as text: a string that starts with a formula
+    trigger, or with whitespace and then one (apps trim before they look), gets a leading `'`.
+    Anything else is returned as it is: non-strings (a score of -1.5 stays a number) and strings
+    that are a plain number (`-1.5`, the reference's `rubric_<trait>` cells), which no spreadsheet
+    runs."""
+    if not isinstance(value, str) or not value:
+        return value
+    first = value[0]
+    if first not in FORMULA_TRIGGERS and not first.isspace():
+        return value  # the common case, decided on one character
+    if first in "\t\r" or value.lstrip()[:1] in FORMULA_TRIGGERS:
+        return value if _PLAIN_NUMBER.fullmatch(value) else "'" + value
+    return value
+
+
+def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[list[Any]]], *, raw: bool = False) -> int:
     """Rows (lists in `columns` order) as CSV, converting by value: booleans as True/False (the
-    reference's format), lists as JSON, NULL empty; text (already formatted cells) as it is."""
+    reference's format), lists as JSON, NULL empty; text (already formatted cells) as it is, but
+    behind a `'` where a spreadsheet would run it as a formula (`spreadsheet_safe`), unless `raw`.
+    The one CSV writer of veribus: every CSV export goes through it."""
     w = csv.writer(fh)
-    w.writerow(columns)
+    w.writerow(columns if raw else [spreadsheet_safe(c) for c in columns])
     n = 0
     for page in pages:
         for row in page:
@@ -211,6 +241,8 @@ def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[list[Any
                     row[j] = "True" if v else "False"
                 elif isinstance(v, list | tuple):
                     row[j] = _enc.encode(list(v)).decode()
+                elif not raw:
+                    row[j] = spreadsheet_safe(v)
         w.writerows(page)
         n += len(page)
     return n
@@ -472,19 +504,25 @@ def rubric_definition_from_store(source: RowSource, run_id: str) -> dict[str, An
 # --------------------------------------------------------------------------------------------
 
 
-def _check_format(fmt: str) -> str:
+def check_format(fmt: str, csv_raw: bool = False) -> str:
+    """The export format, lower-cased; refused when unknown, or when `csv_raw` is asked of a format
+    that is not CSV (only CSV cells are ever escaped: the flag would do nothing there)."""
     fmt = fmt.lower()
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if csv_raw and fmt != "csv":
+        raise ValueError(f"--csv-raw (csv_raw) applies to the csv format only, not {fmt}: "
+                         "no other format is escaped")
     return fmt
 
 
 def export_from_source(
     source: RowSource, run_id: str, fmt: str, output: str | Path, *, where: ResultFilter | None = None,
-    page_size: int = 2000, on_page: Callable[[int], None] | None = None,
+    page_size: int = 2000, on_page: Callable[[int], None] | None = None, csv_raw: bool = False,
 ) -> ExportStats:
-    """Stream one run (optionally filtered) from the store into `output`."""
-    fmt = _check_format(fmt)
+    """Stream one run (optionally filtered) from the store into `output`. CSV text cells that a
+    spreadsheet would run as formulas get a leading `'` unless `csv_raw` (see `spreadsheet_safe`)."""
+    fmt = check_format(fmt, csv_raw)
     where = where or ResultFilter(run_id=run_id)
     where.run_id = run_id
     out = Path(output)
@@ -543,25 +581,28 @@ def export_from_source(
                     yield rows
 
             with out.open("w", encoding="utf-8", newline="") as fh:
-                n = write_csv(fh, ref_cols + our_cols, csv_pages())
+                n = write_csv(fh, ref_cols + our_cols, csv_pages(), raw=csv_raw)
     return ExportStats(str(out), fmt, n, out.stat().st_size, time.perf_counter() - t0)
 
 
 def export_run(settings: Settings, run: str, fmt: str, output: str | Path, *, page_size: int = 2000,
-               where: ResultFilter | None = None) -> ExportStats:
+               where: ResultFilter | None = None, csv_raw: bool = False) -> ExportStats:
     """`veribus export RUN`: resolve the run (id or name) and stream it out, reading from the
-    projector when a stack runs, else from the store directly."""
+    projector when a stack runs, else from the store directly. `csv_raw`: CSV cells as they are
+    (for a program; a spreadsheet would run some as formulas)."""
+    check_format(fmt, csv_raw)  # before the store is opened
     with open_source(settings) as source:
         run_id = resolve_run(source, run)
-        return export_from_source(source, run_id, fmt, output, where=where, page_size=page_size)
+        return export_from_source(source, run_id, fmt, output, where=where, page_size=page_size, csv_raw=csv_raw)
 
 
 def export_results(
     results: Iterable[VerificationResult], fmt: str, output: str | Path, *, job_id: str | None = None,
-    config: Mapping[str, Any] | None = None, rubric_definition: Any = None, run_id: str = "",
+    config: Mapping[str, Any] | None = None, rubric_definition: Any = None, run_id: str = "", csv_raw: bool = False,
 ) -> ExportStats:
-    """Export results held in memory (a `VerificationResultSet`, a list) in any format."""
-    fmt = _check_format(fmt)
+    """Export results held in memory (a `VerificationResultSet`, a list) in any format. CSV text
+    cells that a spreadsheet would run as formulas get a leading `'` unless `csv_raw`."""
+    fmt = check_format(fmt, csv_raw)
     rs = list(results)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -581,7 +622,7 @@ def export_results(
         meta = export_metadata(job_id or run_id or None, config, job_summary_of(rs))
         page = [csv_row(r, b, o, (glob, qs), meta) for r, b, o in zip(rs, blobs, ours, strict=True)]
         with out.open("w", encoding="utf-8", newline="") as fh:
-            n = write_csv(fh, ref_cols + our_cols, [page])
+            n = write_csv(fh, ref_cols + our_cols, [page], raw=csv_raw)
     else:
         columns = flat_columns_for(rs) + ["result_json"]
         n = write_parquet(out, columns, [flat_lists_from_results(rs, columns, run_id)])

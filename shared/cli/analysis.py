@@ -166,10 +166,10 @@ def load_run_arg(run: str) -> RunData:
 
 def cmd_export(args: argparse.Namespace) -> int:
     # local import: shared.analysis (15 modules) would slow every command's start-up
-    from shared.analysis.export import export_results, export_run
+    from shared.analysis.export import check_format, export_results, export_run
     from shared.analysis.files import iter_results_from_file
 
-    fmt = args.format or _format_from_suffix(args.output)
+    fmt = check_format(args.format or _format_from_suffix(args.output), args.csv_raw)  # before any reading
     where = ResultFilter(question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
                          completed_only=args.completed_only)
     if _is_file(args.run):
@@ -179,11 +179,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         rs = VerificationResultSet(iter_results_from_file(args.run)).filter(
             question_ids=args.question, answering_models=args.model, parsing_models=args.judge,
             completed_only=args.completed_only)
-        stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem)
+        stats = export_results(rs, fmt, args.output, job_id=Path(args.run).stem, csv_raw=args.csv_raw)
     else:
         settings = deployment_settings()
         run_id = resolve_run_arg(settings, args.run, stream=False)
-        stats = export_run(settings, run_id, fmt, args.output, page_size=args.page_size, where=where)
+        stats = export_run(settings, run_id, fmt, args.output, page_size=args.page_size, where=where,
+                           csv_raw=args.csv_raw)
     print(f"exported {stats.rows} results to {stats.path} ({stats.format}, {stats.bytes:,} bytes, "
           f"{stats.seconds:.2f} s)")
     return EXIT_OK if _is_file(args.run) else _store_complete(args.run, run_id)
@@ -406,9 +407,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+EXPORT_DESCRIPTION = (
+    "Export a run's results (JSON in the reference's format 2.2, JSONL, CSV, Parquet). Questions and model "
+    "replies are untrusted: in a CSV export, a text cell that starts with = + - @ (or a tab, a carriage "
+    "return, leading spaces before one of those, or their full-width forms) is written behind a ' so that a "
+    "spreadsheet shows it as text instead of running it as a formula; numbers are left as they are. "
+    "--csv-raw writes the cells unchanged, for programs. JSON, JSONL and Parquet are never changed."
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argparse exposes no public type
     """Add export, report, results and compare to the `veribus` parser."""
-    e = sub.add_parser("export", help="export a run's results (JSON in the reference format, JSONL, CSV, Parquet)")
+    e = sub.add_parser("export", help="export a run's results (JSON in the reference format, JSONL, CSV, Parquet)",
+                       description=EXPORT_DESCRIPTION)
     e.add_argument("run", help="run id, run name, or a results file")
     e.add_argument("--format", choices=["json", "jsonl", "csv", "parquet"], help="default: from --output's suffix")
     e.add_argument("--output", "-o", required=True, help="file to write")
@@ -417,6 +428,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001 - argpars
     e.add_argument("--judge", action="append", help="only this parsing model; repeatable")
     e.add_argument("--completed-only", action="store_true", help="leave out results that errored")
     e.add_argument("--page-size", type=number_arg(int, low=1), default=2000, help="rows read per query (memory bound)")
+    e.add_argument("--csv-raw", action="store_true",
+                   help="CSV only: write every cell as it is, with no ' before formula-like text (for a program "
+                        "reading the file, never for a spreadsheet: an untrusted cell could run as a formula)")
     e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="a run's report: console summary, --output files, --html page, gates")

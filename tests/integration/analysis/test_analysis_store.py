@@ -38,6 +38,7 @@ from shared.store.reads import (
 )
 from shared.store.rows import result_to_row
 from tests.support.analysis_store import RUBRIC_WIRE, RUN_A, RUN_B, job_for
+from tests.support.csv_attack import attack_results, check_escaped, check_raw
 from tests.support.results import grid_results, spec_results
 
 
@@ -377,3 +378,29 @@ def _check_provenance_csv(store: Store, run: str, results: list[VerificationResu
     assert set(json.loads(first["question_specific_rubrics"])) == {"under_150w", "drug_coverage"}
     by_id = {r.metadata.result_id: r for r in results}
     assert {r.metadata.result_id: r for r in VerificationResultSet.from_file(streamed.path)} == by_id
+
+
+def test_streamed_csv_quotes_formulas_an_attacker_wrote(settings: Settings, store: Store, tmp_path: Path) -> None:
+    """The streamed CSV (what `veribus export RUN` writes from the store) puts a `'` before every
+    text cell a spreadsheet would run (question, reply, ids, model and run names, labels), keeps
+    the negative scores as numbers, and with csv_raw gives every cell back as it was."""
+    run = "20260101T000000-csvi0001"
+    results = attack_results()
+    store.insert_results([result_to_row(r, run, version=1) for r in results])
+    wire = {"traits": [{"type": "llm", "name": "delta", "kind": "score", "min_score": -5, "max_score": 5}],
+            "provenance": {"delta": "global"}}
+    store.insert_events([
+        events.make_envelope(events.ANSWER_GENERATED, run, r.metadata.result_id,
+                             events.StageEvent(job=msgspec.structs.replace(job_for(r, run), rubric=wire),
+                                               state=events.State()), "test/1")
+        for r in results])
+    try:
+        safe = export_from_source(StoreSource(store), run, "csv", tmp_path / "safe.csv", page_size=5)
+        check_escaped(Path(safe.path), results)
+        raw = export_run(settings, run, "csv", tmp_path / "raw.csv", page_size=5, csv_raw=True)
+        check_raw(Path(raw.path), results)
+        assert sorted(VerificationResultSet.from_file(safe.path), key=_key) == sorted(results, key=_key)
+    finally:  # the module's other tests count every run's rows
+        db = settings.clickhouse_database
+        for table in ("verification_results", "events"):
+            store.client.command(f"ALTER TABLE {db}.{table} DELETE WHERE run_id = '{run}' SETTINGS mutations_sync = 1")
