@@ -33,16 +33,14 @@ def _filters(cfg: ConsumerConfig) -> list[str] | None:
 
 
 async def settle_consumer(js: JetStreamContext, stream: str, durable: str, want: ConsumerConfig) -> bool:
-    """Give an existing durable consumer `want`'s ack wait, max ack pending and max deliver (a
-    changed setting takes effect when its services restart: the server keeps a durable's
-    configuration, and binding to it changes nothing), and put back what decides which messages
-    it gets when the server has something else: its filter subject(s) (when `want` names them),
-    the `UNSET_CONSUMER_FIELDS`, a pause. Anyone who could update the durable (before the bus
-    roles named every create, `cli` could: `verification` re-pointed at `vb.nothing.*.*` stalled
-    every later run, and restarting it did not help) is undone when its service starts, with a
-    warning naming what was wrong; after a wrong filter the durable is reset to its ack floor, as
-    the messages it passed over meanwhile are behind it. Returns whether the consumer exists (one
-    not there yet is left to its creation)."""
+    """Put an existing durable consumer back as its service makes it: `want`'s ack wait, max ack
+    pending and max deliver (a changed setting takes effect when its services restart: the server
+    keeps a durable's configuration, and binding to it changes nothing), its filter subject(s)
+    (when `want` names them), none of the `UNSET_CONSUMER_FIELDS`, not paused. Whoever changed
+    those (`cli` could, before the bus roles named every create: `verification` re-pointed at
+    `vb.nothing.*.*` stalled every later run, across restarts), a warning names each; after a
+    wrong filter the durable is reset to its ack floor, as what it passed over meanwhile is behind
+    its position. Returns whether the consumer exists (one not there yet is left to its creation)."""
     try:
         info = await js._api_request(f"{js._prefix}.CONSUMER.INFO.{stream}.{durable}", b"",  # type: ignore[attr-defined]
                                      timeout=js._timeout)  # type: ignore[attr-defined]
