@@ -24,8 +24,9 @@ from nats.js.api import AckPolicy as JsAckPolicy
 from shared.core.config import Settings
 from shared.core.events import QUERY_SUBJECT, STREAM
 from shared.runtime import observability
-from shared.runtime.bus import connect_options, prepare_stream, settle_consumer
+from shared.runtime.bus import connect_options, prepare_stream
 from shared.runtime.content import ContentStore
+from shared.runtime.durables import settle_consumer
 from shared.runtime.harness import broker_auth_kwargs
 from shared.runtime.observability import METRICS
 from shared.store import arrow
@@ -60,6 +61,7 @@ def create_app(
 
     consumer = ConsumerConfig(
         durable_name=DURABLE,
+        filter_subject="vb.>",  # every event; what `settle_consumer` puts back if changed
         ack_policy=JsAckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=settings.consumer_ack_wait_s,
@@ -105,7 +107,7 @@ def create_app(
     async def _limits() -> None:
         conn = getattr(broker, "_connection", None)
         projector.max_reply_bytes = int(getattr(conn, "max_payload", 0) or DEFAULT_MAX_REPLY) - 1024
-        await settle_consumer(broker._connection.jetstream(), STREAM, DURABLE, consumer)  # a changed ack wait
+        await settle_consumer(broker._connection.jetstream(), STREAM, DURABLE, consumer)  # a changed ack wait or filter
         observer.append(await observability.start("projector", observability.broker_not_ready(broker, lambda: True),
                                                   lambda: broker._connection.jetstream(), [DURABLE]))
 

@@ -20,7 +20,7 @@ from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
-from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from shared.core import events
@@ -288,31 +288,6 @@ def _stream_differs(have: StreamConfig, want: StreamConfig) -> bool:
             or have.duplicate_window != want.duplicate_window or have.allow_direct != want.allow_direct
             or (have.num_replicas or 1) != (want.num_replicas or 1)
             or (have.max_age or 0) != (want.max_age or 0) or (have.max_bytes or -1) != (want.max_bytes or -1))
-
-
-SETTLED_CONSUMER_FIELDS = ("ack_wait", "max_ack_pending", "max_deliver")
-"""A durable consumer's fields its settings decide (`consumer_ack_wait_s`, ...)."""
-
-
-async def settle_consumer(js: JetStreamContext, stream: str, durable: str, want: ConsumerConfig) -> bool:
-    """Give an existing durable consumer `want`'s ack wait, max ack pending and max deliver (a
-    changed setting takes effect when its services restart: the server keeps a durable's
-    configuration, and binding to it changes nothing); whether the consumer exists (one not
-    there yet is left to its creation)."""
-    try:
-        have = (await js.consumer_info(stream, durable)).config
-    except NotFoundError:
-        return False
-    changed = {f: getattr(want, f) for f in SETTLED_CONSUMER_FIELDS
-               if getattr(want, f) is not None and getattr(have, f) != getattr(want, f)}
-    if not changed:
-        return True
-    for field, value in changed.items():
-        setattr(have, field, value)
-    await js.add_consumer(stream, config=have)  # the server's create-or-update: these fields are editable
-    log.info("consumer %s: %s updated from the settings", durable,
-             ", ".join(f"{k} {v:g}" for k, v in changed.items()))
-    return True
 
 
 def ensure_stream_blocking(settings: Settings, timeout: float = 30.0) -> None:

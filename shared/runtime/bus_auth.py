@@ -12,7 +12,8 @@ may publish to another's):
 - `cli` (the operator's commands): run requests, answer requests, cancellations and the stored
   answers `regrade` re-publishes; queries on
   `veribus.query`; the JetStream API to create the stream when it is missing, read and follow it,
-  resume and rebuild (`CLI_JS_API`), and job contents; never a verdict or a give-up
+  resume and rebuild (`CLI_JS_API`) through consumers of its own, each named in its request's
+  subject (`CLI_CONSUMER_API`), and job contents; never a verdict or a give-up
   (`guards.checked` ... `result.finalized`, `stage.failed`, `dead.letter`), so a forged result or
   dead letter cannot come from it; nor what would make one by another way: change a stream's
   configuration, create another stream, touch a service's durable consumer, write its response
@@ -88,8 +89,18 @@ QUERY_ROLES = ("cli", "admin")  # who may ask `veribus.query` (the projector rep
 # stored what cli may publish (`vb.run.cancelled...`) as `vb.result.finalized...`, a verdict.
 CLI_JS_API = ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$JS.API.STREAM.INFO.>",
               f"$JS.API.STREAM.CREATE.{STREAM}", f"$JS.API.STREAM.CREATE.KV_{CONTENT_BUCKET}",
-              "$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>", "$JS.API.CONSUMER.>",
+              "$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>",
               "$JS.API.STREAM.PURGE.KV_vb_llm_cache", "$JS.API.STREAM.PURGE.KV_vb_llm_cache_shared")
+# ... and its consumers: on the events stream alone, each named in the request's subject (a create
+# with no name there, `$JS.API.CONSUMER.CREATE.VERIBUS`, went past every per-durable deny and the
+# server applied its body to the durable it named: `verification` re-pointed at `vb.nothing.*.*`
+# stalled every later run). A named create whose body names another consumer is refused by the
+# server itself; the services' durables are denied by name (`_durable_control`). No reset (it set
+# a service's ack floor past its queued jobs), pause, unpin, leader stepdown or peer removal.
+CLI_CONSUMER_API = (f"$JS.API.CONSUMER.CREATE.{STREAM}.*", f"$JS.API.CONSUMER.CREATE.{STREAM}.*.>",
+                    f"$JS.API.CONSUMER.INFO.{STREAM}.*", f"$JS.API.CONSUMER.NAMES.{STREAM}",
+                    f"$JS.API.CONSUMER.LIST.{STREAM}", f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
+                    f"$JS.API.CONSUMER.DELETE.{STREAM}.*", f"$JS.ACK.{STREAM}.>", f"$JS.FC.{STREAM}.>")
 
 
 def inbox_prefix(role: str) -> str:
@@ -100,24 +111,35 @@ def inbox_prefix(role: str) -> str:
     return f"_INBOX_{role}"
 
 
+# the consumer API requests of nats-server 2.15 that act on one named consumer, besides create, info,
+# next and delete
+DURABLE_ADMIN_OPS = ("RESET", "PAUSE", "UNPIN", "LEADER.STEPDOWN", "PEER.REMOVE", "PEER.EVACUATE")
+
+
 def _durable_control(durable: str, delete: bool) -> list[str]:
-    """What only a durable's own service may do with it: (re)create it (a new filter fed the
-    finalizer events of other types), pull and ack its messages (took the service's work), pause
-    it; and delete it (`projections rebuild` deletes the projector's, which the projector makes again)."""
+    """Every JetStream API request on a durable but reading its info, for the deny list of a role
+    that is not its service's: (re)create it (a new filter fed the finalizer events of other types),
+    pull and ack its messages (took the service's work), reset it (moved its ack floor past queued
+    jobs), pause or unpin it, step its leader down or remove its peers; and delete it (`projections
+    rebuild` deletes the projector's, which the projector makes again)."""
     out = [f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}", f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}.>",
            f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{durable}",
-           f"$JS.API.CONSUMER.PAUSE.{STREAM}.{durable}", f"$JS.API.CONSUMER.UNPIN.{STREAM}.{durable}",
-           f"$JS.ACK.{STREAM}.{durable}.>"]
+           *(f"$JS.API.CONSUMER.{op}.{STREAM}.{durable}" for op in DURABLE_ADMIN_OPS), f"$JS.ACK.{STREAM}.{durable}.>"]
     return out + [f"$JS.API.CONSUMER.DELETE.{STREAM}.{durable}"] if delete else out
 
 
 def _consumer_api(durable: str) -> list[str]:
+    """A service's requests on its own durable: make it or change it to its configuration, pull
+    and ack it, and repair it (`bus.settle_consumer`: reset it after a wrong filter passed its
+    jobs over, resume it when paused)."""
     return [
         f"$JS.API.CONSUMER.INFO.{STREAM}.{durable}",
         f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}",
         f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}.>",
         f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.{durable}",
         f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.RESET.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.PAUSE.{STREAM}.{durable}",
         f"$JS.ACK.{STREAM}.{durable}.>",
     ]
 
@@ -159,8 +181,8 @@ def roles() -> dict[str, Role]:
         subscribe=(f"{inbox_prefix('projector')}.>", events.QUERY_SUBJECT), durables=("projector",),
     )
     out["cli"] = Role(
-        publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, *CLI_JS_API, "$JS.ACK.>",
-                 "$JS.FC.>", f"$KV.{CONTENT_BUCKET}.>"),
+        publish=(*(events.subscription(t) for t in CLI_EVENTS), events.QUERY_SUBJECT, *CLI_JS_API, *CLI_CONSUMER_API,
+                 f"$KV.{CONTENT_BUCKET}.>"),
         subscribe=(f"{inbox_prefix('cli')}.>",),
         deny_publish=tuple(f"vb.{t}.>" for t in SERVICE_OUTPUTS_ALL if t not in CLI_EVENTS)
         + tuple(s for d in (*SERVICE_DURABLES, "projector") for s in _durable_control(d, delete=d != "projector")),

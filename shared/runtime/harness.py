@@ -52,7 +52,7 @@ from shared.core.config import Settings
 from shared.core.limits import safe_token
 from shared.core.scrub import scrub_text
 from shared.core.stage import SANDBOX_SCOPE, stage_error
-from shared.runtime import bus, observability, tracing
+from shared.runtime import bus, durables, observability, tracing
 from shared.runtime.content import ContentStore
 from shared.runtime.costcontrol import CostControl, cost_before, cost_spent
 from shared.runtime.limits import deployment_limiter
@@ -214,7 +214,7 @@ class StageService:
     async def _start_pumps(self) -> None:
         """Create (or settle and bind to) each durable consumer and start pulling it."""
         for sub in self.subscriptions.values():
-            if sub.config is not None and await bus.settle_consumer(self.js, events.STREAM, sub.durable, sub.config):
+            if sub.config is not None and await durables.settle_consumer(self.js, events.STREAM, sub.durable, sub.config):
                 psub = await self.js.pull_subscribe_bind(durable=sub.durable, stream=events.STREAM)
             else:
                 psub = await self.js.pull_subscribe(events.subscription(sub.event_type), durable=sub.durable,
@@ -305,6 +305,7 @@ class StageService:
         max_deliver = self.settings.consumer_max_deliver
         config = ConsumerConfig(
             durable_name=durable or self.name,
+            filter_subject=events.subscription(event_type),  # what `settle_consumer` puts back if changed
             ack_policy=JsAckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             max_ack_pending=self.settings.consumer_max_ack_pending,

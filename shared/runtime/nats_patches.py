@@ -1,7 +1,8 @@
 """What veribus changes in nats-py 2.16, applied once when this module is imported (by
 `shared.runtime.bus`, which every process that talks to NATS imports): a bare timeout from a pull
-`fetch` raised as nats' own, and fast paths for `next_msg` and `request` that profiling found
-costly (issue 12). Each patch marks what it replaced, so importing twice changes nothing."""
+`fetch` raised as nats' own, fast paths for `next_msg` and `request` that profiling found
+costly (issue 12), and every consumer created under a name in the request's subject (the bus
+roles allow no other create). Each patch marks what it replaced, so importing twice changes nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig
+from nats.js.manager import JetStreamManager
 
 
 def _patch_pull_fetch_timeout() -> None:
@@ -110,3 +113,31 @@ def _patch_request_fast_path() -> None:
 
 
 _patch_request_fast_path()
+
+
+def _patch_named_consumer_creates() -> None:
+    """nats-py 2.16 creates an ephemeral consumer (an ordered consumer following the stream, a
+    push `subscribe` without a durable, an `add_consumer` without a name) on
+    `$JS.API.CONSUMER.CREATE.<stream>`, and a durable without `name` on the legacy
+    `$JS.API.CONSUMER.DURABLE.CREATE.<stream>.<durable>`. The first names no consumer in its
+    subject, so NATS permissions cannot tell a new consumer from an update of a service's durable
+    (the server applies the body to the consumer it names), and `cli` may not use it
+    (`bus_auth.CLI_CONSUMER_API`). Every create gets a name: the durable's own, else a fresh NUID
+    (each time: an ordered consumer re-created after a gap must not update the one it replaces),
+    which nats-py then puts in the subject. The caller's config is not changed."""
+    if getattr(JetStreamManager.add_consumer, "_veribus_patched", False):
+        return
+    original = JetStreamManager.add_consumer
+
+    async def add_consumer(self, stream: str, config: ConsumerConfig | None = None,  # noqa: ANN001
+                           timeout: float | None = None, **params: Any) -> Any:
+        config = (config or ConsumerConfig()).evolve(**params)
+        if not config.name:
+            config = config.evolve(name=config.durable_name or self._nc._nuid.next().decode())
+        return await original(self, stream, config=config, timeout=timeout)
+
+    add_consumer._veribus_patched = True  # type: ignore[attr-defined]
+    JetStreamManager.add_consumer = add_consumer  # type: ignore[method-assign]
+
+
+_patch_named_consumer_creates()

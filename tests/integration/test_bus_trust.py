@@ -485,30 +485,54 @@ def test_cli_cannot_reconfigure_the_stream_into_making_verdicts(tstack: Stack) -
 
 
 def test_a_consumer_re_pointed_at_another_type_makes_no_verdict(tstack: Stack, tmp_path: Path) -> None:
-    """cli may create consumers (it follows runs with its own), and the server lets a create
-    without a name in its subject update a durable by the name in its body: `finalization-template`
-    re-pointed at `answer.generated`, which cli may publish. A template.verified payload that says
-    the answer passed, published as answer.generated, was finalized as a passing result."""
+    """cli may create consumers of its own (it follows runs with them), and the server lets a
+    create without a name in its subject update a durable by the name in its body: cli re-pointed
+    `finalization-template` at `answer.generated`, which it may publish, and a template.verified
+    payload that says the answer passed, published as answer.generated, was finalized as a passing
+    result. cli may now create only consumers named in the subject, none a service's (both routes
+    refused, `test_durable_guard.py` tries every other one); re-pointed anyway (as admin here), the
+    finalizer still makes no verdict of an event that is not its consumer's type."""
     path, script = generated_benchmark(tmp_path / "b.yaml", 3, rubric=False, wrong_every=1, prefix="Repoint")
     tstack.post_script(script)
     plan = _run(tstack, path, tstack.config(mode="template_only"))
     wait_results(tstack, plan.run_id, 3)
     durable = "finalization-template"
+    re_pointed = events.subscription(events.ANSWER_GENERATED)
 
-    async def attack() -> tuple[str, bool]:
+    async def cli_attempts() -> tuple[list[str], str | None]:
         nc = await _connect(_as(tstack, "cli"), [])
         js = nc.jetstream(timeout=3)
+        refused = []
         try:
             cfg = (await js.consumer_info(events.STREAM, durable)).config
-            cfg.filter_subject = events.subscription(events.ANSWER_GENERATED)
-            named_refused = False
+            cfg.filter_subject = re_pointed
             try:  # the named create is the durable's own service's
                 await js.add_consumer(events.STREAM, cfg)
             except Exception:  # noqa: BLE001
-                named_refused = True
+                refused.append("named")
             body = {"stream_name": events.STREAM, "config": {**cfg.as_dict(), "durable_name": None}}
-            await nc.request(f"$JS.API.CONSUMER.CREATE.{events.STREAM}", json.dumps(body).encode(), timeout=5)
-            filter_now = (await js.consumer_info(events.STREAM, durable)).config.filter_subject
+            try:
+                await nc.request(f"$JS.API.CONSUMER.CREATE.{events.STREAM}", json.dumps(body).encode(), timeout=3)
+            except nats.errors.TimeoutError:
+                refused.append("unnamed")
+            return refused, (await js.consumer_info(events.STREAM, durable)).config.filter_subject
+        finally:
+            await nc.close()
+
+    async def set_filter(subject: str) -> str:
+        nc = await bus.connect(_as(tstack, "admin"))
+        js = nc.jetstream()
+        try:
+            cfg = (await js.consumer_info(events.STREAM, durable)).config
+            cfg.filter_subject = subject
+            return (await js.add_consumer(events.STREAM, cfg)).config.filter_subject or ""
+        finally:
+            await nc.close()
+
+    async def forge() -> None:
+        nc = await _connect(_as(tstack, "cli"), [])
+        js = nc.jetstream(timeout=3)
+        try:
             tv = json.loads((await js.get_last_msg(events.STREAM, f"vb.template.verified.{plan.run_id}.{rid}",
                                                    direct=True)).data)
             _says_passed(tv["payload"]["state"])
@@ -521,29 +545,18 @@ def test_a_consumer_re_pointed_at_another_type_makes_no_verdict(tstack: Stack, t
                 await asyncio.sleep(0.25)
             else:
                 raise AssertionError(f"the finalizer never took message {seq}")
-            return filter_now, named_refused
-        finally:
-            await nc.close()
-
-    async def restore() -> None:
-        nc = await bus.connect(_as(tstack, "admin"))
-        js = nc.jetstream()
-        try:
-            cfg = (await js.consumer_info(events.STREAM, durable)).config
-            cfg.filter_subject = events.subscription(events.TEMPLATE_VERIFIED)
-            await js.add_consumer(events.STREAM, cfg)
         finally:
             await nc.close()
 
     rid = plan.result_ids[0]
     assert results_of(tstack, plan.run_id)[rid].template.verify_result is False  # every answer is wrong
+    assert sync(cli_attempts()) == (["named", "unnamed"], events.subscription(events.TEMPLATE_VERIFIED))
+    assert sync(set_filter(re_pointed)) == re_pointed
     try:
-        filter_now, named_refused = sync(attack())
+        sync(forge())
     finally:
-        sync(restore())
-    assert named_refused
-    assert filter_now == events.subscription(events.ANSWER_GENERATED)  # the server let it be re-pointed ...
-    assert results_of(tstack, plan.run_id)[rid].template.verify_result is False  # ... and no verdict came of it
+        sync(set_filter(events.subscription(events.TEMPLATE_VERIFIED)))
+    assert results_of(tstack, plan.run_id)[rid].template.verify_result is False  # no verdict came of it
 
 
 def _says_passed(state: Any) -> None:

@@ -350,6 +350,56 @@ def test_role_permissions_are_least_privilege(tmp_path: Path) -> None:
     assert bus_auth.role_env("parsing-2") == {"VERIBUS_NATS_ROLE": "parsing"} and bus_auth.role_env("nats") == {}
 
 
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` one token, `>` one or more at the end."""
+    pt, st = pattern.split("."), subject.split(".")
+    for i, p in enumerate(pt):
+        if p == ">":
+            return len(st) > i
+        if i >= len(st) or (p != "*" and p != st[i]):
+            return False
+    return len(pt) == len(st)
+
+
+def _may_publish(role: object, subject: str) -> bool:
+    return any(_matches(p, subject) for p in role.publish) and not any(  # type: ignore[attr-defined]
+        _matches(d, subject) for d in role.deny_publish)  # type: ignore[attr-defined]
+
+
+def test_cli_creates_only_named_consumers_and_touches_no_service_durable() -> None:
+    """An unnamed create (`$JS.API.CONSUMER.CREATE.VERIBUS`) is applied by the server to the durable
+    its body names, past every per-durable deny: cli re-pointed `verification` at nothing with one.
+    cli may create only consumers named in the subject, on the events stream, none under a
+    service's durable name; a service's durable may not be reset, paused, unpinned, stepped down,
+    pulled, acked or deleted by it; and each service may repair its own durable, no other."""
+    from shared.runtime import bus_auth
+
+    roles = bus_auth.roles()
+    cli = roles["cli"]
+    api = "$JS.API.CONSUMER"
+    ops = ("RESET", "PAUSE", "UNPIN", "LEADER.STEPDOWN", "PEER.REMOVE", "PEER.EVACUATE")
+    refused = [f"{api}.CREATE.VERIBUS", f"{api}.DURABLE.CREATE.VERIBUS.mine", f"{api}.CREATE.KV_vb_model_limits",
+               f"{api}.CREATE.KV_vb_model_limits.mine", f"{api}.CREATE.KV_vb_content.mine.>"]
+    refused += [f"{api}.{op}.VERIBUS.mine" for op in ops]
+    for d in (*bus_auth.SERVICE_DURABLES, "projector"):
+        refused += [f"{api}.CREATE.VERIBUS.{d}", f"{api}.CREATE.VERIBUS.{d}.vb.nothing.*.*",
+                    f"{api}.DURABLE.CREATE.VERIBUS.{d}", f"{api}.MSG.NEXT.VERIBUS.{d}", f"$JS.ACK.VERIBUS.{d}.1.5.5.0.0"]
+        refused += [f"{api}.{op}.VERIBUS.{d}" for op in ops]
+        if d != "projector":  # `projections rebuild` deletes the projector's, which it makes again
+            refused.append(f"{api}.DELETE.VERIBUS.{d}")
+    assert not [s for s in refused if _may_publish(cli, s)]
+    mine = "Hk3aQnN1zW0e4yJwX5T2bC"  # a NUID, as nats_patches names cli's consumers
+    allowed = [f"{api}.CREATE.VERIBUS.{mine}", f"{api}.CREATE.VERIBUS.{mine}.vb.result.finalized.R.*",
+               f"{api}.INFO.VERIBUS.verification", f"{api}.LIST.VERIBUS", f"{api}.MSG.NEXT.VERIBUS.{mine}",
+               f"{api}.DELETE.VERIBUS.{mine}", f"{api}.DELETE.VERIBUS.projector", f"$JS.FC.VERIBUS.{mine}.x",
+               f"$JS.ACK.VERIBUS.{mine}.1.5.5.0.0"]
+    assert [s for s in allowed if not _may_publish(cli, s)] == []
+    for name, (inputs, _) in bus_auth.SERVICE_IO.items():
+        for d in bus_auth.SERVICE_DURABLES:
+            for op in ("RESET", "PAUSE"):
+                assert _may_publish(roles[name], f"{api}.{op}.VERIBUS.{d}") is (d in inputs), (name, d, op)
+
+
 def test_the_file_for_a_cli_user_holds_the_cli_role_only(tmp_path: Path) -> None:
     """What a deployment hands the CLI's users: with credentials.json itself (as the compose
     instructions said to copy) a CLI user connected as `admin`, and no role's limit held."""
