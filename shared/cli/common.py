@@ -11,16 +11,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.control.deployment import select
+from shared.control.deployment import Deployment, select
 from shared.control.runref import RunNotFound, resolve
 from shared.control.status import store_lag
 from shared.control.wait import projected_rows, wait_projected
 from shared.runtime.bus import server_reachable
 
 
+def deployment() -> Deployment:
+    """The deployment this command talks to (flags, environment, local stack)."""
+    return select()
+
+
 def deployment_settings() -> Any:
-    """The settings of the deployment this command talks to (flags, environment, local stack)."""
-    return select().settings
+    """The settings of the deployment this command talks to."""
+    return deployment().settings
 
 
 def err(msg: str | BaseException) -> None:

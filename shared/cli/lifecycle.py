@@ -14,11 +14,10 @@ import yaml
 
 from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli.aio import run_main
-from shared.cli.common import SECONDS, deployment_settings, err, number_arg, resolve_run_arg, say
+from shared.cli.common import SECONDS, deployment, deployment_settings, err, number_arg, resolve_run_arg, say
 from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.control import lifecycle, rebuild, retention, runner, streams, wait
 from shared.control.credentials import base_reachable, credential_problems
-from shared.control.deployment import select
 from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError
 from shared.control.runref import next_regrade_name, runs_in_stream
 from shared.core.benchmark.model import Benchmark
@@ -44,7 +43,7 @@ def _lone_rubric(args: argparse.Namespace) -> bool:
 def cmd_resume(args: argparse.Namespace) -> int:
     if _lone_rubric(args):
         return EXIT_INPUT
-    dep = select()
+    dep = deployment()
     settings = dep.settings
     calls_env = dep.calls_environ()
     args.run = resolve_run_arg(settings, args.run, stream=True)
@@ -165,7 +164,7 @@ def load_simulator_script(plan: Any, benchmark: Benchmark | None, benchmark_path
 def cmd_regrade(args: argparse.Namespace) -> int:
     if _lone_rubric(args):
         return EXIT_INPUT
-    dep = select()
+    dep = deployment()
     settings = dep.settings
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:

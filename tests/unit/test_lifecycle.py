@@ -15,6 +15,7 @@ import pytest
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from shared.control import lifecycle
+from shared.control.deployment import Deployment
 from shared.control.runner import RunInputError
 from shared.core import events
 from shared.core.benchmark.model import Benchmark
@@ -866,7 +867,7 @@ def test_regrade_with_a_benchmark_of_other_questions_says_so(monkeypatch: pytest
                            **_: Any) -> lifecycle.RegradePlan:
         return lifecycle.regrade_jobs(parent, _answers(bench), benchmark=benchmark, run_id="new")
 
-    monkeypatch.setattr(cli_lifecycle, "deployment_settings", Settings)
+    monkeypatch.setattr(cli_lifecycle, "deployment", lambda: Deployment("none", Settings()))
     monkeypatch.setattr(cli_lifecycle, "resolve_run_arg", lambda settings, run, stream: run)
     monkeypatch.setattr(cli_lifecycle.lifecycle, "plan_regrade", plan_regrade)
     args = build_parser().parse_args(["regrade", "old", "--benchmark", str(other), "--simulate"])
@@ -894,7 +895,7 @@ def test_regrade_and_resume_take_the_rubric_file_with_their_benchmark(monkeypatc
         seen["benchmark"] = benchmark
         raise lifecycle.LifecycleError("stop here")
 
-    monkeypatch.setattr(cli_lifecycle, "deployment_settings", Settings)
+    monkeypatch.setattr(cli_lifecycle, "deployment", lambda: Deployment("none", Settings()))
     monkeypatch.setattr(cli_lifecycle, "resolve_run_arg", lambda settings, run, stream: run)
     monkeypatch.setattr(cli_lifecycle.lifecycle, "plan_regrade", plan_regrade)
     args = build_parser().parse_args(["regrade", "old", "--benchmark", str(EXAMPLE), "--rubric", str(rubric)])
@@ -930,7 +931,7 @@ def _fake_regrade_bus(monkeypatch: pytest.MonkeyPatch, plan_of: Any, calls: list
     async def run_results(settings: Settings, run_id: str) -> dict[str, Any]:
         return (new if run_id == "new" else old) or {}
 
-    monkeypatch.setattr(cli_lifecycle, "deployment_settings", lambda: settings or Settings())
+    monkeypatch.setattr(cli_lifecycle, "deployment", lambda: Deployment("none", settings or Settings()))
     monkeypatch.setattr(cli_lifecycle, "resolve_run_arg", lambda settings, run, stream: run)
     monkeypatch.setattr(cli_lifecycle, "base_reachable", lambda base: None)
     monkeypatch.setattr(cli_lifecycle.lifecycle, "plan_regrade", plan_regrade)
@@ -986,7 +987,7 @@ def test_regrade_simulate_posts_the_graded_benchmark_s_script_before_publishing(
 
     # judges not on the simulator: nothing is posted
     calls.clear()
-    monkeypatch.setattr(cli, "missing_key", lambda cfg: [])
+    monkeypatch.setattr(cli, "credential_problems", lambda models, services_environ=None: [])
     args = build_parser().parse_args(["regrade", "old", "--run-name", "rg", "--no-wait"])
     assert cli.cmd_regrade(args) == 0, capsys.readouterr().err
     assert [c[0] for c in calls] == ["submit"]
@@ -1083,7 +1084,7 @@ def test_regrade_with_errored_and_graded_results_prints_the_changes(monkeypatch:
     cli = _fake_regrade_bus(monkeypatch, lambda b: lifecycle.regrade_jobs(parent, _answers(bench)[:2], run_id="new"),
                             calls, old={r.metadata.result_id: r for r in old},
                             new={r.metadata.result_id: r for r in new})
-    monkeypatch.setattr(cli, "missing_key", lambda cfg: [])
+    monkeypatch.setattr(cli, "credential_problems", lambda models, services_environ=None: [])
     args = build_parser().parse_args(["regrade", "old", "--run-name", "rg", "--timeout", "5"])
     assert cli.cmd_regrade(args) == 4
     out = capsys.readouterr().out
