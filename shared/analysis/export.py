@@ -18,7 +18,7 @@ plus `rubric_<trait>` per global trait and `question_specific_rubrics`), then ou
 have, then `result_json` (the whole result, so our CSV reads back exactly). Booleans are written
 `True`/`False` throughout, as the reference does. Questions, replies and names are untrusted, and a
 spreadsheet runs a cell that starts with `=`, `+`, `-` or `@` as a formula (CSV injection): every
-text cell that would start one is written behind a `'` (`spreadsheet_safe`), unless the caller
+text cell that would start one is written behind a `'` (`csv_cells.spreadsheet_safe`), unless the caller
 asks for the cells as they are (`csv_raw=True`, `veribus export --csv-raw`) to feed a program.
 `result_json` always starts with `{`, so veribus reads its own CSV back exactly either way.
 
@@ -29,9 +29,7 @@ for literal-trait labels), and `result_json`.
 
 from __future__ import annotations
 
-import csv
 import json
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from typing import IO, TYPE_CHECKING, Any
 import msgspec
 
 from shared.analysis import reference_csv
+from shared.analysis.csv_cells import write_csv
 from shared.core.models import VerificationResult
 from shared.core.rubric import Rubric, RubricError
 from shared.store.reads import ResultFilter, RowSource, iter_pages, open_source, resolve_run
@@ -201,51 +200,6 @@ def _discover_trait_columns(source: RowSource, where: ResultFilter) -> list[str]
 # --------------------------------------------------------------------------------------------
 # Writers
 # --------------------------------------------------------------------------------------------
-
-
-# A spreadsheet takes a cell starting with one of these as a formula (OWASP, CSV injection); tab and
-# carriage return because some apps drop them and read on; full-width forms because some apps read
-# them as their ASCII forms (an IME types them).
-FORMULA_TRIGGERS = frozenset("=+-@\t\r\uff1d\uff0b\uff0d\uff20")
-_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-
-
-def spreadsheet_safe(value: Any) -> Any:
-    """`value` as a CSV cell a spreadsheet shows as text: a string that starts with a formula
-    trigger, or with whitespace and then one (apps trim before they look), gets a leading `'`.
-    Anything else is returned as it is: non-strings (a score of -1.5 stays a number) and strings
-    that are a plain number (`-1.5`, the reference's `rubric_<trait>` cells), which no spreadsheet
-    runs."""
-    if not isinstance(value, str) or not value:
-        return value
-    first = value[0]
-    if first not in FORMULA_TRIGGERS and not first.isspace():
-        return value  # the common case, decided on one character
-    if first in "\t\r" or value.lstrip()[:1] in FORMULA_TRIGGERS:
-        return value if _PLAIN_NUMBER.fullmatch(value) else "'" + value
-    return value
-
-
-def write_csv(fh: IO[str], columns: Sequence[str], pages: Iterable[list[list[Any]]], *, raw: bool = False) -> int:
-    """Rows (lists in `columns` order) as CSV, converting by value: booleans as True/False (the
-    reference's format), lists as JSON, NULL empty; text (already formatted cells) as it is, but
-    behind a `'` where a spreadsheet would run it as a formula (`spreadsheet_safe`), unless `raw`.
-    The one CSV writer of veribus: every CSV export goes through it."""
-    w = csv.writer(fh)
-    w.writerow(columns if raw else [spreadsheet_safe(c) for c in columns])
-    n = 0
-    for page in pages:
-        for row in page:
-            for j, v in enumerate(row):
-                if isinstance(v, bool):
-                    row[j] = "True" if v else "False"
-                elif isinstance(v, list | tuple):
-                    row[j] = _enc.encode(list(v)).decode()
-                elif not raw:
-                    row[j] = spreadsheet_safe(v)
-        w.writerows(page)
-        n += len(page)
-    return n
 
 
 def csv_columns(global_traits: Sequence[str], question_traits: Sequence[str], ours: Sequence[str]) -> tuple[
@@ -521,7 +475,7 @@ def export_from_source(
     page_size: int = 2000, on_page: Callable[[int], None] | None = None, csv_raw: bool = False,
 ) -> ExportStats:
     """Stream one run (optionally filtered) from the store into `output`. CSV text cells that a
-    spreadsheet would run as formulas get a leading `'` unless `csv_raw` (see `spreadsheet_safe`)."""
+    spreadsheet would run as formulas get a leading `'` unless `csv_raw` (see `csv_cells.spreadsheet_safe`)."""
     fmt = check_format(fmt, csv_raw)
     where = where or ResultFilter(run_id=run_id)
     where.run_id = run_id

@@ -48,7 +48,7 @@ def _result_of(item: Any) -> VerificationResult | None:
 def _iter_csv(p: Path) -> Iterator[VerificationResult]:
     """Our CSV export (its `result_json` column, exact) or the reference's CSV (rebuilt from its
     columns, as far as they go; see shared.analysis.reference_csv). `result_json` always starts
-    with `{`, so the `'` our export puts before formula-like text (`export.spreadsheet_safe`) never
+    with `{`, so the `'` our export puts before formula-like text (`csv_cells.spreadsheet_safe`) never
     reaches it: an escaped export reads back as exactly as a `--csv-raw` one. The other columns
     are read as written (the reference does not escape): a program reading them from our export
     should ask for `--csv-raw`."""

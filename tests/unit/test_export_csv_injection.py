@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from shared.analysis.export import export_results, spreadsheet_safe
+from shared.analysis.csv_cells import spreadsheet_safe
+from shared.analysis.export import export_results
 from shared.analysis.resultset import VerificationResultSet
 from shared.cli.commands import main
 from tests.support.csv_attack import PAYLOADS, attack_results, check_escaped, check_raw, read_csv
