@@ -176,6 +176,41 @@ async def test_a_slot_between_two_calls_of_a_busy_stage_is_not_taken(slow) -> No
     assert min(done) >= 5  # the workers kept their slots busy all along
 
 
+async def test_a_stalled_event_loop_does_not_make_a_busy_stages_slot_look_idle(slow) -> None:
+    """A process whose event loop stops for a while (a long garbage collection, a CPU taken by
+    others) sees every slot's last use that long ago when it runs again: the slow call's poll,
+    due during the stall, found the slot a worker had just freed idle for 0.15 s and took it, and
+    the worker's next call waited for the copy (seen in CI as a flaky hedge test). Here a worker
+    blocks the loop for 0.15 s between two of its calls, as a stall does."""
+    import time
+
+    script: list[tuple[float, Any]] = [(1.0, "slow")] + [(0.05, "w")] * 200
+    t = slow(script)
+    hedged = _spec(hedge_after_s=0.02, max_concurrency=4)
+    plain = _spec(max_concurrency=4)
+    client = LLMClient()
+    stop = False
+
+    async def worker(stalls: bool) -> int:
+        n = 0
+        while not stop:
+            await client.complete(plain, [{"role": "user", "content": f"w{n}"}], stage="a", use_cache=False)
+            n += 1
+            if stalls and n in (3, 6):
+                time.sleep(0.15)  # the loop stops: no callback runs, its slot is free meanwhile
+            await asyncio.sleep(0.003)  # the next message's arrival
+        return n
+
+    slow_call = asyncio.ensure_future(client.complete(hedged, MSGS, stage="answer"))
+    await asyncio.sleep(0.01)
+    workers = [asyncio.ensure_future(worker(i == 0)) for i in range(3)]
+    reply = await slow_call
+    stop = True
+    done = await asyncio.gather(*workers)
+    assert reply.text == "slow" and reply.retries == {} and t.max_in_flight <= 4, reply.text
+    assert min(done) >= 5
+
+
 async def test_a_hedge_waits_for_a_slot_to_free(slow) -> None:
     """The other slot is busy when the call becomes due; the hedge goes out once it frees."""
     t = slow([(1.5, "stuck"), (0.01, "rescued")])

@@ -29,8 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.core.events import ModelSpec
+from shared.runtime.call_limits import IDLE_FOR_HEDGE_S
 
 POLL_S = 0.05  # how often a slow call looks for a free slot once it is due a hedge
+# a poll woken this much later than asked finds the event loop was stopped (a long garbage
+# collection, the CPU taken by others): a slot freed just before looks idle for the whole stop,
+# though the call about to take it could not run; such a poll hedges nothing
+STALL_S = IDLE_FOR_HEDGE_S / 2
 AUTO = "auto"
 AUTO_QUANTILE = 0.95
 AUTO_MIN_CALLS = 20  # replies seen before `auto` hedges at all
@@ -114,17 +119,23 @@ async def first_reply(send: Callable[[], Awaitable[Any]], model: ModelSpec, limi
     if not after:
         return Hedged(await send())  # no task of its own: the path of every call without hedging
 
+    loop = asyncio.get_running_loop()
     primary = asyncio.ensure_future(send())
     tasks = [primary]
     finished = False
     try:
+        due = loop.time() + after
         done, _ = await asyncio.wait({primary}, timeout=after)
         second = None
         while not done:
-            if may_hedge is None or await may_hedge():
+            # woken late: the loop was stalled, and every slot's last use looks that long ago; the
+            # work that arrived meanwhile runs first, and the next poll judges the slots again
+            stalled = loop.time() - due > STALL_S
+            if not stalled and (may_hedge is None or await may_hedge()):
                 second = await limiter.try_acquire(model, estimate)
             if second is not None:
                 break
+            due = loop.time() + POLL_S
             done, _ = await asyncio.wait({primary}, timeout=POLL_S)
         if done:
             finished = True
