@@ -6,7 +6,7 @@ Wired into `shared.cli` by `register(sub)`; the work is in `shared.control.lifec
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -17,7 +17,7 @@ from shared.cli.aio import run_main
 from shared.cli.common import SECONDS, deployment, deployment_settings, err, number_arg, resolve_run_arg, say
 from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.control import lifecycle, rebuild, retention, runner, streams, wait
-from shared.control.credentials import base_reachable, credential_problems
+from shared.control.credentials import base_reachable, credential_problems, recorded_stages
 from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError
 from shared.control.runref import next_regrade_name, runs_in_stream
 from shared.core.benchmark.model import Benchmark
@@ -29,6 +29,7 @@ from shared.core.outcome import EXIT_RESULTS_MISSING as EXIT_RUN_ERROR
 from shared.core.verdict import errored
 from shared.core.verdict import passed as is_pass
 from shared.runtime.costcontrol import check_cost_budget
+from shared.runtime.service_keys import Advert
 from shared.store.reads import run_query
 
 
@@ -45,7 +46,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     dep = deployment()
     settings = dep.settings
-    calls_env = dep.calls_environ()
+    calls_env, adverts = dep.calls_environ(), dep.calls_adverts()
     args.run = resolve_run_arg(settings, args.run, stream=True)
     try:
         bench = lifecycle.load_benchmark(args.benchmark, args.rubric) if args.benchmark else None
@@ -54,7 +55,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if args.dry_run:
             plan = run_main(lifecycle.plan_resume(settings, args.run, include_stopped=not args.no_stopped,
                                                   include_errors=args.errors, benchmark=bench))
-            problems = lifecycle.resume_key_problems(plan, calls_env)  # refused with --dry-run too
+            problems = lifecycle.resume_key_problems(plan, calls_env, adverts=adverts)  # refused with --dry-run too
             if problems:
                 raise streams.LifecycleError("refused before publishing:\n  " + "\n  ".join(problems))
         else:
@@ -62,7 +63,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             plan = run_main(lifecycle.resume(settings, args.run, include_stopped=not args.no_stopped,
                                              include_errors=args.errors, force=args.force, budget_tokens=args.max_tokens_budget,
                                              budget_cost_usd=args.max_cost_usd,
-                                             benchmark=bench, services_environ=calls_env))
+                                             benchmark=bench, services_environ=calls_env, adverts=adverts))
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
         err(exc)
         return EXIT_INPUT
@@ -94,12 +95,14 @@ def _regrade_name(settings: Any, parent_run_id: str, parent_name: str | None) ->
 
 
 def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base: str | None = None,
-                   services_environ: Mapping[str, str] | None = None) -> list[str]:
+                   services_environ: Mapping[str, str] | None = None,
+                   adverts: Sequence[Advert] | None = None) -> list[str]:
     """Point the regrade's judge models at the current configuration, in place: a judge that ran
     on the simulator goes to the simulator running now (VERIBUS_SIMULATOR_URL or the local
     stack's), never the URL recorded with the old run; `--api-base` replaces a recorded one.
     Returns the problems that make the judges unreachable (empty when they can be called): a key
-    is looked for where the calls are made (`services_environ`, a running local stack's)."""
+    is looked for where the calls are made (`adverts`, a configured deployment's services' key
+    names; `services_environ`, a running local stack's)."""
     problems: list[str] = []
     checked: dict[str, str | None] = {}
     for i, ev in enumerate(plan.generated):
@@ -120,7 +123,8 @@ def resolve_judges(plan: Any, settings: Any, *, simulate: bool = False, api_base
             continue
         cfg = ModelConfig(model_name=new.model_name, interface=new.interface, api_base=new.api_base,
                           api_key_env=new.api_key_env)
-        why = "; ".join(credential_problems([("judge", cfg)], services_environ)) or None
+        why = "; ".join(credential_problems([("judge", cfg)], services_environ, adverts=adverts,
+                                            config=recorded_stages(plan.run_event.config))) or None
         if why is None and new.api_base:
             down = base_reachable(new.api_base)
             if down:
@@ -190,7 +194,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
         for i, ev in enumerate(plan.generated):
             plan.generated[i] = msgspec.structs.replace(ev, job=msgspec.structs.replace(ev.job, run_name=name))
     problems = resolve_judges(plan, settings, simulate=args.simulate, api_base=args.api_base,
-                              services_environ=dep.calls_environ())
+                              services_environ=dep.calls_environ(), adverts=dep.calls_adverts())
     if problems:
         err("regrade refused before publishing:\n  " + "\n  ".join(problems))
         return EXIT_INPUT

@@ -23,7 +23,7 @@ from shared.cli.progress import ProgressPrinter, RunProgress, StackWatch
 from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.cli.stack import simulator_args
 from shared.control import deployment, runner, stack, wait
-from shared.control.credentials import config_problems
+from shared.control.credentials import config_models, config_problems, unadvertised_stages
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
 from shared.core.config import Settings, VerificationConfig, config_uses_simulator
@@ -163,11 +163,13 @@ def _trait_names(benchmark: Any) -> set[str]:
 
 
 def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool,  # noqa: ANN202
-                  services_environ: dict[str, str] | None = None):
+                  services_environ: dict[str, str] | None = None, check_keys: bool = True):
     """Every check that needs no bus, before anything starts or is published: config, plan (0 jobs
-    is refused with a hint), provider keys (in `services_environ`, the running local stack's, when
-    given: its services make the calls), gates (metric, operator, range), --max-errors.
-    Returns (config, gates, max_errors); raises ValueError with the message to print."""
+    is refused with a hint), provider keys unless `check_keys` is False (in `services_environ`, the
+    running local stack's, when given: its services make the calls; a configured deployment's
+    are checked once its bus answers, `_deployment_key_problems`), gates (metric, operator,
+    range), --max-errors. Returns (config, gates, max_errors); raises ValueError with the message
+    to print."""
     # local import: shared.analysis (15 modules) would slow every command's start-up
     from shared.analysis.gates import check_gates, known_metrics
     from shared.analysis.report import trait_ranges_from_benchmark
@@ -181,7 +183,7 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool,  # 
             raise ValueError(f"{benchmark.name!r}: 0 jobs to run: the benchmark has no questions "
                              f"(read from {args.benchmark})")
         raise ValueError(f"{benchmark.name!r}: {NO_JOBS_HINT}")
-    problems = config_problems(config, services_environ)
+    problems = config_problems(config, services_environ) if check_keys else []
     if problems:
         raise ValueError("refused before publishing:\n  " + "\n  ".join(problems))
     gates = cli_analysis.validate_run_gates(args)
@@ -190,6 +192,19 @@ def _validate_run(args: argparse.Namespace, benchmark: Any, simulated: bool,  # 
     gates = check_gates(gates, known_metrics(traits), _models_of(config), trait_ranges_from_benchmark(benchmark))
     _check_gates_have_data(gates, traits, config.evaluation_mode, lambda: _mode_source(args))
     return config, gates, MaxErrors.parse(getattr(args, "max_errors", None))
+
+
+def _deployment_key_problems(dep: deployment.Deployment, config: Any) -> list[str]:
+    """A configured deployment's provider keys, checked where its services make the calls (the key
+    names each live replica said on the bus; this process's environment when none of them has):
+    the problems refuse the run; a stage none of whose replicas has said them is a note."""
+    adverts = dep.calls_adverts()
+    if adverts is not None:
+        for stage in unadvertised_stages(config_models(config), adverts, config):
+            say(f"note: no running {stage} service of this deployment has said which provider keys it holds "
+                "(none runs yet, or it predates this check): its keys are not checked, and the run's jobs wait "
+                "for one")
+    return config_problems(config, adverts=adverts)
 
 
 def _mode_source(args: argparse.Namespace) -> str:
@@ -244,7 +259,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     simulated = _is_simulated(args)
     try:
-        config, gates, max_errors = _validate_run(args, benchmark, simulated, dep.calls_environ())
+        config, gates, max_errors = _validate_run(args, benchmark, simulated, dep.calls_environ(),
+                                                  check_keys=not dep.configured)
     except ValueError as exc:  # a pydantic ValidationError too: `err` says it in one line
         err(exc)
         return EXIT_INPUT
@@ -271,6 +287,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         deployment.check_bus(dep)
         say(dep.describe())
+        problems = _deployment_key_problems(dep, config) if dep.configured else []
+        if problems:
+            err("refused before publishing:\n  " + "\n  ".join(problems))
+            return EXIT_INPUT
         ignored = [f"{flag} {value}" for flag, value in (("--sim-latency-ms", args.sim_latency_ms),
                                                           ("--sim-error-rate", args.sim_error_rate)) if value]
         if ignored:  # the running simulator keeps what it was started with

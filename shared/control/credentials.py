@@ -9,6 +9,11 @@ before, a silent switch to the simulator).
 - otherwise the provider's key: from the model string's provider prefix (or the bare name:
   `gpt-*` is OpenAI, `claude-*` Anthropic; `shared.runtime.endpoints.provider_of`), else
   litellm's own table.
+
+Where the key is looked for is where the calls are made: a running local stack's services' own
+environment (what `up` gave them), this process's for a temporary stack, and on a configured
+deployment each live replica's key *names* as it said them on the bus (`service_keys`): every
+replica of each stage that calls the model must hold its key.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from shared.core.config import ModelConfig, VerificationConfig
+from shared.core.scrub import is_secret_name
 from shared.runtime.endpoints import PROVIDERS, provider_of
+from shared.runtime.service_keys import Advert
 
 KEYLESS_INTERFACES = ("manual", "simulator")
 # provider -> its key variables, any one of which is enough: a view of the one provider table
@@ -94,23 +102,71 @@ def _environment(environ: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+def calling_stages(role: str, config: VerificationConfig | None = None) -> tuple[str, ...]:
+    """The stage services that call a run's models of `role` (answering, judge), by what the run
+    asks of them (`config`; None: every stage that may call a judge). The embedding check's judge
+    is left out: its failure is recorded on the stage, never on the result."""
+    if role == "answering":
+        return ("generation",)
+    if config is None:
+        return ("guards", "parsing", "rubric")
+    mode = config.evaluation_mode
+    guards = ("guards",) if config.abstention_enabled or config.sufficiency_enabled else ()
+    return (guards + (("parsing",) if mode != "rubric_only" else ())
+            + (("rubric",) if mode != "template_only" else ()))
+
+
+def recorded_stages(config: Mapping[str, Any]) -> VerificationConfig:
+    """A recorded run config (a dict) reduced to what `calling_stages` reads, without validating
+    the rest (models, which a regrade replaces)."""
+    keys = ("evaluation_mode", "abstention_enabled", "sufficiency_enabled")
+    return VerificationConfig.model_construct(**{k: config[k] for k in keys if config.get(k) is not None})
+
+
+def unadvertised_stages(models: Iterable[tuple[str, ModelConfig]], adverts: Sequence[Advert],
+                        config: VerificationConfig | None = None) -> list[str]:
+    """The stages that would call these models (keyless ones aside) of which no live replica has
+    said its key names: none runs (the run waits for one), or it predates `service_keys`."""
+    live = {a.service for a in adverts}
+    needed = {s for role, m in models if m.interface not in KEYLESS_INTERFACES for s in calling_stages(role, config)}
+    return sorted(needed - live)
+
+
+def _advertised_missing(model: ModelConfig, advert: Advert) -> list[str]:
+    """The key variables the replica lacks for the model, of those its key names can tell (a
+    credential-like name; a provider's project or region variable is not said, so not judged)."""
+    names = missing_key(model, dict.fromkeys(advert.keys, "set"))
+    return names if names and all(is_secret_name(n) for n in names) else []
+
+
+def _unknown_provider_line(role: str, m: ModelConfig) -> str:
+    return (f"{role} model {m.model_name!r}: no provider known for this name: write it as "
+            f"provider/model (openai/{m.model_name} for an OpenAI-compatible server, or anthropic/..., "
+            "ollama/...), or run with --simulate for the offline simulator")
+
+
 def credential_problems(models: Iterable[tuple[str, ModelConfig]],
-                        services_environ: Mapping[str, str] | None = None) -> list[str]:
+                        services_environ: Mapping[str, str] | None = None, *,
+                        adverts: Sequence[Advert] | None = None,
+                        config: VerificationConfig | None = None) -> list[str]:
     """One line per model (role, config) that cannot be called: no provider can be told for its
-    name, or its key is missing. The key is looked for where the calls are made: in
-    `services_environ` (the running local stack's services, which `up` started with its own
-    environment) when given, else here (a temporary stack is started from this environment)."""
+    name, or its key is missing. The key is looked for where the calls are made: with `adverts`
+    (a configured deployment's services' key names), in every live replica of each stage that
+    calls the model (`calling_stages` by `config`); else in `services_environ` (the running local
+    stack's services, which `up` started with its own environment) when given, else here (a
+    temporary stack is started from this environment)."""
     out = []
     seen: set[tuple[str, str]] = set()
     for role, m in models:
         if (role, m.model_name) in seen:
             continue
         if unknown_provider(m):
-            out.append(f"{role} model {m.model_name!r}: no provider known for this name: write it as "
-                       f"provider/model (openai/{m.model_name} for an OpenAI-compatible server, or anthropic/..., "
-                       "ollama/...), or run with --simulate for the offline simulator")
-        names = missing_key(m, services_environ)
+            out.append(_unknown_provider_line(role, m))
         seen.add((role, m.model_name))
+        if adverts is not None:
+            out += _advertised_problems(role, m, adverts, config)
+            continue
+        names = missing_key(m, services_environ)
         if not names:
             continue
         var = names[0] if len(names) == 1 else " or ".join(names)
@@ -126,9 +182,33 @@ def credential_problems(models: Iterable[tuple[str, ModelConfig]],
     return out
 
 
-def config_problems(config: VerificationConfig, services_environ: Mapping[str, str] | None = None) -> list[str]:
-    return credential_problems([("answering", m) for m in config.answering_models]
-                               + [("judge", m) for m in config.parsing_models], services_environ)
+def _advertised_problems(role: str, m: ModelConfig, adverts: Sequence[Advert],
+                         config: VerificationConfig | None) -> list[str]:
+    """A model's key missing in live replicas of a configured deployment, one line per stage."""
+    out = []
+    for stage in calling_stages(role, config):
+        replicas = [a for a in adverts if a.service == stage]
+        lacking = [(a, names) for a in replicas if (names := _advertised_missing(m, a))]
+        if not lacking:
+            continue
+        names = lacking[0][1]
+        var = names[0] if len(names) == 1 else " or ".join(names)
+        who = ", ".join(a.producer for a, _ in lacking[:3]) + (", ..." if len(lacking) > 3 else "")
+        other = "" if m.api_key_env else " (or give the model an api_base, or run with --simulate for the simulator)"
+        out.append(f"{role} model {m.model_name!r}: no API key in the deployment's {stage} service, which makes "
+                   f"its calls ({len(lacking)} of {len(replicas)} running replica(s) lack {var}: {who}): restart "
+                   f"them with {var} set{other}")
+    return out
+
+
+def config_models(config: VerificationConfig) -> list[tuple[str, ModelConfig]]:
+    """A run's models with their roles (answering, judge)."""
+    return [("answering", m) for m in config.answering_models] + [("judge", m) for m in config.parsing_models]
+
+
+def config_problems(config: VerificationConfig, services_environ: Mapping[str, str] | None = None, *,
+                    adverts: Sequence[Advert] | None = None) -> list[str]:
+    return credential_problems(config_models(config), services_environ, adverts=adverts, config=config)
 
 
 def base_reachable(api_base: str, timeout: float = 2.0) -> str | None:

@@ -12,22 +12,27 @@
   temporary local stack; read commands open the embedded ClickHouse folder directly.
 
 `check_bus` connects once, without reconnecting, within a few seconds, and raises
-`Unreachable` with one line naming the URL, where it came from, and why. A clustered server that
+`Unreachable` with one line naming the URL, where it came from, and why. On a configured
+deployment it also reads which provider keys its services hold (`Deployment.adverts`). A clustered server that
 answers is given a while longer for its JetStream (a node just lost: the leader election).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlparse
 
 from shared.control import stack
 from shared.core.config import Settings
-from shared.runtime import bus, bus_auth
+from shared.runtime import bus, bus_auth, service_keys
+
+log = logging.getLogger("veribus.deployment")
 
 FLAG_ENV = "VERIBUS_NATS_URL_FROM_FLAG"  # set by the CLI when --nats-url gave the URL
 CHECK_TIMEOUT_S = 4.0  # the connect
@@ -55,12 +60,27 @@ class Deployment:
     # stream's events to ClickHouse, and reads open the folder as the projector last wrote it
     projector_dead: bool = False
     state: stack.StackState | None = None  # local: the stack found in the home
+    # configured: each live model-calling replica's provider key names, read from the bus by
+    # `check_bus` or the first `calls_adverts` (None: no service of this version has said them)
+    adverts: list[service_keys.Advert] | None = None
+    adverts_read: bool = False
 
     def calls_environ(self) -> dict[str, str] | None:
         """The environment the model calls are made in, where it can be read: a running local
         stack's services' (what `up` gave them). None: this process's own (a temporary stack is
-        started from it; a configured deployment's services are out of reach)."""
+        started from it), or a configured deployment's, whose services say only their key names
+        (`calls_adverts`)."""
         return stack.services_environ(self.state) if self.state else None
+
+    def calls_adverts(self) -> list[service_keys.Advert] | None:
+        """A configured deployment's replicas' key names (`service_keys`), where the calls are
+        made; None elsewhere, and where none of its services has said them (then this process's
+        environment is all there is to check)."""
+        if not self.configured:
+            return None
+        if not self.adverts_read:
+            asyncio.run(_read_adverts(self))
+        return self.adverts
 
     def degraded_error(self) -> str:
         return (f"the local stack in {self.source} is degraded ({self.problem}): run `veribus up` to restart what "
@@ -139,7 +159,7 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0][:200]
 
 
-async def _check(settings: Settings) -> None:
+async def _check(settings: Settings, dep: Deployment | None = None) -> None:
     # the connect gets one short try (reasons in `_reason`); a clustered server then gets up to
     # JETSTREAM_READY_S for JetStream to answer, since a node that just lost a peer (or the meta
     # leader) says "unavailable" until the election is over: that is not an unreachable bus
@@ -165,6 +185,28 @@ async def _check(settings: Settings) -> None:
             raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} answers but its JetStream "
                               f"did not{waited} ({type(exc).__name__}: {exc}); start it with -js, or "
                               "check that the cluster has a majority of its nodes up") from None
+        if dep is not None and dep.configured:  # its services' key names, on the same connection
+            await _adverts_from(js, dep)
+
+
+async def _adverts_from(js: Any, dep: Deployment) -> None:
+    dep.adverts_read = True
+    try:
+        dep.adverts = await service_keys.read_adverts(js)
+    except Exception as exc:  # noqa: BLE001 - then this process's environment is checked, as before
+        log.warning("could not read the services' provider key names (%s: %s): checking this environment",
+                    type(exc).__name__, exc)
+
+
+async def _read_adverts(dep: Deployment) -> None:
+    try:
+        async with bus.session(dep.settings, name="veribus-cli-keys", connect_timeout=min(2.0, CHECK_TIMEOUT_S),
+                               within=CHECK_TIMEOUT_S, **bus.ONE_TRY) as nc:
+            await _adverts_from(nc.jetstream(timeout=2.0), dep)
+    except Exception as exc:  # noqa: BLE001 - the command that needs the bus says it cannot reach it
+        dep.adverts_read = True
+        log.warning("could not read the services' provider key names (%s: %s): checking this environment",
+                    type(exc).__name__, exc)
 
 
 def _tcp_reason(url: str) -> str | None:
@@ -199,7 +241,7 @@ def check_bus(dep: Deployment) -> None:
 
     def target() -> None:
         try:
-            asyncio.run(_check(dep.settings))
+            asyncio.run(_check(dep.settings, dep))
             box["error"] = None
         except BaseException as exc:  # noqa: BLE001 - reported below as one line
             box["error"] = exc

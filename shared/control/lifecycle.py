@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +45,7 @@ from shared.runtime import bus
 from shared.runtime.content import ContentMissing, ContentStore, put_manifest, with_manifest
 from shared.runtime.costcontrol import check_cost_budget
 from shared.runtime.runcontrol import STOP_ERROR_TYPES, check_budget
+from shared.runtime.service_keys import Advert
 from shared.templates.static_checks import compile_check, template_shape_problem
 
 PRODUCER = "cli/0.1.0"
@@ -243,11 +244,15 @@ def _recorded_config(config: dict[str, Any]) -> VerificationConfig:
     return VerificationConfig.model_validate({k: v for k, v in config.items() if k in VerificationConfig.model_fields})
 
 
-def resume_key_problems(plan: ResumePlan, services_environ: Mapping[str, str] | None = None) -> list[str]:
+def resume_key_problems(plan: ResumePlan, services_environ: Mapping[str, str] | None = None, *,
+                        adverts: Sequence[Advert] | None = None) -> list[str]:
     """The run's models that could not be called by the jobs `plan` publishes again: a provider key
-    missing where the calls are made (`services_environ`: a running local stack's services; else
-    here), as `run` refuses them. Nothing to publish, nothing to check."""
-    return config_problems(_recorded_config(plan.config), services_environ) if plan.requests else []
+    missing where the calls are made (`adverts`: a configured deployment's services' key names;
+    `services_environ`: a running local stack's services; else here), as `run` refuses them.
+    Nothing to publish, nothing to check."""
+    if not plan.requests:
+        return []
+    return config_problems(_recorded_config(plan.config), services_environ, adverts=adverts)
 
 
 def _replan(run: events.RunRequested, benchmark: Benchmark) -> list[events.AnswerRequested]:
@@ -261,6 +266,7 @@ async def resume(
     settings: Settings, run_id: str, *, include_stopped: bool = True, include_errors: bool = False,
     force: bool = False, budget_tokens: int | None = None, budget_cost_usd: float | None = None,
     benchmark: Benchmark | None = None, services_environ: Mapping[str, str] | None = None,
+    adverts: Sequence[Advert] | None = None,
 ) -> ResumePlan:
     """Publish again the answer requests of the run's jobs that have no result (and, by default,
     those that were cancelled or stopped by a budget; with `include_errors`, those that ended in
@@ -284,7 +290,7 @@ async def resume(
         raise LifecycleError(
             f"{total} message(s) are still queued for the services ({detail}); they will finish those jobs "
             "(start the stack if it is down). Resume once they are done, or pass --force.")
-    problems = resume_key_problems(plan, services_environ)
+    problems = resume_key_problems(plan, services_environ, adverts=adverts)
     if problems:
         raise LifecycleError("refused before publishing:\n  " + "\n  ".join(problems))
     plan.attempt_key = RESUME_PREFIX + uuid.uuid4().hex[:8]

@@ -46,10 +46,15 @@ from shared.core.scrub import is_secret_name
 
 STREAM = events.STREAM
 # every KV bucket a stage service uses: run-scoped and shared response caches, run usage and cost
-# (budgets), the deployment's model limits (watched: ordered consumers), job contents by hash
+# (budgets), the deployment's model limits (watched: ordered consumers), job contents by hash, and
+# its provider key names
 CONTENT_BUCKET = "vb_content"
 LIMITS_BUCKET = "vb_model_limits"
-KV_BUCKETS = ("vb_llm_cache", "vb_llm_cache_shared", "vb_run_usage", "vb_run_cost", LIMITS_BUCKET, "vb_content")
+# the provider key *names* each model-calling service holds (`shared.runtime.service_keys`): written
+# by services alone, read by `cli` through the stream info and direct gets it already has
+SERVICE_KEYS_BUCKET = "vb_service_keys"
+KV_BUCKETS = ("vb_llm_cache", "vb_llm_cache_shared", "vb_run_usage", "vb_run_cost", LIMITS_BUCKET, "vb_content",
+              SERVICE_KEYS_BUCKET)
 
 
 @dataclass(frozen=True)

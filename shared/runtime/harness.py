@@ -70,6 +70,7 @@ from shared.runtime.runcontrol import (
     tokens_before,
     tokens_spent,
 )
+from shared.runtime.service_keys import KeyAdvertiser
 
 log = logging.getLogger("veribus.service")
 
@@ -167,11 +168,15 @@ class StageService:
         self.gated_event_types: frozenset[str] = frozenset({events.ANSWER_REQUESTED})
         self.durables: list[str] = []
         self._observer: Any = None  # the /healthz /readyz /metrics server (shared.runtime.observability)
+        # a model-calling service says on the bus which provider keys it holds, by name (`llm_client`)
+        self.key_names: KeyAdvertiser | None = None
         tracing.configure(name, self.settings)  # spans over OTLP when VERIBUS_OTEL_ENDPOINT is set
 
     def llm_client(self) -> LLMClient:
         """The service's model client; its response cache moves to the shared JetStream KV bucket
-        at start-up (so a redelivered or replayed stage does not pay for the same call twice)."""
+        at start-up (so a redelivered or replayed stage does not pay for the same call twice), and
+        the service's provider key names go on the bus (`service_keys`: the CLI of a configured
+        deployment checks a run's keys there)."""
         client = LLMClient()
 
         async def attach_cache() -> None:
@@ -183,6 +188,10 @@ class StageService:
                 self.app.on_shutdown(client.limiter.close)
 
         self.startup_hooks.append(attach_cache)
+        if self.key_names is None:  # one entry per service, however many clients it has
+            self.key_names = KeyAdvertiser(lambda: self.js, self.name, self.producer, self.settings)
+            self.startup_hooks.append(self.key_names.start)
+            self.app.on_shutdown(self.key_names.close)
         return client
 
     @property

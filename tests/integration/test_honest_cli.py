@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from bench.workload import VERIFY, int_template
+from shared.cli.simulator_script import post_script
 from shared.control import stack
 from shared.control.nats_nodes import nats_server_binary
 from shared.control.processes import free_port
@@ -252,9 +253,12 @@ def test_zero_jobs_and_bad_gates_are_refused_before_publishing(nats_server, tmp_
 # --------------------------------------------------------------------------------------------
 
 
+SERVICE_ONLY_KEY = "VB_SERVICES_TEAM_KEY"  # a provider key `up` gives the live stack's services, and no CLI has
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, stack.StackState]]:
-    with up_and_down(tmp_path_factory.mktemp("honest") / "home") as both:
+    with up_and_down(tmp_path_factory.mktemp("honest") / "home", extra_env={SERVICE_ONLY_KEY: "sk-services"}) as both:
         yield both
 
 
@@ -469,6 +473,83 @@ def test_simulate_on_a_configured_deployment(live, tmp_path: Path) -> None:
     refused = veribus(cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url, VERIBUS_NATS_CREDENTIALS=creds),
                       "run", str(write_bench(tmp_path / "c.yaml", 1)), "--simulate")
     assert refused.returncode == 2 and "VERIBUS_SIMULATOR_URL" in refused.stderr
+
+
+def test_a_configured_deployment_checks_keys_where_its_services_make_the_calls(live, tmp_path: Path) -> None:
+    """Another machine's CLI: the provider keys that count are the deployment's services' (each
+    live replica says its key *names* on the bus), not the CLI's environment. Before, the CLI
+    looked in its own: a key only the services held refused the run, and a key only the CLI held
+    let through a run whose every call failed. A `cli` holder cannot forge a replica's entry."""
+    from infra.simulator.from_benchmark import simulator_script_for
+    from shared.core.benchmark.model import Benchmark
+
+    settings, state = live
+    creds = str(settings.home / "auth" / "credentials.json")
+    env = cli_env(tmp_path / "elsewhere", VERIBUS_NATS_URL=state.nats_url, VERIBUS_NATS_CREDENTIALS=creds,
+                  VB_CLI_ONLY_KEY="sk-cli")
+    bench = write_bench(tmp_path / "b.yaml", 2, prefix="Keys")
+    post_script(state.simulator_url, simulator_script_for(Benchmark.load(bench)))
+
+    def config(judge_key: str) -> Path:
+        path = tmp_path / f"{judge_key}.yaml"
+        path.write_text(yaml.safe_dump({
+            "answering_models": [{"model_name": "openai/sim-answerer", "api_base": state.simulator_url,
+                                  "api_key_env": SERVICE_ONLY_KEY}],
+            "parsing_models": [{"model_name": "openai/sim-judge", "api_base": state.simulator_url,
+                                "api_key_env": judge_key}]}))
+        return path
+
+    def runs() -> list[str]:
+        return run_requested(state.nats_url, home=settings.home)
+
+    before = runs()
+    out = veribus(env, "run", str(bench), "--config", str(config("VB_CLI_ONLY_KEY")))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "refused before publishing" in out.stderr, out.stderr
+    assert ("judge model 'openai/sim-judge': no API key in the deployment's parsing service, which makes its calls "
+            "(1 of 1 running replica(s) lack VB_CLI_ONLY_KEY") in out.stderr, out.stderr
+    # template_only: the rubric service makes no call; the answering key is the services'
+    assert "rubric" not in out.stderr and SERVICE_ONLY_KEY not in out.stderr, out.stderr
+    assert runs() == before
+
+    # a `cli` holder forges a parsing replica that holds the key: the bus refuses the entry
+    errors: list[str] = []
+
+    async def forge() -> list[Any] | None:
+        from shared.runtime import service_keys
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+
+        opts = bus.connect_options(Settings(nats_url=state.nats_url, home=settings.home))
+        opts.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=on_error)
+        import nats
+
+        nc = await nats.connect(**opts)
+        try:
+            forged = service_keys.Advert("parsing", "parsing/0.1.0@forged:1", ("VB_CLI_ONLY_KEY",))
+            key = service_keys.entry_key(forged.service, forged.producer)
+            await nc.publish(f"$KV.{service_keys.BUCKET}.{key}", json.dumps(
+                {"service": forged.service, "producer": forged.producer, "keys": list(forged.keys)}).encode())
+            await nc.publish(f"$JS.API.STREAM.PURGE.KV_{service_keys.BUCKET}", b"")
+            await nc.flush()
+            await asyncio.sleep(0.3)
+            return await service_keys.read_adverts(nc.jetstream(timeout=2.0))
+        finally:
+            await nc.close()
+
+    adverts = asyncio.run(forge())
+    assert sum("permissions violation" in e for e in errors) == 2, errors
+    assert adverts and {a.service for a in adverts} == {"generation", "guards", "parsing", "verification", "rubric"}
+    assert all(a.keys == (SERVICE_ONLY_KEY,) and "forged" not in a.producer for a in adverts), adverts
+    out = veribus(env, "run", str(bench), "--config", str(config("VB_CLI_ONLY_KEY")))
+    assert out.returncode == 2 and "lack VB_CLI_ONLY_KEY" in out.stderr and runs() == before, out.stderr
+
+    # both models on the key only the services hold: the run goes through, though this CLI lacks it
+    out = veribus(env, "run", str(bench), "--config", str(config(SERVICE_ONLY_KEY)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Passed: 2 (100.0%)" in out.stdout and "SIMULATED" not in out.stdout, out.stdout
+    assert len(runs()) == len(before) + 1
 
 
 def test_simulator_options_a_running_deployment_does_not_take_are_said(live, tmp_path: Path) -> None:
@@ -839,5 +920,15 @@ def test_resume_refuses_a_model_whose_key_the_services_lack_and_publishes_nothin
     assert published() == before  # no answer request, no lift
     plan = asyncio.run(lifecycle.plan_resume(settings, run_id))
     assert lifecycle.resume_key_problems(plan, services) == [said.split("\n  ", 1)[1]]
+    # a configured deployment: its replicas' key names decide, this process's environment does not
+    from shared.runtime.service_keys import Advert
+
+    adverts = [Advert("generation", "generation/0.1.0@g:1", ("OPENAI_API_KEY",)),
+               Advert("parsing", "parsing/0.1.0@p:1", ("OPENAI_API_KEY",))]
+    with pytest.raises(LifecycleError) as refused:
+        asyncio.run(lifecycle.resume(settings, run_id, force=True, adverts=adverts,
+                                     services_environ={"MY_JUDGE_KEY": "here, not there"}))
+    assert "judge model 'openai/judge': no API key in the deployment's parsing service" in str(refused.value)
+    assert "lack MY_JUDGE_KEY: parsing/0.1.0@p:1" in str(refused.value) and published() == before
     done = asyncio.run(lifecycle.resume(settings, run_id, force=True, services_environ={**services, "MY_JUDGE_KEY": "k"}))
     assert done.jobs == 1 and published() == before + 1

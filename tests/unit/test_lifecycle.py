@@ -987,7 +987,7 @@ def test_regrade_simulate_posts_the_graded_benchmark_s_script_before_publishing(
 
     # judges not on the simulator: nothing is posted
     calls.clear()
-    monkeypatch.setattr(cli, "credential_problems", lambda models, services_environ=None: [])
+    monkeypatch.setattr(cli, "credential_problems", lambda models, services_environ=None, **where: [])
     args = build_parser().parse_args(["regrade", "old", "--run-name", "rg", "--no-wait"])
     assert cli.cmd_regrade(args) == 0, capsys.readouterr().err
     assert [c[0] for c in calls] == ["submit"]
@@ -1084,7 +1084,7 @@ def test_regrade_with_errored_and_graded_results_prints_the_changes(monkeypatch:
     cli = _fake_regrade_bus(monkeypatch, lambda b: lifecycle.regrade_jobs(parent, _answers(bench)[:2], run_id="new"),
                             calls, old={r.metadata.result_id: r for r in old},
                             new={r.metadata.result_id: r for r in new})
-    monkeypatch.setattr(cli, "credential_problems", lambda models, services_environ=None: [])
+    monkeypatch.setattr(cli, "credential_problems", lambda models, services_environ=None, **where: [])
     args = build_parser().parse_args(["regrade", "old", "--run-name", "rg", "--timeout", "5"])
     assert cli.cmd_regrade(args) == 4
     out = capsys.readouterr().out
