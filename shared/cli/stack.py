@@ -155,7 +155,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = deployment_settings()
     st = stack.status(settings)
     if Settings.given("nats_url"):
-        print(select().describe())
+        dep = select()
+        print(dep.describe())
+        print("\n".join(dep.describe_services()))
     elif not st["procs"]:
         print("stack: not running")
     else:

@@ -82,6 +82,24 @@ class Deployment:
             asyncio.run(_read_adverts(self))
         return self.adverts
 
+    def describe_services(self) -> list[str]:
+        """A configured deployment's model-calling replicas as they said themselves on the bus
+        (`service_keys`), with the key variables each holds: lines for `veribus status`."""
+        adverts = self.calls_adverts()
+        if adverts is None:
+            return ["services: none of this deployment's services has said which ones run (none of this version "
+                    "has started, or the bus refused the read)"]
+        if not adverts:
+            return [f"services: no model-calling service has said it runs in the last {service_keys.TTL_S:.0f} s"]
+        counts: dict[str, int] = {}
+        for a in adverts:
+            counts[a.service] = counts.get(a.service, 0) + 1
+        out = ["model-calling services (each replica says so every "
+               f"{service_keys.REFRESH_S:.0f} s): " + ", ".join(f"{s} x{n}" for s, n in counts.items())]
+        out += [f"  {a.service:<13} {a.producer:<40} keys: {', '.join(a.keys) or 'none'}"
+                for a in sorted(adverts, key=lambda a: (a.service, a.producer))]
+        return out
+
     def degraded_error(self) -> str:
         return (f"the local stack in {self.source} is degraded ({self.problem}): run `veribus up` to restart what "
                 "died (or `veribus down` to stop the rest); `veribus status` shows each process")

@@ -545,6 +545,11 @@ def test_a_configured_deployment_checks_keys_where_its_services_make_the_calls(l
     out = veribus(env, "run", str(bench), "--config", str(config("VB_CLI_ONLY_KEY")))
     assert out.returncode == 2 and "lack VB_CLI_ONLY_KEY" in out.stderr and runs() == before, out.stderr
 
+    status = veribus(env, "status")
+    assert status.returncode == 0, status.stderr
+    assert "model-calling services (each replica says so every 30 s): generation x1, " in status.stdout, status.stdout
+    assert f"keys: {SERVICE_ONLY_KEY}" in status.stdout and "sk-services" not in status.stdout, status.stdout
+
     # both models on the key only the services hold: the run goes through, though this CLI lacks it
     out = veribus(env, "run", str(bench), "--config", str(config(SERVICE_ONLY_KEY)))
     assert out.returncode == 0, out.stdout + out.stderr
