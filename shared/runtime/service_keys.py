@@ -78,25 +78,27 @@ class KeyAdvertiser:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Put the entry and keep it fresh. A bus that refuses it (older permissions) costs a
-        warning, not the service: the CLI then says it cannot tell this service's keys."""
-        try:
-            self._kv = await ensure_kv(self._js(), kv_config(), self._settings)
-            await self._kv.put(self.key, self.value)
-        except Exception as exc:  # noqa: BLE001 - the service runs without its entry
-            log.warning("could not say this service's provider key names on the bus (%s: %s): `veribus run` "
-                        "against this deployment cannot check them", type(exc).__name__, exc)
-            self._kv = None
-            return
-        self._task = asyncio.create_task(self._refresh(), name="veribus-service-keys")
+        """Say the entry in the background and keep it fresh: the service's start never waits on
+        the bucket (a cluster still electing its leaders), and a bus that refuses it (older
+        permissions) costs one warning, not the service; the CLI then checks its own environment."""
+        self._task = asyncio.create_task(self._keep(), name="veribus-service-keys")
 
-    async def _refresh(self) -> None:
+    async def _keep(self) -> None:
+        warned = False
         while True:
-            await asyncio.sleep(REFRESH_S)
             try:
+                if self._kv is None:
+                    self._kv = await ensure_kv(self._js(), kv_config(), self._settings)
                 await self._kv.put(self.key, self.value)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:  # noqa: BLE001 - tried again at the next refresh
-                log.warning("service key names not refreshed: %s: %s", type(exc).__name__, exc)
+                if not warned:
+                    log.warning("could not say this service's provider key names on the bus (%s: %s): `veribus run` "
+                                "against this deployment cannot check them; trying again every %.0f s",
+                                type(exc).__name__, exc, REFRESH_S)
+                    warned = True
+            await asyncio.sleep(REFRESH_S)
 
     async def close(self) -> None:
         if self._task is not None:
