@@ -141,13 +141,17 @@ def test_republished_answer_request_does_not_make_a_second_result(dstack: Stack,
 
     try:
         sync(republish(0.2, new_ids=False))  # the same envelopes after the window
+        rerun = {j.result_id for r in again for j in r.jobs}
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             counts = sync(wait.finalized_counts(dstack.settings, plan.run_id))
-            if sum(counts.values()) >= N + len(again):
+            if all(counts.get(rid, 0) >= 2 for rid in rerun):
                 break
             time.sleep(0.25)
-        assert sum(counts.values()) == N + len(again), counts  # ten results finalized a second time ...
+        # ten results finalized a second time (a third is possible: with a 0.2 s window a service's
+        # publish retried after a slow PubAck is a new message too), the others once ...
+        assert {rid for rid, n in counts.items() if n >= 2} == rerun, counts
+        assert len(counts) == N and all(n == 1 for rid, n in counts.items() if rid not in rerun), counts
         wait_services_idle(dstack)
         wait_projector_idle(dstack)
         after = table_snapshot(dstack, plan.run_id)
