@@ -5,6 +5,7 @@ it dies without a word (kill -9), so a dead replica cannot vouch for a key for l
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -69,3 +70,37 @@ def test_a_replica_killed_without_a_word_is_forgotten_after_the_ttl(nats_server,
             await dead.close()
 
     asyncio.run(scenario())
+
+
+def test_services_on_a_bus_whose_permissions_predate_the_bucket_start_and_run(tmp_path, monkeypatch) -> None:
+    """An upgrade that keeps the bus's permissions of the version before (docker-compose's
+    `bus-auth` volume, a cluster's confs not written again): the services may not write
+    `vb_service_keys`. They start and finish a run all the same, since the entry is said in the
+    background; said in their start-up instead, it held every model-calling service for the
+    cluster's 60 s of retries and `veribus up` gave up ("services not ready after 60s"), as a
+    `veribus bench` run whose process held the old roles found. The CLI then has no entries to
+    read and checks its own environment, as before."""
+    import subprocess
+    import sys
+
+    from shared.runtime import bus_auth
+    from tests.conftest import EXAMPLE, REPO
+    from tests.support.stack import up_and_down
+
+    older = tuple(b for b in bus_auth.KV_BUCKETS if b != bus_auth.SERVICE_KEYS_BUCKET)
+    monkeypatch.setattr(bus_auth, "KV_BUCKETS", older)  # `up` writes the roles in this process
+    with up_and_down(tmp_path / "home") as (settings, _state):  # on the old code: TimeoutError, not ready
+        conf = (settings.home / "auth" / "nats-auth.conf").read_text()
+        assert "vb_service_keys" not in conf and "vb_content" in conf
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VERIBUS_NATS")}
+        env.update(VERIBUS_HOME=str(settings.home), PYTHONPATH=str(REPO), VERIBUS_PROGRESS_INTERVAL_S="0")
+        out = subprocess.run([sys.executable, "-m", "shared.cli", "run", str(EXAMPLE), "--simulate"], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "Outcome: ✓ PASSED" in out.stdout, out.stdout
+
+        async def entries() -> list[service_keys.Advert] | None:
+            async with bus.session(settings) as nc:
+                return await service_keys.read_adverts(nc.jetstream(timeout=2.0))
+
+        assert asyncio.run(entries()) is None  # no service could make the bucket
