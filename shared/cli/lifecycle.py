@@ -17,7 +17,12 @@ from shared.cli.aio import run_main
 from shared.cli.common import SECONDS, deployment, deployment_settings, err, number_arg, resolve_run_arg, say
 from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.control import lifecycle, rebuild, retention, runner, streams, wait
-from shared.control.credentials import base_reachable, credential_problems, recorded_stages
+from shared.control.credentials import (
+    base_reachable,
+    credential_problems,
+    recorded_stages,
+    unadvertised_notes,
+)
 from shared.control.runner import SIMULATOR_SCRIPT_KEY, RunInputError
 from shared.control.runref import next_regrade_name, runs_in_stream
 from shared.core.benchmark.model import Benchmark
@@ -67,6 +72,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except (streams.LifecycleError, BenchmarkError, ValueError) as exc:
         err(exc)
         return EXIT_INPUT
+    for note in unadvertised_notes(lifecycle.recorded_config(plan.config), adverts) if plan.requests else ():
+        say(f"note: {note}")
     print(f"run {plan.run_id}: {plan.job_count} jobs, {plan.finalized} with a result (skipped, no model calls), "
           f"{plan.stopped} cancelled/over budget, " + (f"{plan.errored} errored, " if args.errors else "")
           + f"{plan.jobs} job(s) in {len(plan.requests)} answer request(s) "

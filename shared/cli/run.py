@@ -23,7 +23,7 @@ from shared.cli.progress import ProgressPrinter, RunProgress, StackWatch
 from shared.cli.simulator_script import merge_scripts, post_script, script_beside
 from shared.cli.stack import simulator_args
 from shared.control import deployment, runner, stack, wait
-from shared.control.credentials import config_models, config_problems, unadvertised_stages
+from shared.control.credentials import config_problems, unadvertised_notes
 from shared.core.benchmark.model import Benchmark
 from shared.core.benchmark.question import BenchmarkError
 from shared.core.config import Settings, VerificationConfig, config_uses_simulator
@@ -199,11 +199,8 @@ def _deployment_key_problems(dep: deployment.Deployment, config: Any) -> list[st
     names each live replica said on the bus; this process's environment when none of them has):
     the problems refuse the run; a stage none of whose replicas has said them is a note."""
     adverts = dep.calls_adverts()
-    if adverts is not None:
-        for stage in unadvertised_stages(config_models(config), adverts, config):
-            say(f"note: no running {stage} service of this deployment has said which provider keys it holds "
-                "(none runs yet, or it predates this check): its keys are not checked, and the run's jobs wait "
-                "for one")
+    for note in unadvertised_notes(config, adverts):
+        say(f"note: {note}")
     return config_problems(config, adverts=adverts)
 
 

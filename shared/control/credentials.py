@@ -132,6 +132,17 @@ def unadvertised_stages(models: Iterable[tuple[str, ModelConfig]], adverts: Sequ
     return sorted(needed - live)
 
 
+def unadvertised_notes(config: VerificationConfig, adverts: Sequence[Advert] | None) -> list[str]:
+    """A note per stage of a configured deployment whose keys could not be checked because no
+    live replica of it has said them (nothing when the deployment's services say none at all:
+    then this process's environment was checked)."""
+    if adverts is None:
+        return []
+    return [f"no running {stage} service of this deployment has said which provider keys it holds (none runs "
+            "yet, or it predates this check): its keys are not checked, and the jobs wait for one"
+            for stage in unadvertised_stages(config_models(config), adverts, config)]
+
+
 def _advertised_missing(model: ModelConfig, advert: Advert) -> list[str]:
     """The key variables the replica lacks for the model, of those its key names can tell (a
     credential-like name; a provider's project or region variable is not said, so not judged)."""

@@ -239,7 +239,7 @@ async def plan_resume(
     )
 
 
-def _recorded_config(config: dict[str, Any]) -> VerificationConfig:
+def recorded_config(config: dict[str, Any]) -> VerificationConfig:
     """A run's config as `run` recorded it (keys this version does not know are left out)."""
     return VerificationConfig.model_validate({k: v for k, v in config.items() if k in VerificationConfig.model_fields})
 
@@ -252,13 +252,13 @@ def resume_key_problems(plan: ResumePlan, services_environ: Mapping[str, str] | 
     Nothing to publish, nothing to check."""
     if not plan.requests:
         return []
-    return config_problems(_recorded_config(plan.config), services_environ, adverts=adverts)
+    return config_problems(recorded_config(plan.config), services_environ, adverts=adverts)
 
 
 def _replan(run: events.RunRequested, benchmark: Benchmark) -> list[events.AnswerRequested]:
     """The run's answer requests, planned again from its benchmark and recorded config (same
     timestamp, so the same result ids)."""
-    plan = plan_run(benchmark, _recorded_config(run.config), run_id=run.run_id, timestamp=run.timestamp)
+    plan = plan_run(benchmark, recorded_config(run.config), run_id=run.run_id, timestamp=run.timestamp)
     return plan.requests
 
 

@@ -12,6 +12,7 @@ from shared.control.credentials import (
     credential_problems,
     missing_key,
     recorded_stages,
+    unadvertised_notes,
     unadvertised_stages,
 )
 from shared.core.config import ModelConfig, VerificationConfig
@@ -94,3 +95,11 @@ def test_a_stage_none_of_whose_replicas_said_its_keys_is_named() -> None:
     assert unadvertised_stages([("answering", model), ("judge", sim)], adverts, cfg) == []
     # and no replica is no refusal: the run waits for one (the CLI notes it)
     assert credential_problems([("judge", model)], adverts=adverts, config=cfg) == []
+
+
+def test_the_note_names_each_stage_whose_keys_went_unchecked() -> None:
+    model = ModelConfig(model_name="gpt-4.1-mini")
+    cfg = VerificationConfig(answering_models=[model], parsing_models=[model], evaluation_mode="template_only")
+    notes = unadvertised_notes(cfg, [_advert("generation", "g:1", "OPENAI_API_KEY")])
+    assert len(notes) == 1 and notes[0].startswith("no running parsing service of this deployment has said")
+    assert unadvertised_notes(cfg, None) == []  # no service says any: this process's environment was checked
