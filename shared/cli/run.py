@@ -282,7 +282,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         say(f"  temporary stack ready in {time.monotonic() - t0:.1f} s (NATS {state.nats_url}, home {state.home})")
         say("step 2/2: running")
     else:
-        deployment.check_bus(dep)
+        deployment.check_bus(dep, with_adverts=True)  # the services' key names, on the probe's connection
         say(dep.describe())
         problems = _deployment_key_problems(dep, config) if dep.configured else []
         if problems:

@@ -12,9 +12,9 @@
   temporary local stack; read commands open the embedded ClickHouse folder directly.
 
 `check_bus` connects once, without reconnecting, within a few seconds, and raises
-`Unreachable` with one line naming the URL, where it came from, and why. On a configured
-deployment it also reads which provider keys its services hold (`Deployment.adverts`). A clustered server that
-answers is given a while longer for its JetStream (a node just lost: the leader election).
+`Unreachable` with one line naming the URL, where it came from, and why (`with_adverts`: on a
+configured deployment it also reads which provider keys its services hold, `Deployment.adverts`,
+on the same connection). A clustered server that answers is given a while longer for its JetStream (a node just lost: the leader election).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import logging
 import re
 import socket
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -91,9 +92,7 @@ class Deployment:
                     "has started, or the bus refused the read)"]
         if not adverts:
             return [f"services: no model-calling service has said it runs in the last {service_keys.TTL_S:.0f} s"]
-        counts: dict[str, int] = {}
-        for a in adverts:
-            counts[a.service] = counts.get(a.service, 0) + 1
+        counts = Counter(a.service for a in adverts)
         out = ["model-calling services (each replica says so every "
                f"{service_keys.REFRESH_S:.0f} s): " + ", ".join(f"{s} x{n}" for s, n in counts.items())]
         out += [f"  {a.service:<13} {a.producer:<40} keys: {', '.join(a.keys) or 'none'}"
@@ -178,6 +177,8 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _check(settings: Settings, dep: Deployment | None = None) -> None:
+    """The probe; with `dep`, a configured deployment's services' key names are read on the same
+    connection (`veribus run`, which checks its models' keys against them)."""
     # the connect gets one short try (reasons in `_reason`); a clustered server then gets up to
     # JETSTREAM_READY_S for JetStream to answer, since a node that just lost a peer (or the meta
     # leader) says "unavailable" until the election is over: that is not an unreachable bus
@@ -203,26 +204,22 @@ async def _check(settings: Settings, dep: Deployment | None = None) -> None:
             raise Unreachable(f"the NATS server at {mask_url(settings.nats_url)} answers but its JetStream "
                               f"did not{waited} ({type(exc).__name__}: {exc}); start it with -js, or "
                               "check that the cluster has a majority of its nodes up") from None
-        if dep is not None and dep.configured:  # its services' key names, on the same connection
-            await _adverts_from(js, dep)
+        if dep is not None and dep.configured:
+            await _read_adverts(dep, js)
 
 
-async def _adverts_from(js: Any, dep: Deployment) -> None:
+async def _read_adverts(dep: Deployment, js: Any = None) -> None:
+    """Fill `dep.adverts` once, on `js` when given, else on a connection of its own. A read that
+    fails leaves None: this process's environment is then checked, as before."""
     dep.adverts_read = True
     try:
-        dep.adverts = await service_keys.read_adverts(js)
-    except Exception as exc:  # noqa: BLE001 - then this process's environment is checked, as before
-        log.warning("could not read the services' provider key names (%s: %s): checking this environment",
-                    type(exc).__name__, exc)
-
-
-async def _read_adverts(dep: Deployment) -> None:
-    try:
+        if js is not None:
+            dep.adverts = await service_keys.read_adverts(js)
+            return
         async with bus.session(dep.settings, name="veribus-cli-keys", connect_timeout=min(2.0, CHECK_TIMEOUT_S),
                                within=CHECK_TIMEOUT_S, **bus.ONE_TRY) as nc:
-            await _adverts_from(nc.jetstream(timeout=2.0), dep)
+            dep.adverts = await service_keys.read_adverts(nc.jetstream(timeout=2.0))
     except Exception as exc:  # noqa: BLE001 - the command that needs the bus says it cannot reach it
-        dep.adverts_read = True
         log.warning("could not read the services' provider key names (%s: %s): checking this environment",
                     type(exc).__name__, exc)
 
@@ -244,7 +241,7 @@ def _tcp_reason(url: str) -> str | None:
     return reason
 
 
-def check_bus(dep: Deployment) -> None:
+def check_bus(dep: Deployment, with_adverts: bool = False) -> None:
     """Connect once (no reconnect loop) within a few seconds; raise Unreachable naming the URL,
     where it came from and why. The NATS handshake runs in a daemon thread, so a client that
     does not give up cannot hold the command past the deadline."""
@@ -259,7 +256,7 @@ def check_bus(dep: Deployment) -> None:
 
     def target() -> None:
         try:
-            asyncio.run(_check(dep.settings, dep))
+            asyncio.run(_check(dep.settings, dep if with_adverts else None))
             box["error"] = None
         except BaseException as exc:  # noqa: BLE001 - reported below as one line
             box["error"] = exc

@@ -136,5 +136,5 @@ async def read_adverts(js: JetStreamContext) -> list[Advert] | None:
             continue
         if f"$KV.{BUCKET}.{entry_key(advert.service, advert.producer)}" != subject:
             continue
-        out.append(Advert(advert.service, advert.producer, tuple(advert.keys[:MAX_NAMES])))
+        out.append(msgspec.structs.replace(advert, keys=advert.keys[:MAX_NAMES]))
     return out

@@ -147,41 +147,12 @@ async def test_busy_slots_are_never_exceeded_by_hedges(slow) -> None:
     assert sum(r.retries.get("hedge", 0) for r in replies) <= 4
 
 
-async def test_a_slot_between_two_calls_of_a_busy_stage_is_not_taken(slow) -> None:
-    """The steady state of a stage: its workers take their next call a few ms after the last
-    ends (the next message arriving), so a slot is free only in those gaps. A slow call due a
-    hedge must not take one: the next call would wait for it."""
-    script: list[tuple[float, Any]] = [(1.0, "slow")] + [(0.05, "w")] * 200
-    t = slow(script)
-    hedged = _spec(hedge_after_s=0.02, max_concurrency=4)
-    plain = _spec(max_concurrency=4)
-    client = LLMClient()
-    stop = False
-
-    async def worker() -> int:
-        n = 0
-        while not stop:
-            await client.complete(plain, [{"role": "user", "content": f"w{n}"}], stage="a", use_cache=False)
-            n += 1
-            await asyncio.sleep(0.003)  # the next message's arrival
-        return n
-
-    slow_call = asyncio.ensure_future(client.complete(hedged, MSGS, stage="answer"))
-    await asyncio.sleep(0.01)
-    workers = [asyncio.ensure_future(worker()) for _ in range(3)]
-    reply = await slow_call
-    stop = True
-    done = await asyncio.gather(*workers)
-    assert reply.text == "slow" and reply.retries == {} and t.max_in_flight <= 4
-    assert min(done) >= 5  # the workers kept their slots busy all along
-
-
-async def test_a_stalled_event_loop_does_not_make_a_busy_stages_slot_look_idle(slow) -> None:
-    """A process whose event loop stops for a while (a long garbage collection, a CPU taken by
-    others) sees every slot's last use that long ago when it runs again: the slow call's poll,
-    due during the stall, found the slot a worker had just freed idle for 0.15 s and took it, and
-    the worker's next call waited for the copy (seen in CI as a flaky hedge test). Here a worker
-    blocks the loop for 0.15 s between two of its calls, as a stall does."""
+async def _slow_call_among_busy_workers(slow, stalls_after: tuple[int, ...] = ()) -> tuple[Any, Any, list[int]]:  # noqa: ANN001
+    """A slow call due a hedge after 0.02 s while three workers of another stage keep the other
+    slots busy, each taking its next call 3 ms after its last ends (the next message's arrival);
+    the first worker blocks the event loop for 0.15 s after each of its calls numbered in
+    `stalls_after`, as a stall does. Returns the slow call's reply, the transport, and how many
+    calls each worker made."""
     import time
 
     script: list[tuple[float, Any]] = [(1.0, "slow")] + [(0.05, "w")] * 200
@@ -196,7 +167,7 @@ async def test_a_stalled_event_loop_does_not_make_a_busy_stages_slot_look_idle(s
         while not stop:
             await client.complete(plain, [{"role": "user", "content": f"w{n}"}], stage="a", use_cache=False)
             n += 1
-            if stalls and n in (3, 6):
+            if stalls and n in stalls_after:
                 time.sleep(0.15)  # the loop stops: no callback runs, its slot is free meanwhile
             await asyncio.sleep(0.003)  # the next message's arrival
         return n
@@ -206,7 +177,25 @@ async def test_a_stalled_event_loop_does_not_make_a_busy_stages_slot_look_idle(s
     workers = [asyncio.ensure_future(worker(i == 0)) for i in range(3)]
     reply = await slow_call
     stop = True
-    done = await asyncio.gather(*workers)
+    return reply, t, list(await asyncio.gather(*workers))
+
+
+async def test_a_slot_between_two_calls_of_a_busy_stage_is_not_taken(slow) -> None:
+    """The steady state of a stage: its workers take their next call a few ms after the last
+    ends (the next message arriving), so a slot is free only in those gaps. A slow call due a
+    hedge must not take one: the next call would wait for it."""
+    reply, t, done = await _slow_call_among_busy_workers(slow)
+    assert reply.text == "slow" and reply.retries == {} and t.max_in_flight <= 4
+    assert min(done) >= 5  # the workers kept their slots busy all along
+
+
+async def test_a_stalled_event_loop_does_not_make_a_busy_stages_slot_look_idle(slow) -> None:
+    """A process whose event loop stops for a while (a long garbage collection, a CPU taken by
+    others) sees every slot's last use that long ago when it runs again: the slow call's poll,
+    due during the stall, found the slot a worker had just freed idle for 0.15 s and took it, and
+    the worker's next call waited for the copy (seen in CI as a flaky hedge test). Here a worker
+    blocks the loop for 0.15 s between two of its calls, as a stall does."""
+    reply, t, done = await _slow_call_among_busy_workers(slow, stalls_after=(3, 6))
     assert reply.text == "slow" and reply.retries == {} and t.max_in_flight <= 4, reply.text
     assert min(done) >= 5
 
