@@ -180,7 +180,7 @@ def credential_problems(models: Iterable[tuple[str, ModelConfig]],
         names = missing_key(m, services_environ)
         if not names:
             continue
-        var = names[0] if len(names) == 1 else " or ".join(names)
+        var = " or ".join(names)
         if services_environ is not None and not missing_key(m):
             out.append(f"{role} model {m.model_name!r}: {var} is set here, but the local stack's services were "
                        f"started without it, and they make the model calls: `veribus down`, then `veribus up` "
@@ -203,7 +203,7 @@ def _advertised_problems(role: str, m: ModelConfig, adverts: Sequence[Advert],
         if not lacking:
             continue
         names = lacking[0][1]
-        var = names[0] if len(names) == 1 else " or ".join(names)
+        var = " or ".join(names)
         who = ", ".join(a.producer for a, _ in lacking[:3]) + (", ..." if len(lacking) > 3 else "")
         other = "" if m.api_key_env else " (or give the model an api_base, or run with --simulate for the simulator)"
         out.append(f"{role} model {m.model_name!r}: no API key in the deployment's {stage} service, which makes "
