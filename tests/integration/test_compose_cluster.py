@@ -150,8 +150,13 @@ def compose_nodes(tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]
 
 async def test_the_compose_nats_commands_form_a_three_replica_cluster_with_the_roles_in_force(compose_nodes) -> None:
     procs, clients, https, auth_home = compose_nodes
-    probes = [processes.Proc(name=f"nats-{i + 1}", pid=p.pid, cmd=psutil.Process(p.pid).cmdline(), log="", port=c,
-                         http_port=h) for i, (p, c, h) in enumerate(zip(procs, clients, https, strict=True))]
+    logs = [str(auth_home.parent / f"nats-{i + 1}.log") for i in range(len(procs))]
+    # Identified by create time and logging to its own file: right after Popen returns, the child's
+    # /proc cmdline can still read empty (exec has not set up its arguments yet), and a probe that
+    # compared command lines once took a live node for a dead one.
+    probes = [processes.Proc(name=f"nats-{i + 1}", pid=p.pid, cmd=list(p.args), log=log, port=c, http_port=h,
+                             create_time=psutil.Process(p.pid).create_time())
+              for i, (p, c, h, log) in enumerate(zip(procs, clients, https, logs, strict=True))]
     await asyncio.to_thread(nats_nodes.wait_nats_healthy, probes, 60.0, 3)
     url = ",".join(f"nats://127.0.0.1:{c}" for c in clients)
     creds = auth_home / "auth" / "credentials.json"
