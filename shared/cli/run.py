@@ -4,8 +4,6 @@ published, then plan, publish, follow and grade (one run or several)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +15,7 @@ from pydantic import ValidationError
 from infra.simulator.from_benchmark import simulator_script_for
 from shared.cli import analysis as cli_analysis
 from shared.cli import scale as cli_scale
-from shared.cli.aio import run_main
+from shared.cli.aio import interruptible, run_main
 from shared.cli.common import err, say, validation_text
 from shared.cli.progress import ProgressPrinter, RunProgress, StackWatch
 from shared.cli.simulator_script import merge_scripts, post_script, script_beside
@@ -441,7 +439,7 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool,  # noqa: A
             for line in watch.check():
                 say(line)
 
-        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
+        return await interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
                                                    on_tick=warn if watch else None))
     prog = RunProgress(total=len(expected), started=time.monotonic(), trait_ranges=trait_ranges,
                        by_rubric=not has_verdicts(plan.run_event.config.get("evaluation_mode")))
@@ -460,42 +458,10 @@ async def _follow(settings, plan, timeout: float | None, quiet: bool,  # noqa: A
         printer.update()
 
     try:
-        return await _interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
+        return await interruptible(runner.collect(settings, plan.run_id, expected, timeout=timeout,
                                                    on_result=on_result, on_tick=on_tick))
     finally:
         printer.finish()
-
-
-async def _interruptible(coro: Any) -> Any:
-    """Await `coro`; Ctrl-C cancels it and raises KeyboardInterrupt, whatever the libraries
-    underneath do with the cancellation (so the caller can say what keeps running)."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(coro)
-    interrupted = False
-
-    def on_sigint() -> None:
-        nonlocal interrupted
-        interrupted = True
-        task.cancel()
-
-    try:
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
-    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
-        pass
-    try:
-        result = await task
-    except asyncio.CancelledError:
-        if interrupted:
-            raise KeyboardInterrupt from None
-        raise
-    finally:
-        try:
-            loop.remove_signal_handler(signal.SIGINT)
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass
-    if interrupted:
-        raise KeyboardInterrupt
-    return result
 
 
 def _await_projection(settings, run_id: str, expected: int, timeout: float = 30.0) -> str | None:  # noqa: ANN001

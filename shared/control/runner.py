@@ -330,8 +330,9 @@ async def collect(
         lost_since: float | None = None
         while not done.is_set():
             wait = tick_s if deadline is None else min(tick_s, max(0.0, deadline - time.monotonic()))
-            try:
-                await asyncio.wait_for(done.wait(), wait)
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can drop a cancel (`cli.aio.interruptible`)
+                async with asyncio.timeout(wait):
+                    await done.wait()
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True
@@ -347,7 +348,9 @@ async def collect(
                 if on_tick:
                     # bounded: each read waits for its own timeout while the server is away
                     with contextlib.suppress(TimeoutError):
-                        on_tick(await asyncio.wait_for(retrying_now(js), tick_s))
+                        async with asyncio.timeout(tick_s):
+                            retrying = await retrying_now(js)
+                        on_tick(retrying)
         for s in subs:
             with contextlib.suppress(Exception):  # a lost server: nothing to unsubscribe from
                 await asyncio.wait_for(s.unsubscribe(), tick_s)
