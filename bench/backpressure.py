@@ -95,8 +95,9 @@ def run_backpressure(
     home: Path | None = None,
 ) -> dict[str, Any]:
     """Queue `jobs` jobs against a model answering in `latency_ms` with `concurrency` calls in
-    flight, hold `hold_s` seconds after the last is queued, while the queue is deep, cancel, wait for every job to be
-    finalized. Returns RSS per process (before, peak, end of hold), consumer figures, timings."""
+    flight, hold `hold_s` seconds after the last is queued (the queue deep), cancel, wait for
+    every job to be finalized. Returns RSS per process (before, peak, end of hold), consumer
+    figures, timings."""
     with tempfile.TemporaryDirectory(prefix="veribus-backpressure-") as tmp:
         base = Path(home) if home is not None else Path(tmp)
         settings = Settings(home=base / "home")

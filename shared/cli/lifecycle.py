@@ -46,6 +46,12 @@ def _lone_rubric(args: argparse.Namespace) -> bool:
     return False
 
 
+def _wait_results(settings: Any, run_id: str, **kw: Any) -> tuple[int, bool]:
+    """`wait.wait_for_results` for a command: Ctrl-C ends it even when a cancel is dropped
+    (`aio.interruptible`). Returns (done, timed_out)."""
+    return run_main(interruptible(wait.wait_for_results(settings, run_id, **kw)))
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     if _lone_rubric(args):
         return EXIT_INPUT
@@ -90,8 +96,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.dry_run or not args.wait or not plan.requests:
         return EXIT_OK
     ids = [j.result_id for r in plan.requests for j in r.jobs]
-    done, timed_out = run_main(interruptible(wait.wait_for_results(settings, args.run, result_ids=ids,
-                                                                   baseline=before, timeout=args.timeout)))
+    done, timed_out = _wait_results(settings, args.run, result_ids=ids, baseline=before, timeout=args.timeout)
     print(f"  {done}/{len(ids)} resumed job(s) finalized" + (" (timed out)" if timed_out else ""))
     return EXIT_RUN_ERROR if timed_out else EXIT_OK
 
@@ -220,8 +225,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
         print(f"  {plan.jobs_without_answer} job(s) of the parent run have no stored answer (not regraded)")
     if args.no_wait:
         return EXIT_OK
-    done, timed_out = run_main(interruptible(wait.wait_for_results(settings, plan.run_id, result_ids=plan.result_ids,
-                                                                   timeout=args.timeout)))
+    done, timed_out = _wait_results(settings, plan.run_id, result_ids=plan.result_ids, timeout=args.timeout)
     new = run_main(lifecycle.run_results(settings, plan.run_id))
     old = run_main(lifecycle.run_results(settings, plan.parent_run_id))
     passed = sum(1 for r in new.values() if is_pass(r))
@@ -261,8 +265,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
              "job(s) still going finish as they are."))
     if not args.wait:
         return EXIT_OK
-    done, timed_out = run_main(interruptible(wait.wait_for_results(settings, args.run, count=out.job_count,
-                                                                   timeout=args.timeout)))
+    done, timed_out = _wait_results(settings, args.run, count=out.job_count, timeout=args.timeout)
     print(f"  {done}/{out.job_count} results finalized" + (" (timed out)" if timed_out else ""))
     return EXIT_RUN_ERROR if timed_out else EXIT_OK
 

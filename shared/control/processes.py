@@ -83,10 +83,8 @@ class Proc:
 
     def log_text(self) -> str:
         """What this process has logged so far (not earlier runs that used the same log file)."""
-        if not self.log:  # a probe built without a log file
-            return ""
         path = Path(self.log)
-        if not path.is_file():
+        if not path.is_file():  # not yet written, or a probe built without one (`Path("")` is ".")
             return ""
         with path.open("rb") as fh:
             fh.seek(self.log_offset)
